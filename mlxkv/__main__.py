@@ -1,0 +1,3 @@
+from mlxkv.cli import main
+
+raise SystemExit(main())

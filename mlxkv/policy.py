@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from mlxkv.errors import UserError
+
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SINKS = 4
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError, ValueError):
     """A policy that cannot be built; the message is one line meant for the user."""
 
 

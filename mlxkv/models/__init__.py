@@ -1,0 +1,1 @@
+"""Where models come from: the registry, hub downloads, GGUF import, loading."""

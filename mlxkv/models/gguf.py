@@ -1,0 +1,148 @@
+"""Convert a llama-family GGUF file into an MLX model folder.
+
+MLX reads Q4_0/Q4_1/Q8_0 tensors as affine quantization with group size 32, so the
+weights are repacked losslessly. llama.cpp stores Q and K rows permuted for its RoPE
+layout; they are permuted back here (rows only, so quantized tensors stay lossless).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from mlxkv.errors import UserError
+from mlxkv.models.gguf_header import check_supported, read_header
+from mlxkv.models.gguf_tokenizer import build_tokenizer_files
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+GROUP_SIZE = 32  # every GGUF block format MLX imports has 32 elements per block
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(name: str) -> str:
+    """'blk.3.attn_q.scales' -> 'model.layers.3.self_attn.q_proj.scales'."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute(x, n_heads: int):
+    """Undo llama.cpp's Q/K row permutation (HF rotate-half layout <- interleaved pairs)."""
+    rows = x.shape[0]
+    head_dim = rows // n_heads
+    return (
+        x.reshape(n_heads, head_dim // 2, 2, *x.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows, *x.shape[1:])
+    )
+
+
+def _int(meta: dict, key: str, default=None):
+    v = meta.get(key, default)
+    if v is None:
+        raise UserError(
+            f"GGUF metadata is missing '{key}'; the file is incomplete or not a chat model"
+        )
+    return int(v.item()) if hasattr(v, "item") else int(v)
+
+
+def _float(meta: dict, key: str, default: float) -> float:
+    v = meta.get(key, default)
+    return float(v.item()) if hasattr(v, "item") else float(v)
+
+
+def _llama_config(meta: dict, weights: dict) -> dict:
+    a = "llama"
+    hidden = _int(meta, f"{a}.embedding_length")
+    heads = _int(meta, f"{a}.attention.head_count")
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(meta, f"{a}.block_count"),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads),
+        "head_dim": _int(meta, f"{a}.rope.dimension_count", hidden // heads),
+        "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
+        "max_position_embeddings": _int(meta, f"{a}.context_length", 4096),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "tie_word_embeddings": "output.weight" not in weights,
+        "torch_dtype": "float16",
+        "bos_token_id": _int(meta, "tokenizer.ggml.bos_token_id", 1),
+        "eos_token_id": _int(meta, "tokenizer.ggml.eos_token_id", 2),
+    }
+    if meta.get(f"{a}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {
+            "type": "linear",
+            "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
+        }
+    if any(k.endswith(".scales") for k in weights):
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4}
+    return config
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert ``gguf_path`` into the MLX model folder ``out_dir`` atomically.
+
+    The folder is written under a temporary name beside ``out_dir`` and renamed at the
+    end: an interrupted conversion leaves nothing that looks like a model.
+    """
+    import mlx.core as mx
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise UserError(f"GGUF file not found: {gguf_path}")
+    header = read_header(gguf_path)
+    check_supported(header, gguf_path, SUPPORTED_ARCHITECTURES)
+    try:
+        weights, meta = mx.load(str(gguf_path), return_metadata=True)
+    except Exception as e:  # MLX's loader reports corrupt data as a bare runtime error
+        raise UserError(f"{gguf_path}: cannot read GGUF tensors ({e}); download it again") from None
+    try:
+        tokenizer_json, tokenizer_config = build_tokenizer_files(meta)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{gguf_path}: unsupported tokenizer: {e}") from None
+
+    config = _llama_config(meta, weights)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    mlx_weights = {}
+    for name, w in weights.items():
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        if kind in heads:
+            w = _unpermute(w, heads[kind])
+        mlx_weights[_hf_name(name)] = w
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        (tmp / "mlxkv_source.json").write_text(
+            json.dumps({"gguf": gguf_path.name, "size": gguf_path.stat().st_size})
+        )
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,49 @@
+"""Load a resolved model folder with mlx-lm, in the dtype that is fast on this backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxkv.errors import UserError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class LoadedModel:
+    model: object  # mlx.nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    config: dict
+    path: Path
+    dtype: str  # dtype of the unquantized weights (and so of the KV cache)
+    name: str  # what the user asked for, for display
+
+    @property
+    def context_length(self) -> int | None:
+        cfg = self.config.get("text_config", self.config)
+        return cfg.get("max_position_embeddings") or cfg.get("max_seq_len")
+
+
+def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedModel:
+    """Load weights and tokenizer. ``auto``: float32 on the CPU (dequantized, see
+    mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.utils import dequantize_model
+
+    from mlxkv.backend import default_weight_dtype
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    try:
+        model, tokenizer, config = mlx_lm.load(str(path), lazy=True, return_config=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise UserError(f"cannot load the model in {path}: {e}") from None
+    target = default_weight_dtype(config.get("torch_dtype")) if dtype == "auto" else dtype
+    if target == "float32" or dtype != "auto":
+        # An explicit dtype means plain weights in that dtype: dequantize first.
+        dequantize_model(model)
+    model.set_dtype(getattr(mx, target))
+    mx.eval(model.parameters())
+    return LoadedModel(model, tokenizer, config, Path(path), target, name or Path(path).name)

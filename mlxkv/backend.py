@@ -52,17 +52,3 @@ def preload_fast_blas() -> str:
 def blas() -> str:
     """The BLAS MLX's CPU matmuls go to: a library path, 'reference' or 'accelerate'."""
     return _state["blas"]
-
-
-def is_cpu() -> bool:
-    import mlx.core as mx
-
-    return mx.default_device() == mx.cpu or not mx.metal.is_available()
-
-
-def default_weight_dtype(config_dtype: str | None) -> str:
-    """float32 on the CPU backend (fp16/bf16/quantized matmuls have no fast path there);
-    the checkpoint's own dtype on Metal (quantized weights stay quantized)."""
-    if is_cpu():
-        return "float32"
-    return config_dtype if config_dtype in ("float16", "bfloat16", "float32") else "float16"

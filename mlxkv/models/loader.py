@@ -18,6 +18,8 @@ class LoadedModel:
     path: Path
     dtype: str  # dtype of the unquantized weights (and so of the KV cache)
     name: str  # what the user asked for, for display
+    weights_bytes: int = 0  # bytes of the loaded parameters
+    layout: object = None  # mlxkv.memory.layout.Layout, built on first use
 
     @property
     def context_length(self) -> int | None:
@@ -30,9 +32,10 @@ def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedMode
     mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept."""
     import mlx.core as mx
     import mlx_lm
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from mlxkv.backend import default_weight_dtype
+    from mlxkv.memory.dtypes import default_weight_dtype
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
@@ -40,10 +43,13 @@ def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedMode
         model, tokenizer, config = mlx_lm.load(str(path), lazy=True, return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise UserError(f"cannot load the model in {path}: {e}") from None
-    target = default_weight_dtype(config.get("torch_dtype")) if dtype == "auto" else dtype
+    target = default_weight_dtype(config) if dtype == "auto" else dtype
     if target == "float32" or dtype != "auto":
         # An explicit dtype means plain weights in that dtype: dequantize first.
         dequantize_model(model)
     model.set_dtype(getattr(mx, target))
     mx.eval(model.parameters())
-    return LoadedModel(model, tokenizer, config, Path(path), target, name or Path(path).name)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return LoadedModel(
+        model, tokenizer, config, Path(path), target, name or Path(path).name, weights
+    )

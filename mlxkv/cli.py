@@ -1,0 +1,56 @@
+"""The front door: ``mlxkv chat | plan | generate | batch | models | pull | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mlxkv import __version__
+from mlxkv.errors import UserError
+
+# subcommand -> module with HELP, add_arguments(parser), run(args) -> int
+COMMANDS = {
+    "chat": "tui.command",
+    "plan": "mlxkv.memory.plan",
+    "generate": "mlxkv.commands.generate",
+    "batch": "mlxkv.commands.batch",
+    "models": "mlxkv.commands.models",
+    "pull": "mlxkv.commands.pull",
+    "bench": "mlxkv.commands.bench",
+}
+
+DESCRIPTION = """\
+Run chat models locally on MLX with bounded or compressed KV caches (sliding window,
+attention sinks, quantized), check what a model will cost before loading it, and watch
+the KV memory MLX holds next to the prediction."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxkv", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"mlxkv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue  # a command whose module is not built yet
+        help_text = getattr(module, "HELP", None)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as e:
+        print(f"mlxkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mlxkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

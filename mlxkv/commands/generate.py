@@ -1,0 +1,99 @@
+"""``mlxkv generate``: one prompt in, streamed text (or one JSON object) out."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mlxkv.commands.common import (
+    add_cache_flags,
+    add_generation_flags,
+    add_model_flags,
+    policy_from_args,
+    settings_from_args,
+    status,
+)
+from mlxkv.errors import UserError
+
+HELP = "generate text for one prompt (streamed; --json for a result object)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read stdin")
+    p.add_argument("--system", default="", help="system prompt (chat template only)")
+    p.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument(
+        "--on-overflow",
+        choices=("stop", "slide"),
+        default="stop",
+        help="at the model's context limit: stop, or slide into a sink window",
+    )
+    add_model_flags(p)
+    add_cache_flags(p)
+    add_generation_flags(p, max_tokens=256)
+
+
+def _read_prompt(arg: str) -> str:
+    text = sys.stdin.read() if arg == "-" else arg
+    if not text.strip():
+        raise UserError("the prompt is empty; pass --prompt TEXT or pipe text to --prompt -")
+    return text
+
+
+def run(args) -> int:
+    from mlxkv.backend import blas
+    from mlxkv.engine.chat import ChatSession
+    from mlxkv.engine.events import Finished, Notice, TokenDelta
+    from mlxkv.engine.loading import open_model
+    from mlxkv.engine.session import Generator
+
+    policy = policy_from_args(args)
+    settings = settings_from_args(args)
+    prompt = _read_prompt(args.prompt)
+    loaded = open_model(args.model, args.dtype, policy, args.force, on_status=status)
+    gen = Generator(loaded, policy, overflow=args.on_overflow)
+    if args.raw:
+        events = gen.run(prompt, settings)
+    else:
+        events = ChatSession(gen, settings, system=args.system).send(prompt)
+    final = None
+    for ev in events:
+        if isinstance(ev, TokenDelta) and not args.json:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Notice):
+            status(ev.message)
+        elif isinstance(ev, Finished):
+            final = ev
+    s = final.stats
+    if args.json:
+        out = {
+            "text": final.text,
+            "finish_reason": final.finish_reason,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "prompt_tps": round(s.prompt_tps, 3),
+            "generation_tps": round(s.generation_tps, 3),
+            "peak_memory_bytes": s.peak_memory,
+            "kv_tokens": s.kv_tokens,
+            "kv_evicted": s.kv_evicted,
+            "kv_bytes_actual": s.kv_bytes_actual,
+            "kv_bytes_logical": s.kv_bytes_logical,
+            "kv_bytes_predicted": s.kv_bytes_predicted,
+            "weights_bytes": s.weights_bytes,
+            "model": loaded.name,
+            "dtype": loaded.dtype,
+            "policy": policy.to_dict(),
+            "blas": blas(),
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        status(
+            f"{s.prompt_tokens} prompt tokens at {s.prompt_tps:.1f} tok/s, "
+            f"{s.generation_tokens} generated at {s.generation_tps:.1f} tok/s, "
+            f"finish: {final.finish_reason}; KV {s.kv_tokens} tokens, "
+            f"{s.kv_bytes_actual} bytes (predicted {s.kv_bytes_predicted})"
+        )
+    return 0

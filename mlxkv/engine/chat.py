@@ -1,0 +1,97 @@
+"""A chat conversation on top of a Generator: messages, template, regenerate, transcript."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from mlxkv.engine.events import Event, Finished
+from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.errors import UserError
+
+
+class ChatSession:
+    def __init__(self, generator: Generator, settings: GenerationSettings, system: str = ""):
+        self.generator = generator
+        self.settings = settings
+        self.system = system
+        self.messages: list[dict] = []
+
+    # -- the conversation ---------------------------------------------------------------
+    def _all_messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def prompt_text(self) -> str:
+        return self.generator.loaded.tokenizer.apply_chat_template(
+            self._all_messages(), tokenize=False, add_generation_prompt=True
+        )
+
+    def _answer(self) -> Iterator[Event]:
+        """Run the model on the conversation; the answer (even a cut one) joins it."""
+        for event in self.generator.run(self.prompt_text(), self.settings):
+            if isinstance(event, Finished):
+                self.messages.append({"role": "assistant", "content": event.text})
+            yield event
+
+    def send(self, text: str) -> Iterator[Event]:
+        if not text.strip():
+            raise UserError("the message is empty; type something to send")
+        self.messages.append({"role": "user", "content": text})
+        try:
+            yield from self._answer()
+        except UserError:
+            # The model never answered: take the message back so the caller can restore it.
+            if self.messages and self.messages[-1]["role"] == "user":
+                self.messages.pop()
+            raise
+
+    def regenerate(self) -> Iterator[Event]:
+        """Answer the last user message again (its previous answer is dropped)."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages:
+            raise UserError("nothing to regenerate yet; send a message first")
+        yield from self._answer()
+
+    def cancel(self) -> None:
+        self.generator.cancel()
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.generator.reset()
+
+    # -- transcripts ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "model": self.generator.loaded.name,
+            "policy": self.generator.policy.to_dict(),
+            "system": self.system,
+            "messages": self.messages,
+        }
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        if path.suffix == ".md":
+            parts = [f"# Chat with {self.generator.loaded.name}\n"]
+            if self.system:
+                parts.append(f"**system**: {self.system}\n")
+            parts += [f"**{m['role']}**:\n\n{m['content']}\n" for m in self.messages]
+            path.write_text("\n".join(parts))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False))
+
+    def load(self, path: Path) -> None:
+        """Load a JSON transcript; the cache is rebuilt on the next turn."""
+        try:
+            data = json.loads(Path(path).read_text())
+            messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"cannot load transcript {path}: {e}") from None
+        bad = {m["role"] for m in messages} - {"user", "assistant"}
+        if bad:
+            raise UserError(f"cannot load transcript {path}: unknown role(s) {sorted(bad)}")
+        self.system = data.get("system", "") or ""
+        self.messages = messages
+        self.generator.reset()

@@ -1,0 +1,60 @@
+"""What the engine tells its callers: plain dataclasses, no MLX objects."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot taken after every token. Bytes are exact integers."""
+
+    prompt_tokens: int = 0  # tokens prefilled this turn
+    generation_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    kv_tokens: int = 0  # tokens the growing layers keep now
+    kv_evicted: int = 0  # tokens dropped by a window policy so far
+    kv_tokens_seen: int = 0  # tokens fed through the cache since it was created
+    kv_bytes_actual: int = 0  # sum of the caches' nbytes (what MLX holds)
+    kv_bytes_predicted: int | None = None  # the memory model's allocated bytes
+    kv_bytes_logical: int | None = None  # the memory model's kept-token bytes
+    active_memory: int = 0  # MLX active memory, bytes
+    peak_memory: int = 0  # MLX peak memory, bytes
+    weights_bytes: int = 0
+    context_limit: int | None = None
+    policy: str = "full"
+    finish_reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    text: str  # new text to append (may be empty while a stop string is pending)
+    token: int
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that is not an error (e.g. the cache was rebuilt)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str  # the whole answer of this turn
+    finish_reason: str  # stop | length | stop_string | cancelled | context
+    stats: Stats
+
+
+Event = PrefillProgress | TokenDelta | Notice | Finished

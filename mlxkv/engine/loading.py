@@ -1,0 +1,29 @@
+"""Open a model for generation: resolve it, check it fits, load it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mlxkv.models.loader import LoadedModel, load
+from mlxkv.models.resolve import resolve
+from mlxkv.policy import KVPolicy
+
+
+def open_model(
+    model: str | None,
+    dtype: str = "auto",
+    policy: KVPolicy | None = None,
+    force: bool = False,
+    context: int | None = None,
+    on_status: Callable[[str], None] = lambda _m: None,
+) -> LoadedModel:
+    """Resolve ``model``, refuse it (UserError) if the memory model says it won't fit at
+    ``context`` tokens under ``policy`` unless ``force``, then load it."""
+    resolved = resolve(model, on_status=on_status)
+    on_status(f"model {resolved.path} ({resolved.source})")
+    if not force:
+        from mlxkv.memory.budget import check_fits
+
+        check_fits(resolved.path, policy or KVPolicy(), context)
+    on_status("loading weights ...")
+    return load(resolved.path, dtype=dtype, name=resolved.alias or model or resolved.path.name)

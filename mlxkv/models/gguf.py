@@ -130,6 +130,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         mlx_weights[_hf_name(name)] = w
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
     try:

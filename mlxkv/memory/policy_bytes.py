@@ -1,0 +1,110 @@
+"""Bytes of ONE growing attention layer under a KVPolicy: the caches' own arithmetic.
+
+Pure integer arithmetic (no MLX import), the single source of truth shared by
+``mlxkv.caches`` (which builds the caches) and the memory model (which predicts them).
+The cache tests check ``allocated_bytes`` against the real caches' ``nbytes`` exactly.
+
+Signatures (``dtype_bytes`` is the model/KV activation dtype: 4 fp32, 2 fp16/bf16)::
+
+    kept_tokens(policy, tokens_seen) -> int
+    evicted_tokens(policy, tokens_seen) -> int
+    logical_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes, tokens_seen, batch)
+    allocated_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes, tokens_seen,
+                    batch, last_chunk)
+
+Rules (``S`` sinks, ``W`` window, ``n`` tokens seen):
+
+* kept = ``n`` for a full cache, ``min(n, S + W)`` otherwise; evicted = ``n - kept``.
+* bytes per token per KV head and tensor of head dim ``D``: ``D * dtype_bytes``
+  unquantized; quantized to ``b`` bits in groups of ``g``: ``D * b / 8`` (packed uint32)
+  ``+ 2 * (D / g) * dtype_bytes`` (a scale and a bias per group, in the activation dtype).
+* logical = ``batch * kv_heads * kept * (row(k_head_dim) + row(v_head_dim))``.
+* allocated = ``batch * kv_heads * (slots * (row(k) + row(v)) + sink_copy)`` where
+  ``slots = round_up(n, 256)`` for a full cache and ``min(round_up(n, 256), S + W)`` for a
+  window, and ``sink_copy = S * k_head_dim * dtype_bytes`` when ``S > 0`` (the
+  full-precision copy of the sink keys that re-positioning rotates from; quantized policies
+  keep it unquantized too). Zero when ``n == 0``.
+* Allocation depends only on ``n``: mlxkv's caches grow to ``round_up(n, 256)`` (not
+  mlx-lm's history-dependent rule) and drop chunk-time buffers when an update returns, so
+  ``last_chunk`` does not change the result; it stays in the signature for the contract.
+  (During a multi-token update a window cache briefly also holds the attended chunk; that
+  is activation memory, not cache memory.)
+* After ``trim`` a window cache may keep fewer tokens than ``kept_tokens`` says (its
+  ``kept`` counter is exact); allocation follows the same rule with ``n`` = tokens seen.
+"""
+
+from __future__ import annotations
+
+STEP = 256
+
+
+def _round_up(n: int) -> int:
+    return (n + STEP - 1) // STEP * STEP
+
+
+def kept_tokens(policy, tokens_seen: int) -> int:
+    """Tokens a growing layer holds after ``tokens_seen`` tokens."""
+    if policy.window is None:
+        return tokens_seen
+    return min(tokens_seen, policy.window + policy.sinks)
+
+
+def evicted_tokens(policy, tokens_seen: int) -> int:
+    return tokens_seen - kept_tokens(policy, tokens_seen)
+
+
+def row_bytes(policy, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one token of one head for a tensor with ``head_dim`` elements."""
+    if policy.bits is None:
+        return head_dim * dtype_bytes
+    packed = head_dim * policy.bits // 32 * 4
+    return packed + 2 * (head_dim // policy.group_size) * dtype_bytes
+
+
+def token_bytes(policy, kv_heads: int, k_head_dim: int, v_head_dim: int, dtype_bytes: int) -> int:
+    """Bytes per kept token (keys + values, all KV heads, batch 1)."""
+    return kv_heads * (
+        row_bytes(policy, k_head_dim, dtype_bytes) + row_bytes(policy, v_head_dim, dtype_bytes)
+    )
+
+
+def slots(policy, tokens_seen: int) -> int:
+    """Token slots the cache allocates after ``tokens_seen`` tokens."""
+    if tokens_seen <= 0:
+        return 0
+    cap = _round_up(tokens_seen)
+    if policy.window is None:
+        return cap
+    return min(cap, policy.window + policy.sinks)
+
+
+def logical_bytes(
+    policy,
+    kv_heads: int,
+    k_head_dim: int,
+    v_head_dim: int,
+    dtype_bytes: int,
+    tokens_seen: int,
+    batch: int = 1,
+) -> int:
+    """Tokens kept x bytes per token (scales and biases included), whole batch."""
+    per = token_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes)
+    return batch * kept_tokens(policy, tokens_seen) * per
+
+
+def allocated_bytes(
+    policy,
+    kv_heads: int,
+    k_head_dim: int,
+    v_head_dim: int,
+    dtype_bytes: int,
+    tokens_seen: int,
+    batch: int = 1,
+    last_chunk: int = 1,
+) -> int:
+    """Exactly the ``nbytes`` of the cache mlxkv builds for one such layer."""
+    if tokens_seen <= 0:
+        return 0
+    per = token_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes)
+    sink_copy = kv_heads * policy.sinks * k_head_dim * dtype_bytes if policy.sinks else 0
+    return batch * (slots(policy, tokens_seen) * per + sink_copy)

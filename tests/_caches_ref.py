@@ -1,0 +1,131 @@
+"""Slow references for the cache tests: explicit attention over the kept tokens.
+
+``reference_logits`` runs an mlx-lm llama-family model without any cache: for every query
+``t`` and layer it gathers the tokens a policy keeps for ``t`` and recomputes attention
+with explicit positions. ``frame="within"`` is StreamingLLM's definition (keys at their
+index within the kept set, query at the last index) and knows nothing of the sink-rotation
+trick. ``frame="absolute"`` rotates window keys at their absolute positions and sinks at
+``j + D`` (D = evicted tokens), rotating the stored sink keys by D like the cache does, so
+quantized keys see the same numbers before quantization (quantization does not commute
+with rotation); positions are the same distances.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import llama
+
+from mlxkv.caches.rotation import rotation_of
+
+
+def tiny_llama(
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 64,
+    rope_scaling: dict | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int | None = None,
+):
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        num_key_value_heads=kv_heads,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+    )
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def kept_indices(t: int, sinks: int, window: int | None) -> list[int]:
+    if window is None or t < sinks + window:
+        return list(range(t + 1))
+    return list(range(sinks)) + list(range(t - window + 1, t + 1))
+
+
+def _qdq(x, bits, group_size):
+    if bits is None:
+        return x
+    return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size, bits)
+
+
+def feed(model, tokens, caches, chunks) -> mx.array:
+    """Logits for ``tokens`` fed through ``caches`` in the given chunk sizes."""
+    tokens = mx.array(tokens)
+    outs, p = [], 0
+    for c in chunks:
+        out = model(tokens[None, p : p + c], cache=caches)
+        mx.eval(out)
+        outs.append(out)
+        p += c
+    assert p == tokens.size
+    return mx.concatenate(outs, axis=1)
+
+
+def reference_logits(
+    model,
+    tokens,
+    sinks: int = 0,
+    window: int | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+    frame: str = "within",
+) -> mx.array:
+    inner = model.model
+    h = inner.embed_tokens(mx.array(tokens)[None])
+    T = h.shape[1]
+    for layer in inner.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        rep = attn.n_heads // attn.n_kv_heads
+        k_abs = attn.rope(k)
+        rot = rotation_of(attn.rope)
+        outs = []
+        for t in range(T):
+            idx = kept_indices(t, sinks, window)
+            n = len(idx)
+            if frame == "within":
+                kk = attn.rope(k[:, :, idx, :])
+                qq = attn.rope(q[:, :, t : t + 1, :], offset=n - 1)
+            else:
+                d = 0 if window is None else max(0, t + 1 - sinks - window)
+                parts = []
+                if sinks and d:
+                    parts.append(rot.shift(k_abs[:, :, :sinks, :], d))
+                    idx_w = idx[sinks:]
+                else:
+                    idx_w = idx
+                parts.append(k_abs[:, :, idx_w, :])
+                kk = mx.concatenate(parts, axis=2)
+                qq = attn.rope(q[:, :, t : t + 1, :], offset=t)
+            kk = _qdq(kk, bits, group_size)
+            vv = _qdq(v[:, :, idx, :], bits, group_size)
+            if rep > 1:
+                kk = mx.repeat(kk, rep, axis=1)
+                vv = mx.repeat(vv, rep, axis=1)
+            s = (qq * attn.scale) @ kk.swapaxes(-1, -2)
+            outs.append(mx.softmax(s, axis=-1, precise=True) @ vv)
+        o = mx.concatenate(outs, axis=2).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        h = h + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        mx.eval(h)
+    h = inner.norm(h)
+    if model.args.tie_word_embeddings:
+        return inner.embed_tokens.as_linear(h)
+    return model.lm_head(h)

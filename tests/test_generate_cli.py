@@ -1,0 +1,73 @@
+"""``mlxkv generate`` end to end on the default model, and its bad-input answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+@pytest.mark.model
+def test_capital_of_france_json(default_model_path):
+    out = run_cli(
+        "generate", "--prompt", "What is the capital of France?",
+        "--max-tokens", "30", "--temp", "0", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert "Paris" in result["text"]
+    for key in ("finish_reason", "prompt_tokens", "generation_tokens", "prompt_tps",
+                "generation_tps", "peak_memory_bytes"):  # fmt: skip
+        assert key in result
+    assert result["finish_reason"] == "stop"
+    assert result["kv_bytes_actual"] == result["kv_bytes_predicted"]
+    assert result["kv_tokens"] == result["prompt_tokens"] + result["generation_tokens"]
+
+
+@pytest.mark.model
+def test_streams_text_from_stdin_prompt(default_model_path):
+    out = run_cli(
+        "generate", "--prompt", "-", "--max-tokens", "12", "--raw", stdin="The capital of France is"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "tok/s" in out.stderr
+
+
+@pytest.mark.model
+def test_sink_window_keeps_at_most_window_plus_sinks(default_model_path):
+    out = run_cli(
+        "generate", "--prompt", "Write a long story about a lighthouse keeper.",
+        "--kv-window", "96", "--kv-sinks", "4", "--max-tokens", "150", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["kv_tokens"] <= 100
+    assert r["kv_evicted"] == r["prompt_tokens"] + r["generation_tokens"] - r["kv_tokens"]
+    assert r["kv_bytes_actual"] == r["kv_bytes_predicted"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "   "], "the prompt is empty"),
+        (
+            ["--prompt", "hi", "--kv-window", "4", "--kv-sinks", "4"],
+            "must be larger than --kv-sinks",
+        ),
+        (["--prompt", "hi", "--kv-bits", "7"], "--kv-bits 7 is not supported"),
+        (["--prompt", "hi", "--kv-group-size", "48"], "--kv-group-size 48 is not supported"),
+        (["--prompt", "hi", "--kv-sinks", "4"], "--kv-sinks needs a window"),
+        (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--prompt", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args, message):
+    out = run_cli("generate", *args, env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("mlxkv generate: error:")]
+    assert len(lines) == 1 and message in lines[0], out.stderr

@@ -1,0 +1,151 @@
+"""Reading a batch input file: JSONL lines -> jobs, or per-line errors that never stop the run.
+
+A line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}`` with optional
+``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``system``. Only a file that cannot
+be a batch at all (missing, empty, not JSON on any line) raises :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxkv.errors import UserError
+
+OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system")
+KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Job:
+    line: int  # 1-based line number in the input file
+    id: str | int
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    system: str | None = None
+    overrides: dict = field(default_factory=dict)  # max_tokens / temperature / top_p / seed
+
+
+@dataclass
+class BadLine:
+    line: int
+    error: str
+    id: str | int | None = None
+
+    def record(self) -> dict:
+        rec = {"id": self.id} if self.id is not None else {}
+        return {**rec, "line": self.line, "error": self.error}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_messages(messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {role, content} objects"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return f"messages[{i}] must be an object with a string 'content'"
+        if m.get("role") not in ROLES:
+            return f"messages[{i}] has role {m.get('role')!r}; use one of {', '.join(ROLES)}"
+    return None
+
+
+def _check_overrides(obj: dict) -> str | None:
+    """Per-line sampling fields, checked here so the message names the field, not a flag."""
+    if "max_tokens" in obj and not (_is_int(obj["max_tokens"]) and obj["max_tokens"] >= 1):
+        return f"'max_tokens' must be an integer >= 1, got {obj['max_tokens']!r}"
+    if "temperature" in obj and not (_is_number(obj["temperature"]) and obj["temperature"] >= 0):
+        return f"'temperature' must be a number >= 0, got {obj['temperature']!r}"
+    if "top_p" in obj and not (_is_number(obj["top_p"]) and 0 < obj["top_p"] <= 1):
+        return f"'top_p' must be a number in (0, 1], got {obj['top_p']!r}"
+    if "seed" in obj and not _is_int(obj["seed"]):
+        return f"'seed' must be an integer, got {obj['seed']!r}"
+    if "system" in obj and not isinstance(obj["system"], str):
+        return "'system' must be a string"
+    return None
+
+
+def parse_line(n: int, raw: str) -> Job | BadLine:
+    """One input line (``n`` is 1-based) -> a Job, or a BadLine saying what is wrong."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        return BadLine(n, f"not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        return BadLine(n, f"expected a JSON object, got {type(obj).__name__}")
+    ident = obj.get("id")
+    if "id" not in obj:
+        return BadLine(n, "missing 'id'")
+    if not (isinstance(ident, str) or _is_int(ident)):
+        return BadLine(n, f"'id' must be a string or an integer, got {ident!r}")
+
+    def bad(msg):
+        return BadLine(n, msg, ident)
+
+    unknown = sorted(set(obj) - set(KNOWN_FIELDS))
+    if unknown:
+        return bad(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(KNOWN_FIELDS)}")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        return bad("needs exactly one of 'prompt' or 'messages'")
+    if has_prompt and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
+        return bad("'prompt' must be a non-empty string")
+    if has_messages and (err := _check_messages(obj["messages"])):
+        return bad(err)
+    if err := _check_overrides(obj):
+        return bad(err)
+    overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in obj}
+    return Job(n, ident, obj.get("prompt"), obj.get("messages"), obj.get("system"), overrides)
+
+
+def read_input(path: Path) -> list[Job | BadLine]:
+    """Parse every non-blank line. Raises UserError if the file cannot be a batch at all."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"input file {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"input {path} is a directory, not a JSONL file") from None
+    except OSError as e:
+        raise UserError(f"cannot read input {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"input {path} is not UTF-8 text (byte {e.start})") from None
+    entries = [parse_line(i, raw) for i, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+    if not entries:
+        raise UserError(f"input {path} is empty; expected one JSON object per line")
+    if all(isinstance(e, BadLine) and e.error.startswith("not valid JSON") for e in entries):
+        first = entries[0]
+        raise UserError(
+            f"input {path} is not JSONL: no line is JSON (line {first.line}: {first.error})"
+        )
+    return entries
+
+
+def id_key(ident) -> tuple:
+    """Ids compare with their JSON type: "1" and 1 are different ids."""
+    return (type(ident).__name__, ident)
+
+
+def find_duplicates(entries: list[Job | BadLine]) -> dict[int, int]:
+    """Line number of each later occurrence of an id -> line of its first occurrence."""
+    first: dict = {}
+    dups: dict[int, int] = {}
+    for e in entries:
+        if e.id is not None:  # a bad line with an id still claims it
+            key = id_key(e.id)
+            if key in first:
+                dups[e.line] = first[key]
+            else:
+                first[key] = e.line
+    return dups

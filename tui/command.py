@@ -1,0 +1,54 @@
+"""``mlxkv chat [MODEL]``: the Textual chat UI. Kept light: Textual and MLX are imported
+only when the command runs, so ``mlxkv --help`` stays fast."""
+
+from __future__ import annotations
+
+import os
+
+from mlxkv.commands.common import (
+    add_cache_flags,
+    add_generation_flags,
+    add_model_flags,
+    policy_from_args,
+    settings_from_args,
+)
+from mlxkv.errors import UserError
+
+HELP = "chat in the terminal, with a live KV memory panel (actual vs predicted)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "model_name", nargs="?", default=None, metavar="MODEL", help="model (same as --model)"
+    )
+    p.add_argument("--system", default="", help="system prompt")
+    p.add_argument(
+        "--on-overflow",
+        choices=("stop", "slide"),
+        default="stop",
+        help="at the model's context limit: stop, or slide into a sink window",
+    )
+    p.add_argument(
+        "--metrics",
+        default=os.environ.get("MLXKV_TUI_METRICS"),
+        metavar="PATH",
+        help="write UI timings (load, first paint, key latency, tok/s) as JSON to PATH",
+    )
+    add_model_flags(p)
+    add_cache_flags(p)
+    add_generation_flags(p, max_tokens=512)
+
+
+def run(args) -> int:
+    from tui.app import ChatApp
+    from tui.engine import ChatEngine, real_opener
+
+    if args.model_name and args.model and args.model_name != args.model:
+        raise UserError(f"two models given: {args.model_name!r} and --model {args.model!r}")
+    model = args.model_name or args.model
+    policy = policy_from_args(args)  # bad flags fail here, before the screen opens
+    settings = settings_from_args(args)
+    opener = real_opener(dtype=args.dtype, force=args.force, overflow=args.on_overflow)
+    engine = ChatEngine(opener, settings, policy=policy, system=args.system)
+    ChatApp(engine, model=model, metrics_path=args.metrics).run()
+    return 0

@@ -1,0 +1,129 @@
+"""The KV panel: what the cache holds (actual) next to what the memory model predicts.
+
+Token events can arrive at 10-200 per second; the panel redraws at most ``MAX_HZ`` times
+a second (the latest figures win) so drawing never competes with decoding for CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+
+from mlxkv.engine.events import Stats
+from tui import plot
+from tui.fmt import human_bytes, tokens, versus
+
+MAX_HZ = 10
+BAR = "█"
+
+
+def figures(s: Stats) -> Table:
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(justify="right", no_wrap=True)
+    t.add_column(no_wrap=True)
+    gap = versus(s.kv_bytes_actual, s.kv_bytes_predicted)
+    gap_style = "bold green" if gap == "exact" else "bold yellow"
+    t.add_row("actual", Text(human_bytes(s.kv_bytes_actual), plot.ACTUAL), "allocated")
+    t.add_row("predicted", Text(human_bytes(s.kv_bytes_predicted), plot.PREDICTED), "allocated")
+    t.add_row("", "", Text(gap, gap_style))
+    t.add_row("logical", human_bytes(s.kv_bytes_logical), "kept tokens")
+    t.add_row("kept", tokens(s.kv_tokens), f"evicted {tokens(s.kv_evicted)}")
+    t.add_row("context", tokens(s.kv_tokens_seen), f"limit {tokens(s.context_limit)}")
+    t.add_row("policy", Text(s.policy, "bold"), "")
+    t.add_row("prompt", f"{s.prompt_tps:.1f}", f"tok/s ({s.prompt_tokens} tok)")
+    t.add_row("generate", f"{s.generation_tps:.1f}", f"tok/s ({s.generation_tokens} tok)")
+    return t
+
+
+def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
+    """weights | KV | rest of MLX's active memory, against the budget; ┃ marks the peak."""
+    scale = budget or max(s.peak_memory, s.active_memory, 1) * 5 // 4
+    kv = s.kv_bytes_actual
+    rest = max(s.active_memory - s.weights_bytes - kv, 0)
+    width = max(width, 10)
+    cells = []
+    for size, style in ((s.weights_bytes, "blue"), (kv, "cyan"), (rest, "yellow")):
+        cells += [style] * round(size / scale * width)
+    cells = cells[:width] + ["grey23"] * max(width - len(cells), 0)
+    peak = min(width - 1, round(s.peak_memory / scale * width))
+    bar = Text(no_wrap=True)
+    for i, style in enumerate(cells):
+        bar.append("┃" if i == peak and s.peak_memory else BAR, "bold red" if i == peak else style)
+    bar.append("\n")
+    bar.append("weights ", "blue").append("KV ", "cyan").append("rest ", "yellow")
+    bar.append("peak┃", "bold red").append("\n")
+    bar.append(f"active {human_bytes(s.active_memory)} · peak {human_bytes(s.peak_memory)}\n")
+    bar.append(f"budget {human_bytes(budget) if budget else 'unknown'}", "dim")
+    return bar
+
+
+class KVPanel(Vertical):
+    DEFAULT_CSS = """
+    KVPanel { width: 46; border-left: solid $primary; padding: 0 1; }
+    KVPanel .title { text-style: bold; color: $accent; margin-top: 1; }
+    KVPanel #kv-plot { height: 8; }
+    """
+    PLOT_HEIGHT = 8
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.stats = Stats()
+        self.budget: int | None = None
+        self.series = plot.Series()
+        self.renders = 0  # redraw count (tests check the throttle)
+        self._last = 0.0
+        self._pending = False
+
+    def compose(self) -> ComposeResult:
+        yield Static("KV cache", classes="title")
+        yield Static(id="kv-figures")
+        yield Static("Memory (MLX)", classes="title")
+        yield Static(id="kv-mem")
+        yield Static(id="kv-plot-title", classes="title")
+        yield Static(id="kv-plot")
+
+    def on_mount(self) -> None:
+        self._redraw()
+
+    def show(self, stats: Stats, point: bool = True) -> None:
+        """Take new figures (and add them to the plot); redraw now or within 1/MAX_HZ s."""
+        self.stats = stats
+        if point:
+            self.series.add(stats.kv_tokens_seen, stats.kv_bytes_actual, stats.kv_bytes_predicted)
+        wait = 1 / MAX_HZ - (time.monotonic() - self._last)
+        if wait <= 0:
+            self._redraw()
+        elif not self._pending:
+            self._pending = True
+            self.set_timer(wait, self._redraw)
+
+    def reset_plot(self) -> None:
+        self.series.clear()
+
+    def on_resize(self) -> None:
+        self._redraw()
+
+    def _redraw(self) -> None:
+        self._pending = False
+        self._last = time.monotonic()
+        self.renders += 1
+        s = self.stats
+        width = max(self.content_size.width, 20)
+        self.query_one("#kv-figures", Static).update(figures(s))
+        self.query_one("#kv-mem", Static).update(memory_bar(s, self.budget, width))
+        pts = self.series.points
+        title = Text("KV bytes / tokens  ")
+        title.append("actual", plot.ACTUAL).append(" ").append("predicted", plot.PREDICTED)
+        title.append(" ").append("both", plot.BOTH)
+        self.query_one("#kv-plot-title", Static).update(title)
+        graph = plot.render(pts, width, self.PLOT_HEIGHT - 1)
+        x_max = pts[-1][0] if pts else 0
+        y_max = max((max(p[1], p[2] or 0) for p in pts), default=0)
+        graph.append(f"\n0-{x_max} tok, max {human_bytes(y_max)}", "dim")
+        self.query_one("#kv-plot", Static).update(graph)

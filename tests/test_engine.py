@@ -1,0 +1,156 @@
+"""The engine on the default model: cache reuse across turns, cancel, regenerate, stop
+strings, seeds, and predicted == actual KV bytes at every event for every policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv.engine.chat import ChatSession
+from mlxkv.engine.events import Finished, PrefillProgress, TokenDelta
+from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.errors import UserError
+from mlxkv.policy import KVPolicy
+
+pytestmark = pytest.mark.model
+
+GREEDY = GenerationSettings(max_tokens=24, temperature=0.0)
+
+
+def finish(events) -> Finished:
+    *_, last = list(events)
+    assert isinstance(last, Finished)
+    return last
+
+
+def test_second_turn_prefills_only_its_new_tokens(default_model):
+    chat = ChatSession(Generator(default_model), GREEDY)
+    first = finish(chat.send("What is the capital of France?"))
+    cached = chat.generator.cached_tokens
+    assert cached == first.stats.prompt_tokens + first.stats.generation_tokens
+    second = finish(chat.send("And of Italy?"))
+    full = len(default_model.tokenizer.encode(chat.prompt_text().rsplit("<|im_start|>", 1)[0]))
+    assert second.stats.prompt_tokens < 20  # only the new user turn and the template
+    assert second.stats.prompt_tokens + cached < full + first.stats.generation_tokens
+    assert second.stats.kv_tokens_seen == cached + second.stats.prompt_tokens + (
+        second.stats.generation_tokens
+    )
+
+
+def test_reused_cache_gives_the_same_answer_as_a_fresh_one(default_model):
+    chat = ChatSession(Generator(default_model), GREEDY)
+    finish(chat.send("Name a fruit."))
+    reused = finish(chat.send("Name a colour."))
+    fresh = Generator(default_model)
+    again = finish(fresh.run(chat.generator.loaded.tokenizer.apply_chat_template(
+        chat.messages[:-1], tokenize=False, add_generation_prompt=True), GREEDY))  # fmt: skip
+    assert again.text == reused.text
+
+
+def test_cancel_keeps_the_cut_answer_and_the_next_turn_works(default_model):
+    chat = ChatSession(Generator(default_model), GenerationSettings(max_tokens=200))
+    seen = 0
+    events = chat.send("Write a long poem about the sea.")
+    for ev in events:
+        if isinstance(ev, TokenDelta):
+            seen += 1
+            if seen == 5:
+                chat.cancel()
+        if isinstance(ev, Finished):
+            cut = ev
+    assert cut.finish_reason == "cancelled"
+    assert cut.stats.generation_tokens == 5
+    assert chat.messages[-1] == {"role": "assistant", "content": cut.text}
+    nxt = finish(chat.send("What is 2+2?"))
+    assert nxt.finish_reason in ("stop", "length")
+    assert nxt.stats.kv_bytes_actual == nxt.stats.kv_bytes_predicted
+
+
+def test_regenerate_replaces_the_last_answer(default_model):
+    chat = ChatSession(Generator(default_model), GREEDY)
+    a = finish(chat.send("What is the capital of France?"))
+    b = finish(chat.regenerate())
+    assert b.text == a.text  # greedy: the same answer again
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+    assert b.stats.kv_bytes_actual == b.stats.kv_bytes_predicted
+
+
+def test_regenerate_before_any_message_is_refused(default_model):
+    chat = ChatSession(Generator(default_model), GREEDY)
+    with pytest.raises(UserError, match="nothing to regenerate"):
+        list(chat.regenerate())
+
+
+def test_stop_string_cuts_the_answer(default_model):
+    gen = Generator(default_model)
+    settings = GenerationSettings(max_tokens=40, stop=("rather a city",))
+    out = finish(gen.run("The capital of France is Paris. The capital of France is", settings))
+    assert out.finish_reason == "stop_string"
+    assert out.text == "not a country, but "
+    streamed = ""
+    for ev in Generator(default_model).run(
+        "The capital of France is Paris. The capital of France is", settings
+    ):
+        if isinstance(ev, TokenDelta):
+            streamed += ev.text
+    assert streamed == out.text
+
+
+def test_seed_makes_sampling_repeatable(default_model):
+    s = GenerationSettings(max_tokens=20, temperature=1.0, seed=7)
+    a = finish(Generator(default_model).run("Once upon a time", s)).text
+    b = finish(Generator(default_model).run("Once upon a time", s)).text
+    c = finish(Generator(default_model).run("Once upon a time", GenerationSettings(
+        max_tokens=20, temperature=1.0, seed=8))).text  # fmt: skip
+    assert a == b and a != c
+
+
+def test_empty_message_is_refused_and_not_kept(default_model):
+    chat = ChatSession(Generator(default_model), GREEDY)
+    with pytest.raises(UserError, match="empty"):
+        list(chat.send("  "))
+    assert chat.messages == []
+
+
+def test_context_overflow_stop_or_slide(default_model, monkeypatch):
+    monkeypatch.setitem(default_model.config, "max_position_embeddings", 120)
+    try:
+        chat = ChatSession(Generator(default_model, overflow="stop"), GREEDY)
+        long = "Tell me about " + "the sea, " * 60
+        with pytest.raises(UserError, match="model's context is 120"):
+            list(chat.send(long))
+        assert chat.messages == []  # nothing half-kept
+        slide = ChatSession(Generator(default_model, overflow="slide"), GREEDY)
+        out = finish(slide.send(long))
+        assert slide.generator.policy.window is not None
+        assert out.stats.kv_bytes_actual == out.stats.kv_bytes_predicted
+    finally:
+        default_model.config["max_position_embeddings"] = 8192
+
+
+POLICIES = [
+    KVPolicy(),
+    KVPolicy(window=48, sinks=0),
+    KVPolicy(window=48, sinks=4),
+    KVPolicy(bits=8),
+    KVPolicy(bits=4, group_size=32),
+    KVPolicy(window=48, sinks=4, bits=4),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
+def test_predicted_equals_actual_at_every_event(default_model, policy):
+    chat = ChatSession(
+        Generator(default_model, policy), GenerationSettings(max_tokens=40, prefill_step=16)
+    )
+    for text in ("Write two sentences about the moon.", "Now about the sun."):
+        n = 0
+        for ev in chat.send(text):
+            if isinstance(ev, TokenDelta | Finished):
+                s = ev.stats
+                assert s.kv_bytes_actual == s.kv_bytes_predicted, (n, s)
+                n += 1
+            elif isinstance(ev, PrefillProgress):
+                actual = chat.generator.kv.actual_bytes()
+                assert actual == chat.generator.kv.last.allocated
+        if policy.window is not None:
+            assert s.kv_tokens <= policy.window + policy.sinks

@@ -76,8 +76,8 @@ def _layer_info(layer: nn.Module, index: int) -> LayerInfo:
             info.mla = True
         if isinstance(getattr(m, "sinks", None), mx.array):
             info.learned_sinks = True
-        if getattr(m, "use_rope", True) is False or getattr(m, "use_rope", 1) == 0:
-            nope = True
+        if getattr(m, "use_rope", 1) in (False, 0) or type(m).__name__ == "NoPE":
+            nope = True  # llama4/exaone use_rope flags, smollm3's NoPE stand-in
         hd = getattr(m, "head_dim", None)
         if isinstance(hd, int):
             dims.append(hd)

@@ -1,0 +1,245 @@
+"""make_caches / check_policy on different mlx-lm architectures, and the refusals."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.utils import _get_classes
+
+from mlxkv.caches import (
+    FullKVCache,
+    QuantizedStreamingKVCache,
+    StreamingKVCache,
+    check_policy,
+    make_caches,
+)
+from mlxkv.policy import KVPolicy, PolicyError
+from tests._caches_ref import feed, reference_logits, tiny_llama
+
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=32,
+    rope_theta=10000.0,
+)
+CONFIGS = {
+    "mamba": dict(
+        model_type="mamba",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=4,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    ),
+    "deepseek_v3": dict(
+        BASE,
+        model_type="deepseek_v3",
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=256,
+    ),
+    "gpt_oss": dict(
+        BASE,
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "lfm2": dict(
+        BASE,
+        model_type="lfm2",
+        max_position_embeddings=256,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_ff_dim=128,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        full_attn_idxs=[1],
+        layer_types=["conv", "full_attention"],
+    ),
+    "llama_sliding": dict(
+        BASE,
+        model_type="llama",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    ),
+    "llama_dynamic": dict(
+        BASE,
+        model_type="llama",
+        rope_scaling={"type": "dynamic", "factor": 2.0},
+        max_position_embeddings=64,
+    ),
+    "smollm3": dict(BASE, model_type="smollm3", no_rope_layer_interval=2),
+}
+
+
+def build(name):
+    cfg = CONFIGS[name]
+    Model, Args = _get_classes(cfg)
+    mx.random.seed(0)
+    model = Model(Args.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+TOKENS = [(7 * i + 3) % 32 for i in range(40)]
+SINK = KVPolicy(window=10, sinks=2)
+
+
+def test_honours_make_cache_and_leaves_windowed_layers():
+    model = build("llama_sliding")
+    caches = make_caches(model, SINK)
+    assert isinstance(caches[0], RotatingKVCache) and caches[0].max_size == 8
+    assert type(caches[1]) is StreamingKVCache
+    out = feed(model, TOKENS, caches, [15, 1, 1, 23])
+    assert out.shape == (1, 40, 32) and caches[1].kept == 12
+
+
+def test_full_policy_equals_mlx_lm_default():
+    model = build("llama_sliding")
+    ref = feed(model, TOKENS, model.make_cache(), [15, 1, 24])
+    caches = make_caches(model, KVPolicy())
+    assert type(caches[1]) is FullKVCache
+    assert mx.array_equal(feed(model, TOKENS, caches, [15, 1, 24]), ref)
+
+
+def test_pure_ssm_refuses_window_and_bits():
+    model = build("mamba")
+    for policy in (KVPolicy(window=16), KVPolicy(bits=4)):
+        with pytest.raises(PolicyError, match="no attention layer whose cache grows"):
+            check_policy(model, policy)
+    caches = make_caches(model, KVPolicy())
+    assert all(isinstance(c, ArraysCache) for c in caches)
+
+
+def test_hybrid_keeps_recurrent_state():
+    model = build("lfm2")
+    caches = make_caches(model, SINK)
+    assert isinstance(caches[0], ArraysCache) and type(caches[1]) is StreamingKVCache
+    chunked = feed(model, TOKENS, caches, [15, 1, 1, 23])
+    stepwise = feed(model, TOKENS, make_caches(model, SINK), [1] * 40)
+    assert mx.abs(chunked - stepwise).max().item() < 1e-4
+
+
+def test_mla_window_only():
+    model = build("deepseek_v3")
+    for policy, what in ((SINK, "MLA"), (KVPolicy(bits=8, group_size=32), "MLA")):
+        with pytest.raises(PolicyError, match=what):
+            check_policy(model, policy)
+    window = KVPolicy(window=12)
+    caches = make_caches(model, window)
+    assert caches[0].rotation is None  # positions live in the "values": never rotated
+    chunked = feed(model, TOKENS, caches, [15, 1, 1, 23])
+    stepwise = feed(model, TOKENS, make_caches(model, window), [1] * 40)
+    assert caches[0].kept == 12
+    assert mx.abs(chunked - stepwise).max().item() < 1e-4
+
+
+def test_learned_sink_logits_refuse_bits():
+    model = build("gpt_oss")
+    with pytest.raises(PolicyError, match="learned sink"):
+        check_policy(model, KVPolicy(bits=4, group_size=32))
+    caches = make_caches(model, SINK)
+    feed(model, TOKENS, caches, [15, 1, 24])
+    assert caches[1].kept == 12
+
+
+def test_dynamic_ntk_refuses_sinks_by_name():
+    model = build("llama_dynamic")
+    with pytest.raises(PolicyError, match="DynamicNTKScalingRoPE"):
+        check_policy(model, SINK)
+    caches = make_caches(model, KVPolicy(window=10))
+    assert caches[0].rotation is None  # a plain window: no re-positioning, no rebase
+    feed(model, TOKENS, caches, [15, 1, 24])
+
+
+def test_unknown_rope_refused_by_name():
+    model = tiny_llama(layers=1)
+
+    class FancyRotaryEmbedding(nn.Module):
+        def __call__(self, x, offset=0):
+            return x
+
+    model.layers[0].self_attn.rope = FancyRotaryEmbedding()
+    with pytest.raises(PolicyError, match="FancyRotaryEmbedding"):
+        check_policy(model, SINK)
+
+
+def test_nope_layers_take_sinks():
+    model = build("smollm3")
+    caches = make_caches(model, SINK)
+    chunked = feed(model, TOKENS, caches, [15, 1, 1, 23])
+    stepwise = feed(model, TOKENS, make_caches(model, SINK), [1] * 40)
+    assert mx.abs(chunked - stepwise).max().item() < 1e-4
+
+
+def test_group_size_must_divide_head_dim():
+    model = tiny_llama(layers=1, hidden=64)  # head_dim 16
+    with pytest.raises(PolicyError, match="does not divide the head dimension 16"):
+        check_policy(model, KVPolicy(bits=4, group_size=32))
+
+
+def test_quantized_caches_expose_bits_for_mlx_lm_routing():
+    model = tiny_llama(layers=1)
+    caches = make_caches(model, KVPolicy(window=20, sinks=4, bits=4, group_size=32))
+    assert type(caches[0]) is QuantizedStreamingKVCache
+    feed(model, TOKENS[:30], caches, [30])
+    assert not hasattr(caches[0], "bits")  # prefill took the dense path
+    feed(model, TOKENS[:1], caches, [1])
+    assert caches[0].bits == 4 and caches[0].group_size == 32
+
+
+def test_check_policy_describes_the_plan():
+    plan = check_policy(build("lfm2"), SINK)
+    assert plan.growing == [1] and plan.untouched == {0: "ArraysCache"}
+    assert "sink 2 + window 10" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(window=4, sinks=4), "must be larger than"),
+        (dict(bits=7), "not supported"),
+        (dict(group_size=48), "not supported"),
+        (dict(window=0), "positive"),
+    ],
+)
+def test_bad_policies(kwargs, message):
+    with pytest.raises(PolicyError, match=message):
+        KVPolicy(**kwargs)
+
+
+def test_sink_reference_on_hybrid_attention_layer():
+    """The policy on a hybrid's attention layer is still StreamingLLM-exact (the llama
+    reference with one layer, policy applied through make_caches)."""
+    model = tiny_llama(layers=1)
+    ref = reference_logits(model, TOKENS, 2, 10)
+    got = feed(model, TOKENS, make_caches(model, SINK), [15, 1, 1, 23])
+    assert mx.abs(got - ref).max().item() < 2e-5

@@ -1,0 +1,136 @@
+"""Memory: every cache's nbytes equals mlxkv.memory.policy_bytes exactly; bounded caches
+stay flat over long runs; quantized prefill never peaks above unquantized prefill."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.caches import make_caches
+from mlxkv.memory import policy_bytes as pb
+from mlxkv.policy import KVPolicy
+from tests._caches_ref import tiny_llama
+
+POLICIES = [
+    KVPolicy(),
+    KVPolicy(bits=8, group_size=32),
+    KVPolicy(bits=4),
+    KVPolicy(bits=3, group_size=128),
+    KVPolicy(window=40),
+    KVPolicy(window=300),
+    KVPolicy(window=300, sinks=4),
+    KVPolicy(window=300, sinks=4, bits=4),
+    KVPolicy(window=40, sinks=4, bits=2, group_size=32),
+    KVPolicy(window=600, sinks=7, bits=6, group_size=64),
+]
+SCHEDULE = [100, 1, 1, 200, 1, 300, 1, 1, 57, 1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # head_dim 128 (hidden 128, one head): every group size divides it
+    return tiny_llama(layers=2, hidden=128, heads=1, kv_heads=1, vocab=32)
+
+
+@pytest.mark.parametrize(
+    "policy, batch",
+    [(p, 1) for p in POLICIES] + [(p, 2) for p in POLICIES[::3]],
+    ids=lambda x: x.describe() if isinstance(x, KVPolicy) else f"batch{x}",
+)
+def test_nbytes_equals_prediction(model, policy, batch):
+    caches = make_caches(model, policy)
+    seen = 0
+    for n in SCHEDULE:
+        tokens = mx.full((batch, n), 3, dtype=mx.int32)
+        mx.eval(model(tokens, cache=caches))
+        seen += n
+        predicted = pb.allocated_bytes(policy, 1, 128, 128, 4, seen, batch, n)
+        assert sum(c.nbytes for c in caches) == len(caches) * predicted, seen
+        assert caches[0].kept == pb.kept_tokens(policy, seen)
+        assert caches[0].evicted == pb.evicted_tokens(policy, seen)
+        kept = pb.kept_tokens(policy, seen)
+        logical = pb.logical_bytes(policy, 1, 128, 128, 4, seen, batch)
+        assert logical == batch * kept * pb.token_bytes(policy, 1, 128, 128, 4)
+        assert logical <= predicted
+
+
+def test_documented_ratios():
+    """DESIGN.md: 4-bit group 64 fp16 = 0.28x, 8-bit = 0.53x; sinks add tokens, not copies."""
+    full = pb.token_bytes(KVPolicy(), 8, 128, 128, 2)
+    assert full == 2 * 8 * 128 * 2
+    assert round(pb.token_bytes(KVPolicy(bits=4), 8, 128, 128, 2) / full, 2) == 0.28
+    assert round(pb.token_bytes(KVPolicy(bits=8), 8, 128, 128, 2) / full, 2) == 0.53
+    sink = KVPolicy(window=1000, sinks=4)
+    assert pb.kept_tokens(sink, 10**6) == 1004
+    assert pb.allocated_bytes(sink, 8, 128, 128, 2, 10**6) == 1004 * full + 4 * 8 * 128 * 2
+    assert pb.allocated_bytes(KVPolicy(), 8, 128, 128, 2, 0) == 0
+    assert pb.allocated_bytes(KVPolicy(), 8, 128, 128, 2, 257) == 512 * full
+
+
+def _decode_run(steps, policy, check_every):
+    model = tiny_llama(layers=1, hidden=64, heads=2, kv_heads=2, vocab=32)
+    caches = make_caches(model, policy, rebase_every=256)
+    y = mx.array([[1]])
+    mx.eval(model(mx.zeros((1, 50), dtype=mx.int32), cache=caches))
+    nbytes, active = set(), []
+    for i in range(steps):
+        y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
+        mx.eval(y)
+        if i >= 2 * check_every and i % check_every == 0:
+            nbytes.add(caches[0].nbytes)
+            active.append(mx.get_active_memory())
+    return caches[0], nbytes, active
+
+
+def _assert_flat(cache, nbytes, active, policy):
+    assert cache.kept == policy.kept_tokens
+    assert len(nbytes) == 1
+    assert max(active) - min(active) < 64 * 1024  # a few small buffers, no growth
+
+
+@pytest.mark.parametrize(
+    "policy", [KVPolicy(window=60, sinks=4), KVPolicy(window=60, sinks=4, bits=4, group_size=32)]
+)
+def test_memory_flat_short(policy):
+    cache, nbytes, active = _decode_run(700, policy, 100)
+    assert cache.evicted > 600
+    _assert_flat(cache, nbytes, active, policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy", [KVPolicy(window=60, sinks=4), KVPolicy(window=60, sinks=4, bits=4, group_size=32)]
+)
+def test_memory_flat_20k_steps(policy):
+    cache, nbytes, active = _decode_run(20_000, policy, 1000)
+    assert cache.tokens_seen == 20_050 and cache.offset < 64 + 256 + 2
+    _assert_flat(cache, nbytes, active, policy)
+
+
+def _prefill_peak(policy, tokens, chunk):
+    model = tiny_llama(layers=2, hidden=128, heads=2, kv_heads=2, vocab=32)
+    prompt = mx.random.randint(0, 32, (1, tokens))
+    mx.eval(prompt)
+    caches = make_caches(model, policy)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for p in range(0, tokens, chunk):
+        mx.eval(model(prompt[:, p : p + chunk], cache=caches), [c.state for c in caches])
+        mx.clear_cache()
+    return mx.get_peak_memory() - base
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_quantized_prefill_peak_not_above_unquantized(window):
+    sinks = 4 if window else 0
+    fp = _prefill_peak(KVPolicy(window, sinks), 1024, 256)
+    q4 = _prefill_peak(KVPolicy(window, sinks, bits=4), 1024, 256)
+    assert q4 <= fp
+
+
+@pytest.mark.slow
+def test_quantized_prefill_peak_8k():
+    fp = _prefill_peak(KVPolicy(), 8192, 2048)
+    q4 = _prefill_peak(KVPolicy(bits=4), 8192, 2048)
+    assert q4 <= fp

@@ -1,0 +1,147 @@
+"""Trim / rewind and save / load round trips, and their refusals."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+
+from mlxkv.caches import CacheError, load_caches, make_caches, save_caches, trim_caches
+from mlxkv.memory import policy_bytes as pb
+from mlxkv.policy import KVPolicy
+from tests._caches_ref import feed, tiny_llama
+from tests.test_caches_build import build
+
+POLICIES = [
+    KVPolicy(),
+    KVPolicy(bits=4, group_size=32),
+    KVPolicy(window=20),
+    KVPolicy(window=20, sinks=4),
+    KVPolicy(window=20, sinks=4, bits=8, group_size=32),
+]
+IDS = [p.describe() for p in POLICIES]
+A = [(5 * i + 1) % 64 for i in range(80)]
+B = [(11 * i + 7) % 64 for i in range(80)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_trim_before_eviction_is_exact(model, policy):
+    window_room = policy.kept_tokens or 80
+    n = min(22, window_room - 2)
+    caches = make_caches(model, policy)
+    feed(model, A[:n], caches, [n - 3, 1, 1, 1])
+    assert trim_caches(caches, 8) == 8
+    assert caches[0].kept == n - 8
+    got = feed(model, B[:6], caches, [4, 1, 1])
+    fresh = feed(model, A[: n - 8] + B[:6], make_caches(model, policy), [n - 8 + 4, 1, 1])
+    assert mx.abs(got - fresh[:, n - 8 :]).max().item() < 2e-5
+    assert caches[0].nbytes == pb.allocated_bytes(policy, 2, 32, 32, 4, n - 8 + 6)
+
+
+def test_trim_shrinks_allocation(model):
+    caches = make_caches(model, KVPolicy())
+    feed(model, A + B + A + B, caches, [300, 1, 19])
+    trim_caches(caches, 100)
+    assert caches[0].nbytes == pb.allocated_bytes(KVPolicy(), 2, 32, 32, 4, 220)
+
+
+@pytest.mark.parametrize("policy", POLICIES[2:], ids=IDS[2:])
+def test_trim_after_eviction_only_window_tokens(model, policy):
+    caches = make_caches(model, policy)
+    feed(model, A[:60], caches, [30] + [1] * 30)
+    assert caches[0].evicted == 60 - policy.kept_tokens
+    with pytest.raises(CacheError, match="at most 20: the sliding window has already evicted"):
+        trim_caches(caches, 21)
+    assert caches[0].kept == policy.kept_tokens  # refused: nothing trimmed
+    assert trim_caches(caches, 5) == 5
+    assert caches[0].kept == policy.kept_tokens - 5 and caches[0].tokens_seen == 55
+    feed(model, B[:3], caches, [1, 2])  # the window refills before evicting again
+    assert caches[0].kept == policy.kept_tokens - 2
+    assert caches[0].evicted == 60 - policy.kept_tokens
+
+
+def test_trim_refusals():
+    ssm = make_caches(build("mamba"), KVPolicy())
+    with pytest.raises(CacheError, match="recurrent state"):
+        trim_caches(ssm, 1)
+    assert trim_caches(ssm, 0) == 0
+    with pytest.raises(CacheError, match="negative"):
+        trim_caches(ssm, -1)
+    model = tiny_llama(layers=1)
+    rot = [RotatingKVCache(8, keep=2)]
+    feed(model, A[:12], rot, [1] * 12)
+    with pytest.raises(CacheError, match="wrapped"):
+        trim_caches(rot, 1)
+
+
+META = {"model": "tiny-llama", "policy": None, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_save_load_round_trip(model, policy, tmp_path):
+    meta = dict(META, policy=policy.to_dict())
+    caches = make_caches(model, policy, rebase_every=10)
+    feed(model, A[:50], caches, [40] + [1] * 10)
+    path = tmp_path / "c.safetensors"
+    save_caches(path, caches, meta)
+    loaded = load_caches(path, meta)
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert loaded[0].kept == caches[0].kept and loaded[0].offset == caches[0].offset
+    assert loaded[0].nbytes == caches[0].nbytes
+    a = feed(model, B[:12], caches, [5, 1, 1, 5])
+    b = feed(model, B[:12], loaded, [5, 1, 1, 5])
+    assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["lfm2", "llama_sliding"])
+def test_save_load_models_own_caches(name, tmp_path):
+    model = build(name)
+    policy = KVPolicy(window=10, sinks=2)
+    caches = make_caches(model, policy)
+    feed(model, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], caches, [12, 1])
+    save_caches(tmp_path / "c.safetensors", caches, META)
+    loaded = load_caches(tmp_path / "c.safetensors", META)
+    a = feed(model, [4, 5, 6], caches, [2, 1])
+    b = feed(model, [4, 5, 6], loaded, [2, 1])
+    assert mx.array_equal(a, b)
+
+
+def test_save_load_empty(model, tmp_path):
+    caches = make_caches(model, KVPolicy(window=20, sinks=4))
+    save_caches(tmp_path / "e.safetensors", caches, META)
+    loaded = load_caches(tmp_path / "e.safetensors", META)
+    assert loaded[0].empty() and loaded[0].sinks == 4
+
+
+@pytest.mark.parametrize(
+    "key, other",
+    [
+        ("model", "another-model"),
+        ("policy", KVPolicy(window=21, sinks=4).to_dict()),
+        ("dtype", "bfloat16"),
+    ],
+)
+def test_load_refuses_other_model_policy_dtype(model, tmp_path, key, other):
+    meta = dict(META, policy=KVPolicy(window=20, sinks=4).to_dict())
+    caches = make_caches(model, KVPolicy(window=20, sinks=4))
+    feed(model, A[:5], caches, [5])
+    save_caches(tmp_path / "c.safetensors", caches, meta)
+    with pytest.raises(CacheError, match=f"made with {key}=") as err:
+        load_caches(tmp_path / "c.safetensors", dict(meta, **{key: other}))
+    assert "\n" not in str(err.value)
+
+
+def test_load_refuses_foreign_files(tmp_path):
+    with pytest.raises(CacheError, match="no saved cache"):
+        load_caches(tmp_path / "missing.safetensors", META)
+    mx.save_safetensors(str(tmp_path / "w.safetensors"), {"w": mx.zeros(3)})
+    with pytest.raises(CacheError, match="not an mlxkv cache"):
+        load_caches(tmp_path / "w.safetensors", META)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CacheError, match="not a readable cache"):
+        load_caches(tmp_path / "junk.safetensors", META)

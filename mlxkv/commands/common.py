@@ -19,8 +19,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", "float32", "float16", "bfloat16"),
-        help="weight dtype; auto = float32 on the CPU backend, the checkpoint's on Metal",
+        choices=("auto", "native", "float32", "float16", "bfloat16"),
+        help="weight dtype; auto = float32 on the CPU backend, the checkpoint's on Metal; "
+        "native = as stored (quantized stays quantized, like mlx-lm)",
     )
     p.add_argument(
         "--force", action="store_true", help="load even if the memory check says it won't fit"

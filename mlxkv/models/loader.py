@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mlxkv.errors import UserError
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -43,13 +43,27 @@ def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedMode
         model, tokenizer, config = mlx_lm.load(str(path), lazy=True, return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise UserError(f"cannot load the model in {path}: {e}") from None
-    target = default_weight_dtype(config) if dtype == "auto" else dtype
-    if target == "float32" or dtype != "auto":
-        # An explicit dtype means plain weights in that dtype: dequantize first.
-        dequantize_model(model)
-    model.set_dtype(getattr(mx, target))
+    if dtype == "native":  # as stored: quantized layers stay quantized (mlx-lm's default)
+        target = _float_dtype(model)
+    else:
+        target = default_weight_dtype(config) if dtype == "auto" else dtype
+        if target == "float32" or dtype != "auto":
+            # An explicit dtype means plain weights in that dtype: dequantize first.
+            dequantize_model(model)
+        model.set_dtype(getattr(mx, target))
     mx.eval(model.parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return LoadedModel(
         model, tokenizer, config, Path(path), target, name or Path(path).name, weights
     )
+
+
+def _float_dtype(model) -> str:
+    """The dtype of the model's unquantized floating parameters (its activation dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for name, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating) and not name.endswith(("scales", "biases")):
+            return str(v.dtype).removeprefix("mlx.core.")
+    return "float32"

@@ -1,0 +1,228 @@
+"""``mlxkv batch`` end to end: bad input, exit codes, duplicates, resume after a kill.
+
+Runs in process through ``mlxkv.cli.main``; the model-backed tests reuse the session's
+loaded default model instead of loading it for every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlxkv.cli import main
+
+
+def _write(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def _records(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail loudly if a run that should stop before loading tries to load."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("mlxkv.engine.loading.open_model", refuse)
+
+
+@pytest.fixture
+def preloaded(monkeypatch, default_model):
+    loads = []
+
+    def fake_open(*a, **k):
+        loads.append(1)
+        return default_model
+
+    monkeypatch.setattr("mlxkv.engine.loading.open_model", fake_open)
+    return loads
+
+
+# -- the whole run cannot proceed: exit 2, one line, nothing written ---------------------------
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        (lambda d: d / "missing.jsonl", "does not exist"),
+        (lambda d: _write(d / "empty.jsonl", [""]), "is empty"),
+        (lambda d: _write(d / "prose.jsonl", ["Dear reader,", "hello"]), "not JSONL"),
+    ],
+)
+def test_unusable_input_exits_2(tmp_path, capsys, no_model, setup, words):
+    inp = setup(tmp_path)
+    assert main(["batch", str(inp), "-o", str(tmp_path / "out.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and err[0].startswith("mlxkv batch: error:")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_output_in_missing_directory_exits_2(tmp_path, capsys, no_model):
+    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    assert main(["batch", str(inp), "-o", str(tmp_path / "nope" / "out.jsonl")]) == 2
+    assert "output directory" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists()
+
+
+def test_output_is_input_exits_2(tmp_path, capsys, no_model):
+    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    assert main(["batch", str(inp), "-o", str(inp)]) == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert json.loads(inp.read_text()) == {"id": 1, "prompt": "hi"}
+
+
+def test_bad_batch_size_exits_2(tmp_path, capsys, no_model):
+    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    assert main(["batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+
+
+def test_foreign_output_file_is_refused_untouched(tmp_path, capsys, no_model):
+    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text("precious\n")
+    assert main(["batch", str(inp), "-o", str(out)]) == 2
+    assert "not a batch record" in capsys.readouterr().err
+    assert out.read_text() == "precious\n"
+
+
+# -- only bad lines: error records, exit 1, no model load, resume adds nothing ---------------
+def test_bad_lines_become_records_without_loading(tmp_path, capsys, no_model):
+    inp = _write(
+        tmp_path / "in.jsonl",
+        ["{oops", {"id": "a"}, {"id": "b", "prompt": "x", "colour": 1}, {"id": "a"}],
+    )
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out), "--stats"]) == 1
+    cap = capsys.readouterr()
+    recs = _records(out)
+    assert [r["line"] for r in recs] == [1, 2, 3, 4]
+    assert all("error" in r for r in recs)
+    assert "id" not in recs[0] and recs[1]["id"] == "a"
+    assert "duplicate id 'a'" in recs[3]["error"] and "line 2" in recs[3]["error"]
+    assert "duplicate id 'a' on line 4" in cap.err
+    assert json.loads(cap.out)["errors"] == 4
+    before = out.read_bytes()
+    assert main(["batch", str(inp), "-o", str(out)]) == 0  # all done: nothing to redo
+    assert out.read_bytes() == before
+    assert "4 lines already in" in capsys.readouterr().err
+
+
+# -- with the model -----------------------------------------------------------------------------
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+    "Name a large animal.",
+]
+
+
+@pytest.mark.model
+def test_mixed_input_end_to_end(tmp_path, capsys, preloaded):
+    inp = _write(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "fr", "prompt": QUESTIONS[0], "max_tokens": 12},
+            "not json",
+            {"id": 2, "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 4},
+            {"id": "fr", "prompt": "again"},
+            {"id": "sys", "prompt": QUESTIONS[1], "system": "Be brief.", "max_tokens": 6},
+            {"id": "long", "prompt": "word " * 9000, "max_tokens": 4},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out), "--batch-size", "2", "--stats"]) == 1
+    cap = capsys.readouterr()
+    by_line = {r["line"]: r for r in _records(out)}
+    assert sorted(by_line) == [1, 2, 3, 4, 5, 6]
+    assert "Paris" in by_line[1]["text"] and by_line[1]["id"] == "fr"
+    for line in (1, 3, 5):
+        r = by_line[line]
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["prompt_tokens"] > 0 and 0 < r["generation_tokens"] <= 12
+        assert r["latency_s"] > 0
+    assert by_line[3]["generation_tokens"] <= 4 and by_line[3]["id"] == 2
+    assert "error" in by_line[2] and "duplicate" in by_line[4]["error"]
+    assert "model's context is 8192" in by_line[6]["error"] and by_line[6]["id"] == "long"
+    stats = json.loads(cap.out)
+    assert stats["results"] == 3 and stats["errors"] == 3 and stats["batched"] is True
+    assert stats["generation_tokens"] == sum(by_line[i]["generation_tokens"] for i in (1, 3, 5))
+
+
+@pytest.mark.model
+def test_resume_after_a_torn_write(tmp_path, capsys, preloaded):
+    """Simulated kill: the output ends mid-record. The re-run cuts the torn line, redoes
+    that one result, keeps the others byte for byte and writes each id exactly once."""
+    lines = [{"id": f"q{i}", "prompt": q, "max_tokens": 8} for i, q in enumerate(QUESTIONS)]
+    inp = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out), "--batch-size", "3"]) == 0
+    full = _records(out)
+    kept = out.read_text().splitlines(keepends=True)[:2]
+    torn = out.read_text().splitlines(keepends=True)[2][:25]
+    out.write_text("".join(kept) + torn)
+    capsys.readouterr()
+
+    assert main(["batch", str(inp), "-o", str(out), "--batch-size", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "torn last line" in err and "2 lines already in" in err
+    text = out.read_text()
+    assert text.startswith("".join(kept))
+    again = _records(out)
+    assert sorted(r["id"] for r in again) == sorted(r["id"] for r in full)
+    # Greedy: the redone results equal the first run's.
+    strip = {"latency_s", "prompt_tps", "generation_tps"}
+
+    def same(r):
+        return {k: v for k, v in r.items() if k not in strip}
+
+    assert sorted(map(json.dumps, map(same, again))) == sorted(map(json.dumps, map(same, full)))
+
+
+@pytest.mark.model
+def test_window_policy_runs_one_by_one(tmp_path, capsys, preloaded):
+    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": QUESTIONS[0], "max_tokens": 6}])
+    out = tmp_path / "out.jsonl"
+    args = ["batch", str(inp), "-o", str(out), "--kv-window", "64", "--stats"]
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    assert "one by one" in cap.err and "no batched form" in cap.err
+    assert json.loads(cap.out)["batched"] is False
+    assert _records(out)[0]["generation_tokens"] > 0
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_kill_9_then_resume(tmp_path, default_model_path):
+    """A real ``mlxkv batch`` process killed -9 mid-run; the re-run completes the file with
+    every id exactly once."""
+    lines = [
+        {"id": i, "prompt": f"Write a short poem about the number {i}.", "max_tokens": 24}
+        for i in range(12)
+    ]
+    inp = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "mlxkv", "batch", str(inp), "-o", str(out), "--batch-size", "4"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 2):
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(_records(out)) if out.read_bytes().endswith(b"\n") else None
+    assert subprocess.run(cmd, capture_output=True, timeout=900).returncode == 0
+    recs = _records(out)
+    assert sorted(r["id"] for r in recs) == list(range(12))
+    assert all("text" in r for r in recs)
+    if done_before is not None:
+        assert done_before >= 2

@@ -77,6 +77,7 @@ class ChatApp(App):
         self._stop = threading.Event()
         self._streaming: MessageView | None = None
         self._pending_text = ""  # the prompt of the running turn (given back on failure)
+        self._question: MessageView | None = None  # its view
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.metrics: dict = {"turns": []}
 
@@ -91,17 +92,22 @@ class ChatApp(App):
             yield KVPanel(id="panel")
         yield Footer()
 
+    # The chat widgets live on the first screen; a loading screen may be on top of it.
+    @property
+    def main(self) -> Screen:
+        return self.screen_stack[0]
+
     @property
     def chat(self) -> ChatLog:
-        return self.query_one(ChatLog)
+        return self.main.query_one(ChatLog)
 
     @property
     def panel(self) -> KVPanel:
-        return self.query_one(KVPanel)
+        return self.main.query_one(KVPanel)
 
     @property
     def prompt(self) -> PromptInput:
-        return self.query_one(PromptInput)
+        return self.main.query_one(PromptInput)
 
     def on_mount(self) -> None:
         self.metrics["mounted"] = time.perf_counter()
@@ -109,7 +115,7 @@ class ChatApp(App):
         self.load_model(self.model)
 
     def set_status(self, text: str | None = None) -> None:
-        status = self.query_one("#status", Static)
+        status = self.main.query_one("#status", Static)
         status.update(text or READY)
         status.set_class(bool(self.busy), "busy")
 
@@ -166,6 +172,8 @@ class ChatApp(App):
 
     # -- events from the worker ------------------------------------------------------------
     async def on_chat_app_wake(self, _msg: Wake) -> None:
+        if self._closing or not self.screen_stack:
+            return  # shutting down
         text: list[str] = []
         for item in self.pipe.drain():
             if isinstance(item, TokenDelta):
@@ -254,23 +262,21 @@ class ChatApp(App):
         self.call_after_refresh(painted)
 
     async def _after_turn(self, item) -> None:
+        question, self._question = self._question, None
+        view, self._streaming = self._streaming, None
         if isinstance(item, Done):
             return
-        view, self._streaming = self._streaming, None
+        # The engine recorded no answer (and took back an unanswered message): the view
+        # follows, the error stays visible, and the typed text returns to the input box.
         await self.note(item.message, "error")
-        if view is not None and not view.text:
+        if view is not None:
             await view.remove()
-        elif view is not None:
-            await view.finish(view.text, "failed")
-        user = self.chat.last_message()
         sent = self._pending_text
-        dropped = not any(
-            m["role"] == "user" and m["content"] == sent for m in self.engine.messages[-1:]
-        )
-        if user is not None and user.role == "user" and dropped and sent:
-            await user.remove()  # the engine took it back: so does the view
+        kept = any(m["role"] == "user" and m["content"] == sent for m in self.engine.messages[-1:])
+        if question is not None and not kept:
+            await question.remove()
         if sent and not self.prompt.text:
-            self.prompt.load_text(sent)  # the typed text is never lost
+            self.prompt.load_text(sent)
             self.prompt.move_cursor(self.prompt.document.end)
 
     async def _after_policy(self, item) -> None:
@@ -334,7 +340,8 @@ class ChatApp(App):
         self.prompt.remember(event.text)
         self.prompt.clear()
         self._pending_text = text
-        await self.chat.add(MessageView("user", text))
+        self._question = MessageView("user", text)
+        await self.chat.add(self._question)
         self._streaming = MessageView("assistant")
         await self.chat.add(self._streaming)
         self.chat.anchor()  # sending brings the view back to the bottom
@@ -399,7 +406,7 @@ class ChatApp(App):
         last = self.chat.last_message()
         if last is not None and last.role == "assistant":
             await last.remove()
-        self._pending_text = ""
+        self._pending_text, self._question = "", None
         self._streaming = MessageView("assistant")
         await self.chat.add(self._streaming)
         self.chat.anchor()

@@ -39,14 +39,21 @@ def real_opener(dtype: str = "auto", force: bool = False, overflow: str = "stop"
 
 
 class ChatEngine:
-    def __init__(self, opener: Opener, settings, policy: KVPolicy | None = None, system: str = ""):
+    def __init__(
+        self,
+        opener: Opener,
+        settings,
+        policy: KVPolicy | None = None,
+        system: str = "",
+        budget: int | None = None,  # memory budget in bytes; None: ask the machine
+    ):
         self._open = opener
         self.settings = settings
         self._policy = policy or KVPolicy()
         self._system = system
         self.chat: ChatSession | None = None
         self.threads: set[int] = set()  # threads that ran engine work (the tests check: one)
-        self._budget: int | None = None
+        self._budget = budget
 
     def _mark(self) -> None:
         self.threads.add(threading.get_ident())
@@ -108,11 +115,24 @@ class ChatEngine:
             msgs = self.chat.messages
             if len(msgs) == before + 1 and msgs[-1]["role"] == "user":
                 msgs.pop()
+            self._after_failure()
             raise
 
     def regenerate(self, stop: threading.Event) -> Iterator[Event]:
         self._mark()
-        yield from self._stream(self.chat.regenerate(), stop)
+        try:
+            yield from self._stream(self.chat.regenerate(), stop)
+        except Exception:
+            self._after_failure()
+            raise
+
+    def _after_failure(self) -> None:
+        """A turn that broke off may leave tokens in the cache that its bookkeeping does not
+        list; dropping the cache costs one prefill and keeps the next turn correct."""
+        try:
+            self.chat.generator.reset()
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            pass
 
     def cancel(self) -> None:
         """Thread-safe: stops the running generation after its current token."""

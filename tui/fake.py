@@ -118,20 +118,21 @@ class FakeGenerator:
         yield PrefillProgress(n_prompt, n_prompt)
         question = prompt_text.rsplit("<|user|>", 1)[-1].split("\n<|")[0]
         pieces = re.findall(r"\s*\S+|\s+", canned_answer(question))[: settings.max_tokens]
-        text, reason = "", "stop"
+        text, reason, n = "", "stop", 0
         for i, piece in enumerate(pieces):
             if "!fail" in question and i == 2:
                 raise RuntimeError("the fake model failed mid-answer")
             if self.delay:
                 time.sleep(self.delay)
             text += piece
+            n += 1
             self.kv.seen += 1
             yield TokenDelta(piece, i, self._stats(n_prompt, i + 1))
             if self._cancel.is_set():
                 reason = "cancelled"
                 break
         self.cached = prompt_text + text
-        yield Finished(text, reason, self._stats(n_prompt, len(text.split()), reason))
+        yield Finished(text, reason, self._stats(n_prompt, n, reason))
 
 
 def fake_opener(delay: float = 0.0, known=("fake-135m", None)):

@@ -35,10 +35,13 @@ def figures(s: Stats) -> Table:
     t.add_row("logical", human_bytes(s.kv_bytes_logical), "kept tokens")
     t.add_row("kept", tokens(s.kv_tokens), f"evicted {tokens(s.kv_evicted)}")
     t.add_row("context", tokens(s.kv_tokens_seen), f"limit {tokens(s.context_limit)}")
-    t.add_row("policy", Text(s.policy, "bold"), "")
-    t.add_row("prompt", f"{s.prompt_tps:.1f}", f"tok/s ({s.prompt_tokens} tok)")
-    t.add_row("generate", f"{s.generation_tps:.1f}", f"tok/s ({s.generation_tokens} tok)")
+    t.add_row("prompt", f"{s.prompt_tps:.1f} tok/s", f"{s.prompt_tokens} tok")
+    t.add_row("generate", f"{s.generation_tps:.1f} tok/s", f"{s.generation_tokens} tok")
     return t
+
+
+def policy_line(s: Stats) -> Text:
+    return Text.assemble(("policy ", "bold"), (s.policy, "bold yellow"))
 
 
 def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
@@ -82,6 +85,7 @@ class KVPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("KV cache", classes="title")
+        yield Static(id="kv-policy")
         yield Static(id="kv-figures")
         yield Static("Memory (MLX)", classes="title")
         yield Static(id="kv-mem")
@@ -115,6 +119,7 @@ class KVPanel(Vertical):
         self.renders += 1
         s = self.stats
         width = max(self.content_size.width, 20)
+        self.query_one("#kv-policy", Static).update(policy_line(s))
         self.query_one("#kv-figures", Static).update(figures(s))
         self.query_one("#kv-mem", Static).update(memory_bar(s, self.budget, width))
         pts = self.series.points

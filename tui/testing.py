@@ -1,0 +1,68 @@
+"""Helpers for driving the app in tests (Pilot) and measurements, without a terminal."""
+
+from __future__ import annotations
+
+import time
+
+GIB = 1 << 30
+
+
+def fake_app(delay: float = 0.0, model: str | None = None, max_tokens: int = 200, **kw):
+    """The real app over the scripted engine (tui.fake), with a fixed memory budget so
+    screenshots are the same on every machine."""
+    from mlxkv.engine.session import GenerationSettings
+    from tui.app import ChatApp
+    from tui.engine import ChatEngine
+    from tui.fake import fake_opener
+
+    engine = ChatEngine(
+        fake_opener(delay=delay), GenerationSettings(max_tokens=max_tokens), budget=16 * GIB
+    )
+    return ChatApp(engine, model=model, **kw)
+
+
+async def wait_idle(app, pilot, timeout: float = 30.0, step: float = 0.02) -> None:
+    """Wait until no job runs and every queued event has been applied."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        await pilot.pause(step)
+        if not app.busy and not app.pipe._items:
+            await pilot.pause()
+            return
+    raise TimeoutError(f"the app is still busy ({app.busy}) after {timeout} s")
+
+
+async def wait_for(pilot, condition, timeout: float = 30.0, step: float = 0.02) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return
+        await pilot.pause(step)
+    raise TimeoutError("condition not met")
+
+
+async def send(app, pilot, text: str, wait: bool = True, timeout: float = 30.0) -> None:
+    """Put ``text`` in the input and submit it, as Enter does. With ``wait=False`` it
+    returns at once (Pilot's key presses wait for the app to go idle, which a streaming
+    answer delays)."""
+    from tui.prompt_input import PromptInput
+
+    app.prompt.load_text(text)
+    if wait:
+        await pilot.press("enter")
+        await wait_idle(app, pilot, timeout)
+    else:
+        app.prompt.post_message(PromptInput.Submitted(text))
+        await wait_for(pilot, lambda: app.busy, timeout)
+
+
+def sync(test):
+    """Run an async test function with asyncio.run (no pytest async plugin needed)."""
+    import asyncio
+    import functools
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return run

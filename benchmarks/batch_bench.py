@@ -1,0 +1,137 @@
+"""Throughput of ``mlxkv batch`` vs one-by-one generation vs mlx-lm ``batch_generate``.
+
+    python benchmarks/batch_bench.py [--prompts 16] [--max-tokens 128] [--rounds 3]
+
+Same prompts (chat template applied, same token ids), same model, greedy, full cache.
+- mlxkv batch: the real command in a subprocess (``--stats``); its elapsed time excludes
+  the model load and includes prefill, decoding and writing the results file.
+- one by one: the engine's Generator (what ``mlxkv generate`` runs), prompt after prompt.
+- mlx-lm: ``batch_generate`` with its defaults (completion batch 32, prefill batch 8).
+Throughput = generated tokens / wall time. The machine is shared, so the three run
+interleaved, round after round, and we report medians and the median of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlxkv  # noqa: F401  (OpenBLAS before MLX)
+
+TOPICS = [
+    "the ocean", "mountains", "a city at night", "the history of bread", "robots",
+    "winter", "friendship", "the moon", "trains", "gardening", "music", "coffee",
+    "libraries", "rivers", "deserts", "birds", "volcanoes", "chess", "rain", "bridges",
+]  # fmt: skip
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+
+
+def run_mlxkv_batch(qs, max_tokens, batch_size, workdir: Path) -> dict:
+    inp, out = workdir / "in.jsonl", workdir / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(qs)))
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "mlxkv", "batch", str(inp), "-o", str(out), "--stats",
+           "--no-progress", "--max-tokens", str(max_tokens),
+           "--batch-size", str(batch_size)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    stats = json.loads(proc.stdout)
+    return {"tokens": stats["generation_tokens"], "seconds": stats["elapsed_s"]}
+
+
+def run_one_by_one(loaded, qs, max_tokens) -> dict:
+    from mlxkv.engine.chat import ChatSession
+    from mlxkv.engine.events import Finished
+    from mlxkv.engine.session import GenerationSettings, Generator
+
+    settings = GenerationSettings(max_tokens=max_tokens)
+    gen = Generator(loaded)
+    tokens, tic = 0, time.perf_counter()
+    for q in qs:
+        gen.reset()
+        events = ChatSession(gen, settings).send(q)
+        tokens += [e for e in events if isinstance(e, Finished)][0].stats.generation_tokens
+    return {"tokens": tokens, "seconds": time.perf_counter() - tic}
+
+
+def run_mlx_lm(loaded, qs, max_tokens) -> dict:
+    from mlx_lm.generate import batch_generate
+
+    tok = loaded.tokenizer
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in qs
+    ]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    tic = time.perf_counter()
+    res = batch_generate(loaded.model, tok, ids, max_tokens=max_tokens, return_token_ids=True)
+    # batch_generate drops the EOS token; mlxkv counts it: count it here too.
+    tokens = sum(len(t) + (len(t) < max_tokens) for t in res.token_ids)
+    return {"tokens": tokens, "seconds": time.perf_counter() - tic}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sequential-rounds", type=int, default=None, help="default: --rounds")
+    args = ap.parse_args()
+
+    from mlxkv.models.loader import load
+    from mlxkv.models.resolve import resolve
+
+    loaded = load(resolve(None).path)
+    qs = prompts(args.prompts)
+    seq_rounds = args.rounds if args.sequential_rounds is None else args.sequential_rounds
+    runs: dict[str, list[dict]] = {"mlxkv_batch": [], "mlx_lm_batch_generate": [], "one_by_one": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_mlx_lm(loaded, qs[:2], 4)  # warm-up (first-call allocations)
+        for r in range(args.rounds):
+            runs["mlxkv_batch"].append(
+                run_mlxkv_batch(qs, args.max_tokens, args.batch_size, Path(tmp))
+            )
+            runs["mlx_lm_batch_generate"].append(run_mlx_lm(loaded, qs, args.max_tokens))
+            if r < seq_rounds:
+                runs["one_by_one"].append(run_one_by_one(loaded, qs, args.max_tokens))
+            done = {k: [round(x["tokens"] / x["seconds"], 2) for x in v] for k, v in runs.items()}
+            print(f"round {r + 1}: tok/s {done}", file=sys.stderr, flush=True)
+
+    def tps(x):
+        return x["tokens"] / x["seconds"]
+
+    med = {k: statistics.median(map(tps, v)) for k, v in runs.items() if v}
+
+    def paired(a, b):
+        """Per-round ratios: both sides saw the same load on the shared machine."""
+        return [tps(x) / tps(y) for x, y in zip(runs[a], runs[b], strict=False)]
+
+    paired_seq = paired("mlxkv_batch", "one_by_one")
+    paired_lm = paired("mlxkv_batch", "mlx_lm_batch_generate")
+    report = {
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "batch_size": args.batch_size,
+        "rounds": args.rounds,
+        "tokens": {k: [x["tokens"] for x in v] for k, v in runs.items()},
+        "tok_per_s": {k: [round(tps(x), 2) for x in v] for k, v in runs.items()},
+        "median_tok_per_s": {k: round(v, 2) for k, v in med.items()},
+        "ratio_vs_one_by_one": round(statistics.median(paired_seq), 2) if paired_seq else None,
+        "ratio_vs_mlx_lm": round(statistics.median(paired_lm), 3),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -226,3 +226,34 @@ def test_kill_9_then_resume(tmp_path, default_model_path):
     assert all("text" in r for r in recs)
     if done_before is not None:
         assert done_before >= 2
+
+
+# -- prompt text: template, system prompts, --raw ---------------------------------------------
+class _EchoTemplate:
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages)
+
+
+def test_prompt_text_system_rules():
+    from types import SimpleNamespace
+
+    from mlxkv.commands.batch import _prompt_text
+    from mlxkv.engine.batch_input import parse_line
+    from mlxkv.errors import UserError
+
+    tok = _EchoTemplate()
+    flags = SimpleNamespace(raw=False, system="S")
+    job = parse_line(1, '{"id": 1, "prompt": "q"}')
+    assert _prompt_text(job, tok, flags) == "system:S|user:q"
+    own = parse_line(1, '{"id": 1, "prompt": "q", "system": "mine"}')
+    assert _prompt_text(own, tok, flags) == "system:mine|user:q"
+    msgs = '[{"role": "system", "content": "M"}, {"role": "user", "content": "q"}]'
+    has = parse_line(1, '{"id": 1, "messages": ' + msgs + "}")
+    assert _prompt_text(has, tok, flags) == "system:M|user:q"  # --system only fills in
+    both = parse_line(1, '{"id": 1, "system": "x", "messages": ' + msgs + "}")
+    with pytest.raises(UserError, match="both 'system'"):
+        _prompt_text(both, tok, flags)
+    raw = SimpleNamespace(raw=True, system="")
+    assert _prompt_text(job, tok, raw) == "q"
+    with pytest.raises(UserError, match="needs the chat template"):
+        _prompt_text(own, tok, raw)

@@ -116,10 +116,11 @@ def _prompt_text(job, tokenizer, args) -> str:
             raise UserError("'system' needs the chat template; drop it or --raw")
         return job.prompt
     messages = job.messages or [{"role": "user", "content": job.prompt}]
+    has_system = any(m["role"] == "system" for m in messages)
+    if job.system is not None and has_system:
+        raise UserError("both 'system' and a system message; give one")
     system = job.system if job.system is not None else args.system
-    if system:
-        if any(m["role"] == "system" for m in messages):
-            raise UserError("both 'system' and a system message; give one")
+    if system and not has_system:  # --system fills in for lines without their own
         messages = [{"role": "system", "content": system}, *messages]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -22,22 +21,28 @@ MAX_HZ = 10
 BAR = "█"
 
 
-def figures(s: Stats) -> Table:
-    t = Table.grid(padding=(0, 1))
-    t.add_column(style="bold", no_wrap=True)
-    t.add_column(justify="right", no_wrap=True)
-    t.add_column(no_wrap=True)
+def figures(s: Stats) -> Text:
+    """Label, value, remark per line, in fixed columns (plain text keeps redraws cheap and
+    screenshots stable)."""
     gap = versus(s.kv_bytes_actual, s.kv_bytes_predicted)
-    gap_style = "bold green" if gap == "exact" else "bold yellow"
-    t.add_row("actual", Text(human_bytes(s.kv_bytes_actual), plot.ACTUAL), "allocated")
-    t.add_row("predicted", Text(human_bytes(s.kv_bytes_predicted), plot.PREDICTED), "allocated")
-    t.add_row("", "", Text(gap, gap_style))
-    t.add_row("logical", human_bytes(s.kv_bytes_logical), "kept tokens")
-    t.add_row("kept", tokens(s.kv_tokens), f"evicted {tokens(s.kv_evicted)}")
-    t.add_row("context", tokens(s.kv_tokens_seen), f"limit {tokens(s.context_limit)}")
-    t.add_row("prompt", f"{s.prompt_tps:.1f} tok/s", f"{s.prompt_tokens} tok")
-    t.add_row("generate", f"{s.generation_tps:.1f} tok/s", f"{s.generation_tokens} tok")
-    return t
+    rows = [
+        ("actual", Text(human_bytes(s.kv_bytes_actual), plot.ACTUAL), "allocated"),
+        ("predicted", Text(human_bytes(s.kv_bytes_predicted), plot.PREDICTED), "allocated"),
+        ("", Text(""), Text(gap, "bold green" if gap == "exact" else "bold yellow")),
+        ("logical", Text(human_bytes(s.kv_bytes_logical)), "kept tokens"),
+        ("kept", Text(tokens(s.kv_tokens)), f"evicted {tokens(s.kv_evicted)}"),
+        ("context", Text(tokens(s.kv_tokens_seen)), f"limit {tokens(s.context_limit)}"),
+        ("prompt", Text(f"{s.prompt_tps:.1f} tok/s"), f"{s.prompt_tokens} tok"),
+        ("generate", Text(f"{s.generation_tps:.1f} tok/s"), f"{s.generation_tokens} tok"),
+    ]
+    out = Text(no_wrap=True, overflow="ellipsis")
+    for n, (label, value, remark) in enumerate(rows):
+        value.pad_left(max(12 - len(value), 0))
+        out.append(f"{label:<9} ", "bold").append_text(value).append(" ")
+        out.append_text(remark if isinstance(remark, Text) else Text(remark))
+        if n < len(rows) - 1:
+            out.append("\n")
+    return out
 
 
 def policy_line(s: Stats) -> Text:

@@ -21,12 +21,19 @@ def fake_app(delay: float = 0.0, model: str | None = None, max_tokens: int = 200
     return ChatApp(engine, model=model, **kw)
 
 
+def _panel_pending(app) -> bool:
+    try:
+        return app.panel._pending
+    except Exception:  # no main screen yet
+        return False
+
+
 async def wait_idle(app, pilot, timeout: float = 30.0, step: float = 0.02) -> None:
     """Wait until no job runs and every queued event has been applied."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         await pilot.pause(step)
-        if not app.busy and not app.pipe._items:
+        if not app.busy and not app.pipe._items and not _panel_pending(app):
             await pilot.pause()
             return
     raise TimeoutError(f"the app is still busy ({app.busy}) after {timeout} s")
@@ -66,3 +73,16 @@ def sync(test):
         return asyncio.run(test(*args, **kwargs))
 
     return run
+
+
+async def settle(pilot) -> None:
+    """Before a snapshot: wait for idle, then repaint every widget from scratch, so the
+    screenshot does not depend on which partial updates happened to come first."""
+    app = pilot.app
+    await wait_idle(app, pilot)
+    for widget in app.screen.walk_children(with_self=True):
+        if hasattr(widget, "cursor_blink"):
+            widget.cursor_blink = False  # a blinking cursor makes two different pictures
+        widget.refresh(repaint=True, layout=True)
+    await pilot.pause(0.05)
+    await pilot.pause()

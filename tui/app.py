@@ -26,6 +26,7 @@ from mlxkv.errors import UserError
 from mlxkv.paths import home
 from tui import slash
 from tui.chat_view import ChatLog, MessageView, Note
+from tui.cpu import split_cpu
 from tui.engine import ChatEngine
 from tui.loading import LoadingScreen
 from tui.panel import KVPanel
@@ -78,6 +79,7 @@ class ChatApp(App):
         self._streaming: MessageView | None = None
         self._pending_text = ""  # the prompt of the running turn (given back on failure)
         self._question: MessageView | None = None  # its view
+        self._turn_cpu: tuple[float, float] | None = None
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.metrics: dict = {"turns": []}
 
@@ -167,6 +169,7 @@ class ChatApp(App):
             for ev in events:
                 pipe.put(ev)
 
+        self._turn_cpu = split_cpu(self.worker.native_id)
         self._run_job("turn", turn)
         self.set_status("answering ... Esc stops · you can keep typing")
 
@@ -219,8 +222,14 @@ class ChatApp(App):
         if self._streaming is not None:
             await self._streaming.finish(ev.text, meta)
             self._streaming = None
+        cpu = {}
+        end = split_cpu(self.worker.native_id)
+        if end and self._turn_cpu:
+            ui, engine = end[0] - self._turn_cpu[0], end[1] - self._turn_cpu[1]
+            cpu = {"ui_cpu_s": ui, "engine_cpu_s": engine, "ui_cpu_share": ui / (ui + engine)}
         self.metrics["turns"].append(
             {
+                **cpu,
                 "generation_tokens": s.generation_tokens,
                 "generation_tps": s.generation_tps,
                 "prompt_tps": s.prompt_tps,

@@ -23,6 +23,10 @@ class MLXWorker:
     def ident(self) -> int | None:
         return self._thread.ident
 
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the worker after the jobs already queued; it must catch its own
         errors (an escaping exception is swallowed so the worker survives)."""

@@ -17,7 +17,7 @@ from mlxkv.engine.events import Stats
 from tui import plot
 from tui.fmt import human_bytes, tokens, versus
 
-MAX_HZ = 10
+MAX_HZ = 5
 BAR = "█"
 
 
@@ -60,9 +60,17 @@ def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
         cells += [style] * round(size / scale * width)
     cells = cells[:width] + ["grey23"] * max(width - len(cells), 0)
     peak = min(width - 1, round(s.peak_memory / scale * width))
+    if s.peak_memory:
+        cells[peak] = "peak"
     bar = Text(no_wrap=True)
-    for i, style in enumerate(cells):
-        bar.append("┃" if i == peak and s.peak_memory else BAR, "bold red" if i == peak else style)
+    i = 0
+    while i < width:  # one span per run of a colour
+        j = i
+        while j < width and cells[j] == cells[i]:
+            j += 1
+        char, style = ("┃", "bold red") if cells[i] == "peak" else (BAR, cells[i])
+        bar.append(char * (j - i), style)
+        i = j
     bar.append("\n")
     bar.append("weights ", "blue").append("KV ", "cyan").append("rest ", "yellow")
     bar.append("peak┃", "bold red").append("\n")

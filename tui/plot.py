@@ -47,12 +47,12 @@ def _columns(points, width_dots: int, x_max: int, pick) -> list[int | None]:
         c = min(width_dots - 1, int(x * width_dots / (x_max + 1)))
         cols[c] = v if cols[c] is None else max(cols[c], v)
     # Carry the last value forward so a sparse series still reads as a line.
+    end = max((i for i, v in enumerate(cols) if v is not None), default=-1)
     last = None
-    for i, v in enumerate(cols):
-        if v is None and last is not None and any(c is not None for c in cols[i:]):
+    for i in range(end + 1):
+        if cols[i] is None:
             cols[i] = last
-        elif v is not None:
-            last = v
+        last = cols[i]
     return cols
 
 
@@ -72,31 +72,38 @@ def _grid(cols: list[int | None], rows: int, y_max: int) -> set[tuple[int, int]]
 
 def render(points, width: int, height: int) -> Text:
     """Plot ``points`` [(tokens, actual_bytes, predicted_bytes)] in ``width`` x ``height``
-    cells; an empty plot is a flat baseline."""
+    cells; an empty plot is a flat baseline. Cells of one colour are appended as one run
+    (one style span per run keeps Textual's per-span work small)."""
     width, height = max(width, 2), max(height, 1)
     wd, hd = width * 2, height * 4
     x_max = max((p[0] for p in points), default=0)
     y_max = max((max(p[1], p[2] or 0) for p in points), default=0)
-    actual = _grid(_columns(points, wd, x_max, lambda v: v[0]), hd, y_max)
-    predicted = _grid(_columns(points, wd, x_max, lambda v: v[1]), hd, y_max)
+    masks = []
+    for pick in (lambda v: v[0], lambda v: v[1]):
+        cells = [[0] * width for _ in range(height)]
+        for x, y in _grid(_columns(points, wd, x_max, pick), hd, y_max):
+            cells[y // 4][x // 2] |= _DOTS[y % 4][x % 2]
+        masks.append(cells)
     text = Text(no_wrap=True, overflow="crop")
     for row in range(height):
+        run, run_style = [], None
         for col in range(width):
-            bits_a = bits_p = 0
-            for dy in range(4):
-                for dx in range(2):
-                    key = (col * 2 + dx, row * 4 + dy)
-                    bits_a |= _DOTS[dy][dx] if key in actual else 0
-                    bits_p |= _DOTS[dy][dx] if key in predicted else 0
+            bits_a, bits_p = masks[0][row][col], masks[1][row][col]
             bits = bits_a | bits_p
             if not bits:
-                text.append("⠀" if row < height - 1 else "⣀", "dim")
-                continue
-            if bits_a == bits_p:
-                style = BOTH
+                char, style = ("⠀" if row < height - 1 else "⣀"), "dim"
             else:
-                style = MIXED if bits_a and bits_p else ACTUAL if bits_a else PREDICTED
-            text.append(chr(0x2800 + bits), style)
+                char = chr(0x2800 + bits)
+                if bits_a == bits_p:
+                    style = BOTH
+                else:
+                    style = MIXED if bits_a and bits_p else ACTUAL if bits_a else PREDICTED
+            if style != run_style and run:
+                text.append("".join(run), run_style)
+                run = []
+            run.append(char)
+            run_style = style
+        text.append("".join(run), run_style)
         if row < height - 1:
             text.append("\n")
     return text

@@ -1,0 +1,137 @@
+"""``mlxkv bench``: speed, memory, long-stream quality and roofline, side by side with
+mlx-lm, in one run; writes benchmarks.md, bench-results.json and PNG plots to --out.
+
+Import stays light (no MLX here): the CLI imports every command module to build its help.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from mlxkv.errors import UserError
+
+HELP = "benchmark mlxkv against mlx-lm (speed, memory, quality, roofline); writes a report"
+
+DESCRIPTION = """\
+Measure, in one run on this machine and the default model (or --model):
+  1. engine overhead: prefill and decode tok/s, mlxkv's engine vs mlx-lm stream_generate
+  2. cache policies (window, sink+window, 8-bit, 4-bit, sink+4-bit) vs the closest mlx-lm
+     cache: speed, KV bytes, peak memory, speed over a long stream
+  3. long-stream quality: perplexity per policy below and past the model's context
+  4. roofline: measured memory bandwidth vs bytes read per decoded token
+  5. batch: mlxkv batch vs one by one vs mlx-lm batch_generate
+  6. prediction: predicted vs actual KV bytes and peaks
+and write OUT/benchmarks.md, OUT/bench-results.json and OUT/bench-*.png.
+
+The full run takes about 15 minutes on a quiet 2-core x86 machine; --quick (about 1-2
+minutes) runs every section on tiny sizes, as CI's smoke test does."""
+
+SECTION_NAMES = ("engine", "speed", "streams", "roofline", "batch")
+
+
+def add_arguments(p) -> None:
+    import argparse
+
+    p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument(
+        "--text",
+        required=True,
+        metavar="FILE",
+        help="UTF-8 text read as the long stream (prompts and perplexity)",
+    )
+    p.add_argument(
+        "--out", default="bench-out", metavar="DIR", help="output folder (default: bench-out)"
+    )
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (~1-2 min)")
+    p.add_argument("--model", "-m", default=None, help="model (default: the registry default)")
+    p.add_argument(
+        "--only",
+        default=None,
+        metavar="SECTIONS",
+        help=f"comma-separated subset of: {', '.join(SECTION_NAMES)} (default: all)",
+    )
+    p.add_argument(
+        "--streams",
+        default=None,
+        metavar="CONFIGS",
+        help="comma-separated long-stream configurations (default: full,4bit,sink-window,"
+        "sink-4bit,window,lm-rot; also 8bit, lm-full, lm-rot0, lm-q8, lm-q4)",
+    )
+    p.add_argument(
+        "--kept",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tokens every bounded cache keeps, sinks included (default 1024; quick 64)",
+    )
+    p.add_argument(
+        "--stream-tokens", type=int, default=None, help="length of the long streams (tokens)"
+    )
+
+
+def _sections(only: str | None) -> tuple[str, ...]:
+    if not only:
+        return SECTION_NAMES
+    chosen = tuple(s.strip() for s in only.split(",") if s.strip())
+    bad = [s for s in chosen if s not in SECTION_NAMES]
+    if bad:
+        raise UserError(f"--only: unknown section {bad[0]!r}; use {', '.join(SECTION_NAMES)}")
+    return chosen
+
+
+def run(args) -> int:
+    from dataclasses import replace
+
+    from mlxkv.bench.configs import all_configs
+    from mlxkv.bench.scale import FULL, QUICK
+
+    scale = QUICK if args.quick else FULL
+    if args.kept:
+        scale = replace(scale, kept=args.kept)
+    if args.stream_tokens:
+        if args.stream_tokens < 2 * scale.chunk:
+            raise UserError(f"--stream-tokens must be at least {2 * scale.chunk}")
+        marks = tuple(c for c in scale.checkpoints if c < args.stream_tokens)
+        scale = replace(
+            scale, stream_tokens=args.stream_tokens, checkpoints=(*marks, args.stream_tokens)
+        )
+    if scale.kept <= scale.sinks + 1:
+        raise UserError(f"--kept must be larger than {scale.sinks + 1}")
+    args.sections = _sections(args.only)
+    if args.streams:
+        keys = tuple(s.strip() for s in args.streams.split(",") if s.strip())
+        known = all_configs(scale.kept, scale.sinks)
+        bad = [k for k in keys if k not in known]
+        if bad:
+            raise UserError(f"--streams: unknown configuration {bad[0]!r}; use {', '.join(known)}")
+        scale = replace(scale, stream_configs=keys)
+    args.command_line = (
+        "mlxkv " + shlex.join(sys.argv[1:])
+        if sys.argv[1:2] == ["bench"]
+        else ("mlxkv bench " + shlex.join(a for a in _argv(args)))
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from mlxkv.bench import run as bench_run
+
+    res = bench_run.run(args, scale)
+    path = bench_run.write(res, out)
+    bench_run.log(f"report written to {path} ({res['total_seconds'] / 60:.1f} min)")
+    print(path)
+    return 0
+
+
+def _argv(args):
+    """The flags of a programmatic call, for the report's command line."""
+    yield from ("--text", str(args.text), "--out", str(args.out))
+    if args.quick:
+        yield "--quick"
+    for flag in ("model", "only", "streams", "kept", "stream_tokens"):
+        v = getattr(args, flag)
+        if v:
+            yield "--" + flag.replace("_", "-")
+            yield str(v)

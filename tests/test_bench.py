@@ -1,0 +1,58 @@
+"""``mlxkv bench``: the --quick smoke test (it runs and writes its report; the numbers are
+not asserted, the machine is shared) and the bad-input answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+# Any UTF-8 text works; the project's README is always there.
+TEXT = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.model
+def test_quick_writes_report_and_results(default_model_path, tmp_path):
+    out = run_cli("bench", "--quick", "--text", str(TEXT), "--out", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr
+    report = tmp_path / "benchmarks.md"
+    assert out.stdout.strip().endswith(str(report))
+    md = report.read_text()
+    for heading in ("## Command", "## Machine", "## Targets", "## Headline",
+                    "## 1. Engine overhead", "## 2. Cache policies", "## 3. Long-stream quality",
+                    "## 4. Roofline", "## 6. Prediction"):  # fmt: skip
+        assert heading in md, heading
+    assert "mlxkv bench --quick" in md
+    res = json.loads((tmp_path / "bench-results.json").read_text())
+    assert res["scale"]["name"] == "quick"
+    for section in ("engine", "speed", "streams", "quality", "prediction", "roofline"):
+        assert res["sections"][section], section
+    for name in res["plots"]:
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_missing_text_is_a_one_line_error(tmp_path):
+    out = run_cli("bench", "--quick", "--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path))
+    assert out.returncode == 2
+    assert "no such file" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_section_is_refused(tmp_path):
+    out = run_cli(
+        "bench", "--quick", "--text", str(TEXT), "--out", str(tmp_path), "--only", "speedy"
+    )
+    assert out.returncode == 2
+    assert "unknown section" in out.stderr
+
+
+def test_command_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, mlxkv.commands.bench; print('mlx.core' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False"

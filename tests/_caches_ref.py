@@ -129,3 +129,48 @@ def reference_logits(
     if model.args.tie_word_embeddings:
         return inner.embed_tokens.as_linear(h)
     return model.lm_head(h)
+
+
+class LiteralStreamingCache:
+    """StreamingLLM as published, one token at a time: keys are kept *un-rotated* and the
+    whole cache is re-rotated at positions 0..n-1 on every step; the query sits at n-1.
+    It knows nothing of sink shifting or rebasing (a cache-protocol reference for greedy
+    decoding). ``rope`` is the layer's RoPE module."""
+
+    def __init__(self, sinks: int, window: int, rope):
+        self.S, self.W, self.rope = sinks, window, rope
+        self.raw_k = self.v = None
+
+    @property
+    def offset(self) -> int:  # within-cache position of the next token
+        n = 0 if self.raw_k is None else self.raw_k.shape[2]
+        return min(n, self.S + self.W - 1)
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        assert N == 1, "the literal reference decodes one token at a time"
+        return None
+
+    def update_and_fetch(self, keys, values):
+        raw = self.rope(keys, offset=-self.offset)  # undo the model's rotation
+        if self.raw_k is None:
+            self.raw_k, self.v = raw, values
+        else:
+            self.raw_k = mx.concatenate([self.raw_k, raw], axis=2)
+            self.v = mx.concatenate([self.v, values], axis=2)
+        if self.raw_k.shape[2] > self.S + self.W:  # evict the oldest window token
+            keep = list(range(self.S)) + list(range(self.S + 1, self.raw_k.shape[2]))
+            self.raw_k, self.v = self.raw_k[:, :, keep], self.v[:, :, keep]
+        return self.rope(self.raw_k), self.v
+
+
+def greedy(model, prompt, caches, steps: int, prefill_chunks=None) -> list[int]:
+    """Greedy token ids after ``prompt`` (prefilled in ``prefill_chunks``, default 1 by 1)."""
+    chunks = prefill_chunks or [1] * len(prompt)
+    logits = feed(model, prompt, caches, chunks)[:, -1]
+    out = []
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)
+        mx.eval(y)
+        out.append(y.item())
+        logits = model(y[None], cache=caches)[:, -1]
+    return out

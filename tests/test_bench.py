@@ -56,3 +56,23 @@ def test_command_import_is_light():
     code = "import sys, mlxkv.commands.bench; print('mlx.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.model
+def test_stream_losses_match_long_ppl(default_model):
+    """The bench's stream scores tokens exactly as benchmarks/long_ppl.py does."""
+    import numpy as np
+
+    from mlxkv.bench.configs import all_configs
+    from mlxkv.bench.sources import script
+    from mlxkv.bench.stream import run_stream
+
+    long_ppl = script("long_ppl")
+    if long_ppl is None:
+        pytest.skip("benchmarks/long_ppl.py is not in this checkout")
+    model = default_model.model
+    ids = default_model.tokenizer.encode(TEXT.read_text())[:97]
+    cfg = all_configs(32, 4)["sink-window"]
+    ours = run_stream("s", model, cfg.factory(model), ids, 16, (96,), decode=0).losses
+    theirs = long_ppl.token_nll(model, ids, cfg.factory(model)(), 16)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)

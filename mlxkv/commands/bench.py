@@ -58,7 +58,7 @@ def add_arguments(p) -> None:
         default=None,
         metavar="CONFIGS",
         help="comma-separated long-stream configurations (default: full,4bit,sink-window,"
-        "sink-4bit,window,lm-rot; also 8bit, lm-full, lm-rot0, lm-q8, lm-q4)",
+        "sink-4bit,lm-rot; also window, 8bit, lm-full, lm-rot0, lm-rot-decode, lm-q8, lm-q4)",
     )
     p.add_argument(
         "--kept",

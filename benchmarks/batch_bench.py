@@ -3,7 +3,8 @@
     python benchmarks/batch_bench.py [--prompts 16] [--max-tokens 128] [--rounds 3]
 
 Same prompts (chat template applied, same token ids), same model, greedy, full cache.
-- mlxkv batch: the real command in a subprocess (``--stats``); its elapsed time excludes
+- mlxkv batch: the command's ``run`` (``mlxkv.cli.main``) given the loaded model, or with
+  ``--subprocess`` the real CLI in a new process; its ``--stats`` elapsed time excludes
   the model load and includes prefill, decoding and writing the results file.
 - one by one: the engine's Generator (what ``mlxkv generate`` runs), prompt after prompt.
 - mlx-lm: ``batch_generate`` with its defaults (completion batch 32, prefill batch 8).
@@ -35,15 +36,32 @@ def prompts(n: int) -> list[str]:
     return [f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
 
 
-def run_mlxkv_batch(qs, max_tokens, batch_size, workdir: Path) -> dict:
+def run_mlxkv_batch(loaded, qs, max_tokens, batch_size, workdir: Path, subprocess_: bool):
+    """The ``mlxkv batch`` command; in process (default) it is handed the already loaded
+    model, so both batched runners start warm; ``--subprocess`` runs the real CLI cold."""
     inp, out = workdir / "in.jsonl", workdir / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(qs)))
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "mlxkv", "batch", str(inp), "-o", str(out), "--stats",
-           "--no-progress", "--max-tokens", str(max_tokens),
-           "--batch-size", str(batch_size)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    stats = json.loads(proc.stdout)
+    argv = ["batch", str(inp), "-o", str(out), "--stats", "--no-progress",
+            "--max-tokens", str(max_tokens), "--batch-size", str(batch_size)]  # fmt: skip
+    if subprocess_:
+        cmd = [sys.executable, "-m", "mlxkv", *argv]
+        stdout = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    else:
+        import contextlib
+        import io
+        from unittest import mock
+
+        from mlxkv.cli import main as cli_main
+
+        buf = io.StringIO()
+        with (
+            mock.patch("mlxkv.engine.loading.open_model", lambda *a, **k: loaded),
+            contextlib.redirect_stdout(buf),
+        ):
+            cli_main(argv)
+        stdout = buf.getvalue()
+    stats = json.loads(stdout)
     return {"tokens": stats["generation_tokens"], "seconds": stats["elapsed_s"]}
 
 
@@ -87,6 +105,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sequential-rounds", type=int, default=None, help="default: --rounds")
+    ap.add_argument("--subprocess", action="store_true", help="run mlxkv batch as a new process")
     args = ap.parse_args()
 
     from mlxkv.models.loader import load
@@ -100,7 +119,9 @@ def main() -> None:
         run_mlx_lm(loaded, qs[:2], 4)  # warm-up (first-call allocations)
         for r in range(args.rounds):
             runs["mlxkv_batch"].append(
-                run_mlxkv_batch(qs, args.max_tokens, args.batch_size, Path(tmp))
+                run_mlxkv_batch(
+                    loaded, qs, args.max_tokens, args.batch_size, Path(tmp), args.subprocess
+                )
             )
             runs["mlx_lm_batch_generate"].append(run_mlx_lm(loaded, qs, args.max_tokens))
             if r < seq_rounds:
@@ -124,6 +145,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
         "rounds": args.rounds,
+        "mlxkv_in_subprocess": args.subprocess,
         "tokens": {k: [x["tokens"] for x in v] for k, v in runs.items()},
         "tok_per_s": {k: [round(tps(x), 2) for x in v] for k, v in runs.items()},
         "median_tok_per_s": {k: round(v, 2) for k, v in med.items()},

@@ -1,4 +1,4 @@
-"""Batch throughput: ``mlxkv batch`` (the real command, in a subprocess) vs the prompts one
+"""Batch throughput: ``mlxkv batch`` (the real command) vs the prompts one
 by one through the engine vs mlx-lm ``batch_generate``, interleaved per round.
 
 The measuring functions are the batch helper's ``benchmarks/batch_bench.py`` (same
@@ -8,6 +8,7 @@ section is skipped with a message when it is not there.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,7 +26,7 @@ def measure(loaded, n_prompts: int, max_tokens: int, rounds: int, log) -> dict |
     with tempfile.TemporaryDirectory() as tmp:
         bb.run_mlx_lm(loaded, qs[:2], 2)  # warm-up
         for r in range(rounds):
-            runs["mlxkv_batch"].append(bb.run_mlxkv_batch(qs, max_tokens, n_prompts, Path(tmp)))
+            runs["mlxkv_batch"].append(_mlxkv_batch(bb, loaded, qs, max_tokens, Path(tmp)))
             runs["mlx_lm_batch_generate"].append(bb.run_mlx_lm(loaded, qs, max_tokens))
             runs["one_by_one"].append(bb.run_one_by_one(loaded, qs, max_tokens))
             tps = {k: round(v[-1]["tokens"] / v[-1]["seconds"], 1) for k, v in runs.items()}
@@ -37,7 +38,9 @@ def measure(loaded, n_prompts: int, max_tokens: int, rounds: int, log) -> dict |
     def paired(a, b):
         return statistics.median(tps(x) / tps(y) for x, y in zip(runs[a], runs[b], strict=True))
 
+    in_process = "loaded" in inspect.signature(bb.run_mlxkv_batch).parameters
     return {
+        "mode": "in process" if in_process else "subprocess",
         "prompts": n_prompts,
         "max_tokens": max_tokens,
         "batch_size": n_prompts,
@@ -47,3 +50,12 @@ def measure(loaded, n_prompts: int, max_tokens: int, rounds: int, log) -> dict |
         "ratio_vs_one_by_one": paired("mlxkv_batch", "one_by_one"),
         "ratio_vs_mlx_lm": paired("mlxkv_batch", "mlx_lm_batch_generate"),
     }
+
+
+def _mlxkv_batch(bb, loaded, qs, max_tokens, workdir: Path) -> dict:
+    """The helper's runner, in process (warm, the loaded model handed over) when it offers
+    that, else its subprocess form."""
+    params = inspect.signature(bb.run_mlxkv_batch).parameters
+    if "loaded" in params:
+        return bb.run_mlxkv_batch(loaded, qs, max_tokens, len(qs), workdir, False)
+    return bb.run_mlxkv_batch(qs, max_tokens, len(qs), workdir)

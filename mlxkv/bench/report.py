@@ -348,9 +348,9 @@ def _batch(res):
         "## 5. Batch\n",
         f"{b['prompts']} chat prompts, {b['max_tokens']} tokens each, greedy, full cache, "
         f"{b['rounds']} round(s) interleaved (functions of `benchmarks/batch_bench.py`). "
-        "`mlxkv batch` is the real command in a subprocess (its time excludes the model "
-        "load, includes writing the JSONL); one by one = the engine's `Generator`, prompt "
-        "after prompt; mlx-lm = `batch_generate`.\n",
+        f"`mlxkv batch` is the real command ({b.get('mode', 'subprocess')}; its `--stats` "
+        "time excludes the model load and includes writing the JSONL); one by one = the "
+        "engine's `Generator`, prompt after prompt; mlx-lm = `batch_generate`.\n",
         _table(
             ["", "generated tok/s"],
             [

@@ -101,6 +101,10 @@ def render(res) -> str:
         "measured in that one run, on the machine described here, with the same model and "
         "text for both libraries.\n"
     )
+    if res.get("partial"):
+        L.append(
+            "**Partial report: the run was still going (or stopped) after the sections below.**\n"
+        )
     L.append("## Command\n")
     L.append(f"```bash\n{res['command']}\n```\n")
     L.append(
@@ -308,7 +312,9 @@ def _quality(res):
         "`RotatingKVCache` hides its `keep` slots from multi-token chunks (see "
         "DESIGN.md), which is why its sinks do not help a chunked stream.\n",
         _table(["config", "tokens", f"ppl below {ctx}", f"ppl past {ctx}", "ppl all"], rows),
-        "\n![loss over position](bench-loss.png)\n" if "bench-loss.png" in res["plots"] else "",
+        "\n![loss over position](bench-loss.png)\n"
+        if "bench-loss.png" in res.get("plots", [])
+        else "",
     ]
 
 

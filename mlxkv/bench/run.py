@@ -52,6 +52,10 @@ def run(args, scale) -> dict:
     def timed(name):
         timings[name] = time.perf_counter() - timed.t
         log(f"{name}: {timings[name]:.0f}s")
+        # A partial report after every section: a long run stopped early still leaves one.
+        res["total_seconds"] = time.perf_counter() - t_start
+        res["partial"] = True
+        write(res, Path(args.out))
         timed.t = time.perf_counter()
 
     timed.t = time.perf_counter()
@@ -149,6 +153,7 @@ def run(args, scale) -> dict:
     res["plots"] = _plots(Path(args.out), streams, cfgs, context, res, scale)
     res["machine"]["load_average_end"] = machine.load_average()
     res["total_seconds"] = time.perf_counter() - t_start
+    res["partial"] = False
     return res
 
 

@@ -226,7 +226,8 @@ class ChatApp(App):
         end = split_cpu(self.worker.native_id)
         if end and self._turn_cpu:
             ui, engine = end[0] - self._turn_cpu[0], end[1] - self._turn_cpu[1]
-            cpu = {"ui_cpu_s": ui, "engine_cpu_s": engine, "ui_cpu_share": ui / (ui + engine)}
+            share = ui / (ui + engine) if ui + engine > 0 else None  # a turn under one tick
+            cpu = {"ui_cpu_s": ui, "engine_cpu_s": engine, "ui_cpu_share": share}
         self.metrics["turns"].append(
             {
                 **cpu,

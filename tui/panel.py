@@ -11,6 +11,7 @@ import time
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.widget import Widget
 from textual.widgets import Static
 
 from mlxkv.engine.events import Stats
@@ -79,6 +80,25 @@ def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
     return bar
 
 
+class Figure(Widget):
+    """Fixed-height text that redraws without a layout pass (Static.update reflows the
+    whole screen; a panel that changes every token must not)."""
+
+    DEFAULT_CSS = "Figure { height: auto; }"
+
+    def __init__(self, height: int, **kw):
+        super().__init__(**kw)
+        self.styles.height = height
+        self.content = Text("")
+
+    def set(self, content) -> None:
+        self.content = content
+        self.refresh()
+
+    def render(self):
+        return self.content
+
+
 class KVPanel(Vertical):
     DEFAULT_CSS = """
     KVPanel { width: 46; border-left: solid $primary; padding: 0 1; }
@@ -98,14 +118,18 @@ class KVPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("KV cache", classes="title")
-        yield Static(id="kv-policy")
-        yield Static(id="kv-figures")
+        yield Figure(1, id="kv-policy")
+        yield Figure(8, id="kv-figures")
         yield Static("Memory (MLX)", classes="title")
-        yield Static(id="kv-mem")
+        yield Figure(4, id="kv-mem")
         yield Static(id="kv-plot-title", classes="title")
-        yield Static(id="kv-plot")
+        yield Figure(self.PLOT_HEIGHT, id="kv-plot")
 
     def on_mount(self) -> None:
+        title = Text("KV bytes / tokens  ")
+        title.append("actual", plot.ACTUAL).append(" ").append("predicted", plot.PREDICTED)
+        title.append(" ").append("both", plot.BOTH)
+        self.query_one("#kv-plot-title", Static).update(title)
         self._redraw()
 
     def show(self, stats: Stats, point: bool = True) -> None:
@@ -132,16 +156,12 @@ class KVPanel(Vertical):
         self.renders += 1
         s = self.stats
         width = max(self.content_size.width, 20)
-        self.query_one("#kv-policy", Static).update(policy_line(s))
-        self.query_one("#kv-figures", Static).update(figures(s))
-        self.query_one("#kv-mem", Static).update(memory_bar(s, self.budget, width))
+        self.query_one("#kv-policy", Figure).set(policy_line(s))
+        self.query_one("#kv-figures", Figure).set(figures(s))
+        self.query_one("#kv-mem", Figure).set(memory_bar(s, self.budget, width))
         pts = self.series.points
-        title = Text("KV bytes / tokens  ")
-        title.append("actual", plot.ACTUAL).append(" ").append("predicted", plot.PREDICTED)
-        title.append(" ").append("both", plot.BOTH)
-        self.query_one("#kv-plot-title", Static).update(title)
         graph = plot.render(pts, width, self.PLOT_HEIGHT - 1)
         x_max = pts[-1][0] if pts else 0
         y_max = max((max(p[1], p[2] or 0) for p in pts), default=0)
         graph.append(f"\n0-{x_max} tok, max {human_bytes(y_max)}", "dim")
-        self.query_one("#kv-plot", Static).update(graph)
+        self.query_one("#kv-plot", Figure).set(graph)

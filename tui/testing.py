@@ -49,17 +49,17 @@ async def wait_for(pilot, condition, timeout: float = 30.0, step: float = 0.02) 
 
 
 async def send(app, pilot, text: str, wait: bool = True, timeout: float = 30.0) -> None:
-    """Put ``text`` in the input and submit it, as Enter does. With ``wait=False`` it
-    returns at once (Pilot's key presses wait for the app to go idle, which a streaming
-    answer delays)."""
+    """Put ``text`` in the input and submit it, as Enter does (posted directly: Pilot's key
+    presses wait for the app to go idle, which a streaming answer delays). With
+    ``wait=False`` it returns once the job has started."""
     from tui.prompt_input import PromptInput
 
     app.prompt.load_text(text)
+    app.prompt.post_message(PromptInput.Submitted(text))
     if wait:
-        await pilot.press("enter")
+        await pilot.pause(0.05)
         await wait_idle(app, pilot, timeout)
     else:
-        app.prompt.post_message(PromptInput.Submitted(text))
         await wait_for(pilot, lambda: app.busy, timeout)
 
 
@@ -80,6 +80,10 @@ async def settle(pilot) -> None:
     screenshot does not depend on which partial updates happened to come first."""
     app = pilot.app
     await wait_idle(app, pilot)
+    app.clear_notifications()
+    if app.screen is app.main:
+        app.chat.scroll_end(animate=False, immediate=True)
+    await pilot.pause(0.3)
     for widget in app.screen.walk_children(with_self=True):
         if hasattr(widget, "cursor_blink"):
             widget.cursor_blink = False  # a blinking cursor makes two different pictures

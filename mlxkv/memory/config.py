@@ -1,0 +1,118 @@
+"""config.json: read it, check the fields the memory model relies on, expose the text view.
+
+Multimodal configs nest the language model under ``text_config``; the fields that size
+the KV cache live there. mlx-lm's ModelArgs take the whole dict, so we keep it whole and
+only *read* through the merged text view.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlxkv.errors import UserError
+
+
+class BadInput(UserError):
+    """Input the plan cannot use; the message is one line naming the field or file."""
+
+
+# Fields that must be positive integers when present (top level or text_config).
+_POSITIVE_INTS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_local_experts",
+    "num_experts",
+    "attention_chunk_size",
+)
+# Windows: null means "no window".
+_OPTIONAL_POSITIVE_INTS = ("sliding_window", "sliding_window_size", "attention_window_size")
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a config.json file; every failure is a one-line BadInput."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"config file not found: {p}") from None
+    except IsADirectoryError:
+        raise BadInput(f"{p} is a folder, not a config.json file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read {p}: {e.__class__.__name__}: {e}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(
+            f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{p} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def text_view(config: dict) -> dict:
+    """Top-level fields overlaid with ``text_config`` (where the language model lives)."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        return {**config, **text}
+    return config
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(config: dict) -> str:
+    """Check the fields the memory model reads; return the model_type."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise BadInput("config.json has no 'model_type' field")
+    if not isinstance(model_type, str) or not model_type:
+        raise BadInput(f"'model_type' must be a non-empty string, got {model_type!r}")
+    if "text_config" in config and not isinstance(config["text_config"], (dict, type(None))):
+        raise BadInput("'text_config' must be an object")
+    view = text_view(config)
+    for key in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
+        if key not in view:
+            continue
+        v = view[key]
+        if v is None:  # HF writes null for "not set"; mlx-lm then uses its default
+            continue
+        if not _is_int(v):
+            raise BadInput(f"'{key}' must be an integer, got {type(v).__name__} {v!r}")
+        if v <= 0:
+            raise BadInput(f"'{key}' must be positive, got {v}")
+    heads, kv_heads = view.get("num_attention_heads"), view.get("num_key_value_heads")
+    hidden = view.get("hidden_size")
+    if heads and hidden and not view.get("head_dim") and hidden % heads:
+        raise BadInput(
+            f"'hidden_size' {hidden} is not divisible by 'num_attention_heads' {heads} "
+            "(and there is no 'head_dim')"
+        )
+    if heads and kv_heads and heads % kv_heads:
+        raise BadInput(
+            f"'num_attention_heads' {heads} is not a multiple of 'num_key_value_heads' {kv_heads}"
+        )
+    for key in ("torch_dtype", "dtype"):
+        if key in view and view[key] is not None and not isinstance(view[key], str):
+            raise BadInput(f"'{key}' must be a string, got {view[key]!r}")
+    quant = config.get("quantization")
+    if quant is not None:
+        if not isinstance(quant, dict):
+            raise BadInput("'quantization' must be an object with 'bits' and 'group_size'")
+        for key in ("bits", "group_size"):
+            if not _is_int(quant.get(key)) or quant[key] <= 0:
+                raise BadInput(f"'quantization.{key}' must be a positive integer")
+    return model_type

@@ -1,0 +1,218 @@
+"""Incremental KV prediction: the engine calls ``advance(n)`` once per model call.
+
+Layers with identical caches are grouped, so a step costs O(distinct cache kinds) (2-4
+for real models), never O(layers) or O(tokens). Growing layers (plain KVCache) follow the
+user's policy through ``mlxkv.memory.policy_bytes`` (the caches' own arithmetic); every
+cache the model builds for itself (sliding windows, chunked attention, SSM and
+linear-attention states) follows mlx-lm's growth rules in ``native``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass
+
+from mlxkv.memory import native
+from mlxkv.memory.dtypes import dtype_bytes
+from mlxkv.memory.layout import CacheSpec, Layout
+from mlxkv.policy import KVPolicy
+
+DEFAULT_POLICY = KVPolicy()
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """KV cache bytes after ``tokens_seen`` tokens (all layers, whole batch)."""
+
+    tokens_seen: int
+    logical: int  # tokens kept x bytes per token, plus fixed states
+    allocated: int  # what MLX holds: sum of the caches' nbytes
+    peak_allocated: int  # largest ``allocated`` so far (rotating buffers shrink after a chunk)
+    kept_tokens: int  # tokens a policy-governed layer keeps (tokens_seen if there is none)
+    evicted_tokens: int
+
+
+def _policy_bytes():
+    """The caches helper's arithmetic for our own caches, if it is installed yet."""
+    try:
+        from mlxkv.memory import policy_bytes
+    except ImportError:
+        return None
+    return policy_bytes
+
+
+class _NativeGroup:
+    """``count`` identical mlx-lm caches, replayed with a ``native`` tracker."""
+
+    def __init__(self, spec: CacheSpec, count: int, batch: int, kv_dtype: str, tracker):
+        self.tracker = tracker
+        scale = count * batch
+        self.token_bytes = spec.bytes_per_token(kv_dtype) * scale
+        self.fixed_bytes = spec.state_bytes(kv_dtype) * scale
+
+    def update(self, n: int) -> None:
+        self.tracker.update(n)
+
+    def logical(self) -> int:
+        return self.tracker.logical * (self.token_bytes or self.fixed_bytes)
+
+    def allocated(self) -> int:
+        return self.tracker.length * (self.token_bytes or self.fixed_bytes)
+
+    def kept(self) -> int | None:
+        return None
+
+
+class _PolicyGroup:
+    """``count`` growing layers under a policy, sized by the caches' own policy_bytes."""
+
+    def __init__(self, spec: CacheSpec, count: int, batch: int, kv_dtype: str, policy, pb):
+        self.pb, self.policy, self.count = pb, policy, count
+        self.shape = (spec.kv_heads, spec.k_head_dim, spec.v_head_dim, spec.elem_bytes(kv_dtype))
+        self.batch = batch
+        self.seen = 0
+        self.last = 0
+
+    def update(self, n: int) -> None:
+        self.seen += n
+        self.last = n
+
+    def logical(self) -> int:
+        h, k, v, b = self.shape
+        return self.count * self.pb.logical_bytes(self.policy, h, k, v, b, self.seen, self.batch)
+
+    def allocated(self) -> int:
+        h, k, v, b = self.shape
+        return self.count * self.pb.allocated_bytes(
+            self.policy, h, k, v, b, self.seen, self.batch, self.last
+        )
+
+    def kept(self) -> int | None:
+        return self.pb.kept_tokens(self.policy, self.seen)
+
+
+def _tracker(spec: CacheSpec, policy: KVPolicy):
+    if spec.cls == "ArraysCache":
+        return native.StateTracker()
+    if spec.cls == "RotatingKVCache":
+        return native.RotatingTracker(spec.window, spec.keep)
+    if spec.cls == "ChunkedKVCache":
+        return native.ChunkedTracker(spec.window)
+    if spec.cls in ("KVCache", "QuantizedKVCache"):
+        if policy.window is not None:  # mlx-lm's own way to bound a cache (no policy_bytes)
+            return native.RotatingTracker(policy.window + policy.sinks, policy.sinks)
+        return native.KVTracker()
+    return native.NoneTracker()
+
+
+def _group(spec: CacheSpec, count: int, batch: int, kv_dtype: str, policy, runtime: str):
+    """The one place that decides who sizes a cache: policy_bytes or mlx-lm's rules."""
+    if spec.grows:
+        pb = _policy_bytes() if runtime == "mlxkv" else None
+        if pb is not None:
+            return _PolicyGroup(spec, count, batch, kv_dtype, policy, pb)
+        if policy.bits is not None:  # mlx-lm's QuantizedKVCache
+            spec = CacheSpec(
+                "QuantizedKVCache",
+                spec.role,
+                spec.kv_heads,
+                spec.k_head_dim,
+                spec.v_head_dim,
+                spec.dtype,
+                bits=policy.bits,
+                group_size=policy.group_size,
+            )
+    return _NativeGroup(spec, count, batch, kv_dtype, _tracker(spec, policy))
+
+
+class KVPredictor:
+    """Predicts KV bytes as tokens go through; ``advance(n)`` per model call of n tokens.
+
+    ``advance`` must be called with exactly the token counts the model sees per call
+    (a chunk of the prompt, then 1 per decoded token): allocation depends on the chunking.
+
+    ``runtime``: "mlxkv" for caches from ``mlxkv.caches.make_caches`` (growing layers
+    sized by policy_bytes), "mlx-lm" for mlx-lm's own ``make_prompt_cache`` caches
+    (a window becomes a RotatingKVCache keeping the sinks, bits a QuantizedKVCache).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        policy: KVPolicy | None = None,
+        batch: int = 1,
+        kv_dtype: str = "float32",
+        runtime: str = "mlxkv",
+    ):
+        if runtime not in ("mlxkv", "mlx-lm"):
+            raise ValueError(f"runtime must be 'mlxkv' or 'mlx-lm', got {runtime!r}")
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        dtype_bytes(kv_dtype)
+        self.layout, self.batch, self.kv_dtype = layout, batch, kv_dtype
+        self.policy = policy or DEFAULT_POLICY
+        counts = Counter(layout.specs())
+        self._groups = [
+            _group(spec, n, batch, kv_dtype, self.policy, runtime) for spec, n in counts.items()
+        ]
+        self.tokens_seen = 0
+        self._peak = 0
+
+    def advance(self, n_tokens: int) -> KVBytes:
+        if n_tokens < 1:
+            raise ValueError(f"a model call has at least 1 token, got {n_tokens}")
+        for g in self._groups:
+            g.update(n_tokens)
+        self.tokens_seen += n_tokens
+        snap = self.snapshot()
+        return snap
+
+    def snapshot(self) -> KVBytes:
+        allocated = sum(g.allocated() for g in self._groups)
+        self._peak = max(self._peak, allocated)
+        kept = [k for g in self._groups if (k := g.kept()) is not None]
+        kept_tokens = min(kept) if kept else self._bounded_kept()
+        return KVBytes(
+            tokens_seen=self.tokens_seen,
+            logical=sum(g.logical() for g in self._groups),
+            allocated=allocated,
+            peak_allocated=self._peak,
+            kept_tokens=kept_tokens,
+            evicted_tokens=self.tokens_seen - kept_tokens,
+        )
+
+    def _bounded_kept(self) -> int:
+        p = self.policy
+        if p.window is None:
+            return self.tokens_seen
+        return min(self.tokens_seen, p.window + p.sinks)
+
+    def copy(self) -> KVPredictor:
+        """An independent predictor at the same point (to look ahead without disturbing it)."""
+        return copy.deepcopy(self)
+
+
+def prefill_schedule(tokens: int, chunk: int) -> list[int]:
+    """Model calls of a chunked prefill: ``chunk``-sized calls, the remainder last."""
+    if chunk < 1:
+        raise ValueError("chunk must be at least 1")
+    full, rest = divmod(tokens, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def predict(
+    layout: Layout,
+    tokens: int,
+    policy: KVPolicy | None = None,
+    batch: int = 1,
+    kv_dtype: str = "float32",
+    chunk: int = 512,
+    runtime: str = "mlxkv",
+) -> KVBytes:
+    """KV bytes after prefilling ``tokens`` in ``chunk``-sized model calls."""
+    p = KVPredictor(layout, policy, batch, kv_dtype, runtime)
+    snap = p.snapshot()
+    for n in prefill_schedule(tokens, chunk):
+        snap = p.advance(n)
+    return snap

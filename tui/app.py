@@ -34,6 +34,7 @@ from tui.pipe import Done, EventPipe, Failed, Status
 from tui.prompt_input import PromptInput
 from tui.worker import MLXWorker
 
+ANSWERING = "answering ... Esc stops · you can keep typing"
 READY = "Enter send · Shift+Enter newline · ↑ history · Esc stop · /help"
 
 
@@ -80,6 +81,7 @@ class ChatApp(App):
         self._pending_text = ""  # the prompt of the running turn (given back on failure)
         self._question: MessageView | None = None  # its view
         self._turn_cpu: tuple[float, float] | None = None
+        self._prefilling = False
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.metrics: dict = {"turns": []}
 
@@ -171,7 +173,7 @@ class ChatApp(App):
 
         self._turn_cpu = split_cpu(self.worker.native_id)
         self._run_job("turn", turn)
-        self.set_status("answering ... Esc stops · you can keep typing")
+        self.set_status(ANSWERING)
 
     # -- events from the worker ------------------------------------------------------------
     async def on_chat_app_wake(self, _msg: Wake) -> None:
@@ -180,6 +182,9 @@ class ChatApp(App):
         text: list[str] = []
         for item in self.pipe.drain():
             if isinstance(item, TokenDelta):
+                if self._prefilling:
+                    self._prefilling = False
+                    self.set_status(ANSWERING)
                 text.append(item.text)  # consecutive deltas become one append
                 self.panel.show(item.stats)
                 continue
@@ -196,6 +201,7 @@ class ChatApp(App):
 
     async def _apply(self, item) -> None:
         if isinstance(item, PrefillProgress):
+            self._prefilling = True
             self.set_status(f"reading the prompt: {item.done}/{item.total} tokens · Esc stops")
         elif isinstance(item, Notice):
             await self.note(item.message, "notice")

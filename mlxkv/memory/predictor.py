@@ -63,6 +63,11 @@ class _NativeGroup:
     def kept(self) -> int | None:
         return None
 
+    def clone(self) -> _NativeGroup:
+        c = copy.copy(self)
+        c.tracker = copy.copy(self.tracker)
+        return c
+
 
 class _PolicyGroup:
     """``count`` growing layers under a policy, sized by the caches' own policy_bytes."""
@@ -90,6 +95,9 @@ class _PolicyGroup:
 
     def kept(self) -> int | None:
         return self.pb.kept_tokens(self.policy, self.seen)
+
+    def clone(self) -> _PolicyGroup:
+        return copy.copy(self)  # plain ints; policy and policy_bytes are shared read-only
 
 
 def _tracker(spec: CacheSpec, policy: KVPolicy):
@@ -190,7 +198,9 @@ class KVPredictor:
 
     def copy(self) -> KVPredictor:
         """An independent predictor at the same point (to look ahead without disturbing it)."""
-        return copy.deepcopy(self)
+        c = copy.copy(self)
+        c._groups = [g.clone() for g in self._groups]
+        return c
 
 
 def prefill_schedule(tokens: int, chunk: int) -> list[int]:

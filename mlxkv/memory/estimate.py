@@ -1,0 +1,117 @@
+"""One model, one setting -> everything ``plan`` reports (and ``check_fits`` needs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxkv.memory.budget import Budget, Setting, budget, max_batch, max_context
+from mlxkv.memory.config import validate
+from mlxkv.memory.dtypes import backend, default_kv_dtype, default_weight_dtype
+from mlxkv.memory.layout import Layout
+from mlxkv.memory.source import ModelSource, resolve
+from mlxkv.memory.system import SystemMemory, system_memory
+from mlxkv.memory.weights import Weights, from_hub, from_layout, from_local
+from mlxkv.policy import KVPolicy, PolicyError
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class Estimate:
+    name: str
+    source: ModelSource
+    layout: Layout
+    setting: Setting
+    budget: Budget
+    memory: SystemMemory
+    max_context: int | None = None  # None: any context fits (every cache bounded)
+    max_batch: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _weights(src: ModelSource, layout: Layout, wdtype: str, dequantize: bool, notes) -> Weights:
+    if src.folder is not None:
+        w = from_local(src.folder, src.config, wdtype, dequantize)
+        if w is not None:
+            return w
+    if src.repo:
+        try:
+            return from_hub(src.repo, src.config, wdtype, dequantize)
+        except Exception as e:  # hub unreachable: fall back to the config, and say so
+            notes.append(f"hub safetensors metadata unavailable ({type(e).__name__})")
+    return from_layout(layout.facts, wdtype, dequantize)
+
+
+def _check_policy(layout: Layout, policy: KVPolicy) -> None:
+    """The refusal mlxkv.caches.make_caches makes without needing the model's weights."""
+    if (policy.window is not None or policy.bits is not None) and not any(
+        p.grows for p in layout.specs()
+    ):
+        raise PolicyError(
+            f"{layout.model_type}: --kv-window/--kv-bits do not apply: it has no attention "
+            "layer whose cache grows with the sequence"
+        )
+
+
+def _window_note(layout: Layout, s: Setting) -> str | None:
+    """Say what the config's sliding window would save where the runtime ignores it."""
+    w = layout.facts.declared_window
+    full = [p for p in layout.specs() if p.grows]
+    if not w or not full or s.policy.window is not None or s.context <= w:
+        return None
+    if any(p.cls == "RotatingKVCache" for p in layout.specs()):
+        return None  # the runtime already windows the layers the config marks as local
+    per_token = sum(p.bytes_per_token(s.kv_dtype) for p in full) * s.batch
+    saved = per_token * (s.context - w)
+    return (
+        f"config.json declares sliding_window={w}, but mlx-lm keeps full caches on "
+        f"{len(full)} layers; --kv-window {w} --kv-sinks 0 would save "
+        f"{saved / 2**30:.2f} GiB of KV at {s.context} tokens"
+    )
+
+
+def estimate_model(
+    model: str,
+    policy: KVPolicy | None = None,
+    context: int | None = None,
+    batch: int = 1,
+    chunk: int = 512,
+    kv_dtype: str | None = None,
+    memory: str | None = None,
+    search: bool = True,
+) -> Estimate:
+    from mlxkv.memory.store import layout_for
+
+    policy = policy or KVPolicy()
+    src = resolve(model)
+    validate(src.config)
+    layout = layout_for(src.config)
+    _check_policy(layout, policy)
+    on = backend()
+    wdtype = default_weight_dtype(src.config, on)
+    dequantize = on == "cpu"  # mlxkv.models.loader: float32, dequantized, on the CPU
+    notes: list[str] = []
+    weights = _weights(src, layout, wdtype, dequantize, notes)
+    kv_dtype = kv_dtype or default_kv_dtype(src.config, on)
+    setting = Setting(
+        context=DEFAULT_CONTEXT if context is None else context,
+        batch=batch,
+        chunk=chunk,
+        policy=policy,
+        kv_dtype=kv_dtype,
+        backend=on,
+    )
+    mem = system_memory(memory)
+    b = budget(layout, weights, setting, mem.available)
+    est = Estimate(src.name, src, layout, setting, b, mem, notes=notes)
+    if search:
+        est.max_context = max_context(layout, weights, setting, mem.available)
+        est.max_batch = max_batch(layout, weights, setting, mem.available)
+    note = _window_note(layout, setting)
+    if note:
+        notes.append(note)
+    if weights.bytes > mem.available:
+        notes.append("the weights alone exceed the available memory")
+    elif est.max_context == 0:
+        notes.append(f"not even one prefill chunk fits at batch {batch}")
+    return est

@@ -1,0 +1,221 @@
+"""``mlxkv plan MODEL``: will it fit? Weights + KV + runtime vs this machine's memory.
+
+Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mlxkv.errors import UserError
+
+HELP = "check whether a model fits in memory (weights, KV cache, runtime) before loading it"
+KV_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Numbers are parsed in run(): argparse's own errors print a usage block, not one line.
+    a = parser.add_argument
+    a("model", metavar="MODEL", help="config.json file, model folder, registry alias or hub id")
+    a("--context", metavar="N", help="tokens in the cache (prompt + reply); default 4096")
+    a("--batch", metavar="B", help="sequences run together; default 1")
+    a("--chunk", metavar="N", help="prefill chunk size (tokens per model call); default 512")
+    a("--kv-window", metavar="W", help="keep the last W tokens of growing layers")
+    a("--kv-sinks", metavar="S", help="attention-sink tokens kept with a window; default 4")
+    a("--kv-bits", metavar="b", help="quantize growing layers' KV to b bits (2-8)")
+    a("--kv-group-size", metavar="g", help="quantization group size; default 64")
+    a("--kv-dtype", metavar="DTYPE", help="KV dtype: float16, bfloat16 or float32 "
+      "(default: what the engine uses on this backend)")  # fmt: skip
+    a("--memory", metavar="SIZE", help="memory to plan against, e.g. 16GB, 16GiB, 512M "
+      "(default: what this machine reports)")  # fmt: skip
+    a("--json", action="store_true", help="print the plan as JSON")
+
+
+def _int(value: str | None, flag: str, default: int | None, minimum: int) -> int | None:
+    from mlxkv.memory.config import BadInput
+
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise BadInput(f"{flag} must be an integer, got '{value}'") from None
+    if n < minimum:
+        raise BadInput(f"{flag} must be at least {minimum}, got {n}")
+    return n
+
+
+def _estimate(args):
+    from mlxkv.memory.config import BadInput
+    from mlxkv.memory.estimate import estimate_model
+    from mlxkv.policy import KVPolicy
+
+    context = _int(args.context, "--context", None, 1)
+    batch = _int(args.batch, "--batch", 1, 1)
+    chunk = _int(args.chunk, "--chunk", 512, 1)
+    policy = KVPolicy.from_flags(
+        window=_int(args.kv_window, "--kv-window", None, 1),
+        sinks=_int(args.kv_sinks, "--kv-sinks", None, 0),
+        bits=_int(args.kv_bits, "--kv-bits", None, 1),
+        group_size=_int(args.kv_group_size, "--kv-group-size", None, 1),
+    )
+    if args.kv_dtype is not None and args.kv_dtype not in KV_DTYPES:
+        raise BadInput(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got '{args.kv_dtype}'")
+    return estimate_model(
+        args.model, policy, context, batch, chunk, args.kv_dtype, args.memory, search=True
+    )
+
+
+def run(args) -> int:
+    try:
+        est = _estimate(args)
+    except UserError as e:
+        print(f"mlxkv plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(to_json(est), indent=2))
+    else:
+        print(render(est))
+    return 0 if est.budget.fits else 1
+
+
+# --- reporting ---------------------------------------------------------------------------
+
+
+def _token_bytes(spec, policy, kv_dtype: str) -> int:
+    """Bytes one token adds to this cache (batch 1), with the policy's bits if it applies."""
+    from mlxkv.memory.dtypes import dtype_bytes
+    from mlxkv.memory.predictor import _policy_bytes
+
+    pb = _policy_bytes()
+    if spec.grows and pb is not None:
+        b = dtype_bytes(spec.dtype or kv_dtype)
+        return pb.token_bytes(policy, spec.kv_heads, spec.k_head_dim, spec.v_head_dim, b)
+    return spec.bytes_per_token(kv_dtype)
+
+
+def _layer_row(layer, s) -> dict:
+    kv = [p for p in layer.parts if p.kv_heads]
+    first = kv[0] if kv else None
+    window = None
+    if first is not None:
+        if first.grows and s.policy.window is not None:
+            window = s.policy.window + s.policy.sinks
+        else:
+            window = first.window
+    return {
+        "index": layer.index,
+        "kind": layer.kind,
+        "cache": "+".join(p.cls for p in layer.parts),
+        "kv_heads": first.kv_heads if first else 0,
+        "head_dim": first.k_head_dim if first else 0,
+        "v_head_dim": first.v_head_dim if first else 0,
+        "window": window,
+        "policy_applies": any(p.grows for p in layer.parts),
+        "bytes_per_token": sum(_token_bytes(p, s.policy, s.kv_dtype) for p in layer.parts),
+        "state_bytes": sum(p.state_bytes(s.kv_dtype) for p in layer.parts),
+    }
+
+
+def to_json(est) -> dict:
+    s, b = est.setting, est.budget
+    rows = [_layer_row(li, s) for li in est.layout.layers]
+    rt = b.runtime
+    return {
+        "model": est.name,
+        "model_type": est.layout.model_type,
+        "mlx_lm_module": est.layout.module,
+        "resolved_as": est.source.how,
+        "backend": s.backend,
+        "context": s.context,
+        "batch": s.batch,
+        "chunk": s.chunk,
+        "policy": s.policy.to_dict(),
+        "kv_dtype": s.kv_dtype,
+        "layers": rows,
+        "kv_bytes_per_token": sum(r["bytes_per_token"] for r in rows),
+        "kv_state_bytes": sum(r["state_bytes"] for r in rows) * s.batch,
+        "kv_tokens_kept": b.kv.kept_tokens,
+        "kv_bytes": b.kv.logical,
+        "kv_bytes_allocated": b.kv.peak_allocated,
+        "weights_bytes": b.weights.bytes,
+        "weights_file_bytes": b.weights.file_bytes,
+        "weights_params": b.weights.params,
+        "weights_source": b.weights.source,
+        "activation_bytes": rt.activation_bytes,
+        "logits_bytes": rt.logits_bytes,
+        "overhead_bytes": rt.overhead_bytes,
+        "estimated": ["activation_bytes", "logits_bytes", "overhead_bytes"],
+        "total_bytes": b.total,
+        "available_bytes": b.available,
+        "available_source": est.memory.source,
+        "fits": b.fits,
+        "max_context": est.max_context,
+        "max_batch": est.max_batch,
+        "notes": est.notes,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:10.2f} GiB"
+
+
+def _groups(rows: list[dict]) -> list[tuple[int, dict]]:
+    """Identical layers collapsed, in order of first appearance."""
+    keys = ("kind", "cache", "kv_heads", "head_dim", "v_head_dim", "window")
+    seen: dict[tuple, list] = {}
+    for r in rows:
+        k = tuple(r[x] for x in keys) + (r["bytes_per_token"], r["state_bytes"])
+        seen.setdefault(k, [0, r])[0] += 1
+    return [(n, r) for n, r in seen.values()]
+
+
+def render(est) -> str:
+    d = to_json(est)
+    s = est.setting
+    out = [
+        f"{d['model']}: model_type {d['model_type']} (mlx-lm module {d['mlx_lm_module']}, "
+        f"{d['resolved_as']})",
+        f"context {s.context:,} tokens, batch {s.batch}, prefill chunk {s.chunk}, "
+        f"KV policy {s.policy.describe()}, KV {s.kv_dtype} ({s.backend} backend)",
+        "",
+        f"  {'layers':>6}  {'kind':<16} {'cache':<22} {'kv heads':>8} {'head dim':>9} "
+        f"{'window':>7} {'bytes/token':>12} {'state bytes':>12}",
+    ]
+    for n, r in _groups(d["layers"]):
+        dims = f"{r['head_dim']}/{r['v_head_dim']}" if r["kv_heads"] else "-"
+        out.append(
+            f"  {n:>6}  {r['kind']:<16} {r['cache']:<22} {r['kv_heads'] or '-':>8} {dims:>9} "
+            f"{r['window'] or '-':>7} {r['bytes_per_token']:>12,} {r['state_bytes']:>12,}"
+        )
+    spare = d["available_bytes"] - d["total_bytes"]
+    verdict = (
+        f"FITS ({spare / 2**30:.2f} GiB to spare)"
+        if d["fits"]
+        else f"DOES NOT FIT ({-spare / 2**30:.2f} GiB short)"
+    )
+    out += [
+        "",
+        f"  KV bytes per token: {d['kv_bytes_per_token']:,} (all layers, batch 1)",
+        f"  weights          {_gib(d['weights_bytes'])}  {d['weights_source']}",
+        f"  KV logical       {_gib(d['kv_bytes'])}  {d['kv_tokens_kept']:,} tokens kept per layer",
+        f"  KV allocated     {_gib(d['kv_bytes_allocated'])}  held by MLX (peak while prefilling)",
+        f"  activations      {_gib(d['activation_bytes'])}  estimate: one {s.chunk}-token chunk",
+        f"  logits           {_gib(d['logits_bytes'])}  estimate: sampling step, float32",
+        f"  overhead         {_gib(d['overhead_bytes'])}  estimate: runtime + allocator slack",
+        f"  total            {_gib(d['total_bytes'])}",
+        f"  available        {_gib(d['available_bytes'])}  {d['available_source']}",
+        f"  verdict          {verdict}",
+        "",
+    ]
+    mc = d["max_context"]
+    out.append(
+        f"  largest context that fits at batch {s.batch}: "
+        + ("any (every cache is bounded)" if mc is None else f"{mc:,} tokens")
+    )
+    out.append(f"  largest batch that fits at {s.context:,} tokens: {d['max_batch']:,}")
+    for note in d["notes"]:
+        out.append(f"  note: {note}")
+    return "\n".join(out)

@@ -1,0 +1,145 @@
+"""How much memory this machine can give MLX, and ``--memory SIZE`` parsing.
+
+macOS: Metal's ``max_recommended_working_set_size`` (what the GPU may wire; MLX asks for
+it as its wired limit) next to ``memory_size`` and the ``iogpu.wired_limit_mb`` sysctl.
+Linux: /proc/meminfo MemAvailable, capped by the cgroup (v2 or v1) limit minus its usage.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxkv.memory.config import BadInput
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KI": 2**10,
+    "KIB": 2**10,
+    "MI": 2**20,
+    "MIB": 2**20,
+    "GI": 2**30,
+    "GIB": 2**30,
+    "TI": 2**40,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_UNLIMITED = 1 << 60  # cgroup v1 spells "no limit" as a huge number
+
+
+@dataclass(frozen=True)
+class SystemMemory:
+    available: int  # bytes the plan compares against
+    total: int | None  # physical (or cgroup) total, for display
+    source: str  # how ``available`` was found
+
+
+def parse_size(text: str) -> int:
+    """'16GB' (10^9), '16GiB' (2^30), '512M', '1.5G', '1073741824' -> bytes."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS:
+        raise BadInput(f"--memory must be a size like 16GB, 16GiB or 512M, got '{text}'")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise BadInput(f"--memory must be positive, got '{text}'")
+    return value
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def cgroup_room() -> tuple[int, int] | None:
+    """(limit, room left) of this process's memory cgroup, or None when unlimited."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        raw = _read(limit_file)
+        if raw is None or not raw.isdigit() or int(raw) >= _UNLIMITED:
+            continue
+        limit = int(raw)
+        usage = _read(usage_file)
+        used = int(usage) if usage and usage.isdigit() else 0
+        return limit, max(0, limit - used)
+    return None
+
+
+def _linux() -> SystemMemory:
+    info = _meminfo()
+    avail = info.get("MemAvailable") or info.get("MemFree")
+    total = info.get("MemTotal")
+    source = "/proc/meminfo MemAvailable"
+    room = cgroup_room()
+    if room is not None:
+        limit, left = room
+        total = min(total, limit) if total else limit
+        if avail is None or left < avail:
+            avail, source = left, "cgroup memory limit minus usage"
+    if avail is None:
+        raise BadInput("cannot read available memory (/proc/meminfo); pass --memory SIZE")
+    return SystemMemory(avail, total, source)
+
+
+def _macos() -> SystemMemory:
+    import mlx.core as mx
+
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    total = info.get("memory_size")
+    rec = info.get("max_recommended_working_set_size")
+    wired = _wired_limit()
+    if wired:  # an admin raised (or lowered) the GPU wired limit with sysctl
+        return SystemMemory(wired, total, "sysctl iogpu.wired_limit_mb")
+    if rec:
+        return SystemMemory(int(rec), total, "Metal max_recommended_working_set_size")
+    if total:
+        return SystemMemory(int(total), total, "Metal memory_size")
+    raise BadInput("cannot read the GPU memory size; pass --memory SIZE")
+
+
+def _wired_limit() -> int | None:
+    try:
+        out = subprocess.run(
+            ["sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, text=True, timeout=2
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out) * 2**20 if out.isdigit() and int(out) > 0 else None
+
+
+def system_memory(override: str | None = None) -> SystemMemory:
+    """Memory the plan may use: ``--memory`` if given, else what this machine reports."""
+    if override is not None:
+        return SystemMemory(parse_size(override), None, "--memory")
+    if sys.platform == "darwin":
+        return _macos()
+    return _linux()

@@ -1,0 +1,151 @@
+"""Weights bytes as the engine will hold them, without loading a weight.
+
+Sources, best first: local safetensors headers (exact tensor shapes and dtypes), the hub's
+safetensors metadata (``huggingface_hub.get_safetensors_metadata``, headers only), else
+the parameter count of mlx-lm's model built from the config (see ``probe``).
+
+What the engine holds differs from the file (mlxkv.models.loader): on the CPU backend it
+dequantizes and keeps every floating tensor in float32; on Metal quantized tensors stay
+packed and floating ones keep the checkpoint dtype. fp8 checkpoints (DeepSeek-V3) are
+dequantized by mlx-lm's sanitize, their block scales dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxkv.memory.dtypes import dtype_bytes
+
+# safetensors dtype -> (bytes per element, is a floating weight the engine may cast)
+_ST_DTYPES = {
+    "F64": (8, True),
+    "F32": (4, True),
+    "F16": (2, True),
+    "BF16": (2, True),
+    "F8_E4M3": (1, True),
+    "F8_E5M2": (1, True),
+    "I64": (8, False),
+    "I32": (4, False),
+    "U32": (4, False),
+    "I16": (2, False),
+    "U16": (2, False),
+    "I8": (1, False),
+    "U8": (1, False),
+    "BOOL": (1, False),
+}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # safetensors spelling
+    numel: int
+
+
+@dataclass(frozen=True)
+class Weights:
+    bytes: int  # as the engine holds them
+    file_bytes: int | None  # as stored (None when counted from the config)
+    params: int  # parameters, quantized ones counted unpacked
+    source: str  # where the numbers come from, for the user
+
+
+def read_header(path: Path) -> list[Tensor]:
+    """Tensors of one safetensors file from its JSON header (reads a few KB, not the data)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [
+        Tensor(name, info["dtype"], _numel(info["shape"]))
+        for name, info in header.items()
+        if name != "__metadata__"
+    ]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _bits_for(name: str, quant: dict) -> int:
+    """Bits of one packed tensor: per-layer overrides in mlx-lm's 'quantization' dict."""
+    layer = name.rsplit(".", 1)[0]
+    override = quant.get(layer)
+    if isinstance(override, dict) and "bits" in override:
+        return override["bits"]
+    return quant.get("bits", 4)
+
+
+def from_tensors(
+    tensors: list[Tensor], config: dict, weight_dtype: str, dequantize: bool, source: str
+) -> Weights:
+    """Resident bytes of the tensors: packed weights unpacked when ``dequantize``."""
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    names = {t.name for t in tensors}
+    wb = dtype_bytes(weight_dtype)
+    total = file_total = params = 0
+    for t in tensors:
+        size, floating = _ST_DTYPES.get(t.dtype, (4, False))
+        file_total += t.numel * size
+        base = t.name.rsplit(".", 1)[0]
+        if t.name.endswith("weight_scale_inv"):  # fp8 block scales: folded in at load
+            continue
+        packed = t.dtype == "U32" and f"{base}.scales" in names
+        is_qparam = t.name.endswith((".scales", ".biases")) and f"{base}.weight" in names
+        if packed:
+            n = t.numel * 32 // _bits_for(t.name, quant)
+            params += n
+            total += n * wb if dequantize else t.numel * size
+        elif is_qparam:
+            if not dequantize:
+                total += t.numel * wb
+        else:
+            params += t.numel
+            total += t.numel * (wb if floating else size)
+    return Weights(total, file_total, params, source)
+
+
+def from_local(folder: Path, config: dict, weight_dtype: str, dequantize: bool) -> Weights | None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    tensors = [t for f in files for t in read_header(f)]
+    return from_tensors(
+        tensors, config, weight_dtype, dequantize, f"safetensors headers ({len(files)} local files)"
+    )
+
+
+def from_hub(repo: str, config: dict, weight_dtype: str, dequantize: bool) -> Weights:
+    """Raises whatever huggingface_hub raises when the hub is unreachable."""
+    from huggingface_hub import get_safetensors_metadata
+
+    meta = get_safetensors_metadata(repo)
+    tensors = [
+        Tensor(name, info.dtype, _numel(info.shape))
+        for fm in meta.files_metadata.values()
+        for name, info in fm.tensors.items()
+    ]
+    source = f"hub safetensors metadata ({repo})"
+    return from_tensors(tensors, config, weight_dtype, dequantize, source)
+
+
+def from_layout(facts, weight_dtype: str, dequantize: bool) -> Weights:
+    """From the parameters of mlx-lm's model built from the config (all experts resident,
+    tied embeddings stored once, quantized layers packed as the config says)."""
+    wb = dtype_bytes(weight_dtype)
+    if dequantize and facts.quantized:
+        # Unpacked: parameters = the model's unquantized count, recorded by the probe.
+        n = facts.dense_params
+        return Weights(n * wb, None, n, "parameter count from config.json (mlx-lm model)")
+    n = facts.float_params
+    return Weights(
+        n * wb + facts.fixed_param_bytes,
+        None,
+        facts.dense_params or n,
+        "parameter count from config.json (mlx-lm model)",
+    )

@@ -63,7 +63,7 @@ def all_configs(kept: int, sinks: int) -> dict[str, CacheConfig]:
     w = k - s  # the window beside the sinks
     cfgs = [
         CacheConfig("full", "full", "mlxkv", KVPolicy(), False, "lm-full"),
-        CacheConfig("window", f"window {w}", "mlxkv", KVPolicy(window=w), True, "lm-rot0"),
+        CacheConfig("window", f"window {k}", "mlxkv", KVPolicy(window=k), True, "lm-rot0"),
         CacheConfig(
             "sink-window",
             f"sink {s} + window {w}",
@@ -85,11 +85,11 @@ def all_configs(kept: int, sinks: int) -> dict[str, CacheConfig]:
         CacheConfig("lm-full", "KVCache", "mlx-lm", None, False, mlx_lm=("full",)),
         CacheConfig(
             "lm-rot0",
-            f"RotatingKVCache({w}, keep=0)",
+            f"RotatingKVCache({k}, keep=0)",
             "mlx-lm",
             None,
             True,
-            mlx_lm=("rotating", w, 0),
+            mlx_lm=("rotating", k, 0),
         ),  # fmt: skip
         CacheConfig(
             "lm-rot",

@@ -154,3 +154,25 @@ def test_predicted_equals_actual_at_every_event(default_model, policy):
                 assert actual == chat.generator.kv.last.allocated
         if policy.window is not None:
             assert s.kv_tokens <= policy.window + policy.sinks
+
+
+def test_a_failed_turn_resets_the_cache_and_the_next_works(default_model, monkeypatch):
+    gen = Generator(default_model)
+    finish(gen.run("Hello there.", GREEDY))
+    events = gen.run("Hello there. How are you?", GenerationSettings(max_tokens=50))
+    for ev in events:
+        if isinstance(ev, TokenDelta):
+            break  # the caller walks away mid-answer
+    events.close()
+    assert gen.cached_tokens == 0 and gen.kv.actual_bytes() == 0
+    out = finish(gen.run("Hello there.", GREEDY))
+    assert out.stats.kv_bytes_actual == out.stats.kv_bytes_predicted
+
+
+def test_cancel_before_the_turn_starts_is_honoured(default_model):
+    gen = Generator(default_model)
+    gen.cancel()
+    out = finish(gen.run("Write a long poem about the sea.", GenerationSettings(max_tokens=50)))
+    assert out.finish_reason == "cancelled" and out.stats.generation_tokens <= 1
+    again = finish(gen.run("Hi", GenerationSettings(max_tokens=3)))
+    assert again.finish_reason != "cancelled"

@@ -34,6 +34,7 @@ class Stats:
 class PrefillProgress:
     done: int
     total: int
+    stats: Stats | None = None
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,12 @@ class Generator:
         self._drop_chunks(n)
 
     def cancel(self) -> None:
+        """Stop the current turn, or the next one if none is running yet."""
         self._cancel.set()
+
+    def stats(self) -> Stats:
+        """A snapshot of the cache between turns."""
+        return self._stats(0, 0, 0.0, 0.0)
 
     # -- generation --------------------------------------------------------------------
     def run(self, prompt_text: str, settings: GenerationSettings) -> Iterator[Event]:
@@ -133,7 +138,21 @@ class Generator:
         """
         if not prompt_text:
             raise UserError("the prompt is empty; type something to send")
-        self._cancel.clear()
+        finished = False
+        try:
+            for event in self._run(prompt_text, settings):
+                finished = isinstance(event, Finished)
+                yield event
+        except BaseException:
+            # A turn that failed (or was abandoned) half-way leaves the cache out of step
+            # with the chunks; after its Finished event the cache is consistent.
+            if not finished:
+                self.reset()
+            raise
+        finally:
+            self._cancel.clear()  # a cancel covers one turn
+
+    def _run(self, prompt_text: str, settings: GenerationSettings) -> Iterator[Event]:
         self._rollback_to(prompt_text)
         if self.cached_text == prompt_text:
             # All of it is cached, but sampling needs the last token's logits: refeed.
@@ -192,7 +211,7 @@ class Generator:
             mx.eval([c.state for c in self.caches])
             done += n
             self.kv.advance(n, chunk=n)
-            yield PrefillProgress(done, total)
+            yield PrefillProgress(done, total, self._stats(done, 0, 0.0, 0.0))
             if self._cancel.is_set():
                 self.chunks.append(_Chunk(tokenizer.decode(new_ids[:done]), done))
                 stats = self._stats(done, 0, 0.0, 0.0, "cancelled")

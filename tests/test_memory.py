@@ -237,3 +237,13 @@ def test_default_kv_dtype_follows_the_engine():
     assert default_kv_dtype(cfg, on="cpu") == "float32"
     assert default_kv_dtype(cfg, on="metal") == "bfloat16"
     assert default_kv_dtype({"model_type": "x"}, on="metal") == "float16"
+
+
+@pytest.mark.model
+def test_plan_weights_match_the_loaded_default_model(default_model):
+    """The weights the plan predicts from safetensors headers == what the engine holds."""
+    from mlxkv.memory.estimate import estimate_model
+
+    est = estimate_model(str(default_model.path), search=False)
+    assert est.budget.weights.bytes == default_model.weights_bytes
+    assert est.setting.kv_dtype == default_model.dtype

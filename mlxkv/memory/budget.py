@@ -149,9 +149,14 @@ def check_fits(path: str | Path, policy: KVPolicy | None = None, context: int | 
     """Raise UserError if the model in ``path`` will not fit (the engine's pre-load check)."""
     from mlxkv.memory.estimate import estimate_model
 
-    plan = estimate_model(str(path), policy or KVPolicy(), context=context)
+    plan = estimate_model(str(path), policy or KVPolicy(), context=context, search=False)
     if not plan.budget.fits:
         b = plan.budget
+        if b.weights.bytes > b.available:
+            raise UserError(
+                f"{plan.name} does not fit: its weights alone need {gib(b.weights.bytes)} "
+                f"and {gib(b.available)} is available (see 'mlxkv plan'); use --force to try"
+            )
         raise UserError(
             f"{plan.name} needs about {gib(b.total)} at {plan.setting.context} tokens "
             f"(weights {gib(b.weights.bytes)}, KV {gib(b.kv.peak_allocated)}) but "

@@ -43,13 +43,32 @@ def _weights(src: ModelSource, layout: Layout, wdtype: str, dequantize: bool, no
 
 
 def _check_policy(layout: Layout, policy: KVPolicy) -> None:
-    """The refusal mlxkv.caches.make_caches makes without needing the model's weights."""
-    if (policy.window is not None or policy.bits is not None) and not any(
-        p.grows for p in layout.specs()
-    ):
+    """The refusals of mlxkv.caches.plan_policy that the layout alone can decide."""
+    name = layout.model_type
+    growing = [p for p in layout.specs() if p.grows]
+    if (policy.window is not None or policy.bits is not None) and not growing:
         raise PolicyError(
-            f"{layout.model_type}: --kv-window/--kv-bits do not apply: it has no attention "
+            f"{name}: --kv-window/--kv-bits do not apply: it has no attention "
             "layer whose cache grows with the sequence"
+        )
+    mla = any(p.role == "mla" for p in growing)
+    if policy.bits is not None:
+        if mla:
+            raise PolicyError(
+                f"{name}: --kv-bits is not supported for MLA latent caches "
+                "(the decoupled RoPE key is read unquantized); drop --kv-bits"
+            )
+        bad = sorted({d for p in growing for d in (p.k_head_dim, p.v_head_dim)} - {0})
+        bad = [d for d in bad if d % policy.group_size]
+        if bad:
+            raise PolicyError(
+                f"{name}: --kv-group-size {policy.group_size} does not divide the head "
+                f"dimension {bad[0]}; use a group size that divides it"
+            )
+    if policy.sinks and mla:
+        raise PolicyError(
+            f"{name}: --kv-sinks needs re-positioning keys, but MLA stores the RoPE "
+            "key apart from the latent; use --kv-sinks 0 for a plain window"
         )
 
 

@@ -72,13 +72,12 @@ def _numel(shape) -> int:
     return n
 
 
-def _bits_for(name: str, quant: dict) -> int:
-    """Bits of one packed tensor: per-layer overrides in mlx-lm's 'quantization' dict."""
-    layer = name.rsplit(".", 1)[0]
-    override = quant.get(layer)
-    if isinstance(override, dict) and "bits" in override:
-        return override["bits"]
-    return quant.get("bits", 4)
+def _group_for(name: str, quant: dict) -> int:
+    """Group size of one packed tensor (mlx-lm allows per-layer overrides)."""
+    override = quant.get(name.rsplit(".", 1)[0])
+    if isinstance(override, dict) and "group_size" in override:
+        return override["group_size"]
+    return quant.get("group_size", 64)
 
 
 def from_tensors(
@@ -86,7 +85,7 @@ def from_tensors(
 ) -> Weights:
     """Resident bytes of the tensors: packed weights unpacked when ``dequantize``."""
     quant = config.get("quantization") or config.get("quantization_config") or {}
-    names = {t.name for t in tensors}
+    numel = {t.name: t.numel for t in tensors}
     wb = dtype_bytes(weight_dtype)
     total = file_total = params = 0
     for t in tensors:
@@ -95,10 +94,11 @@ def from_tensors(
         base = t.name.rsplit(".", 1)[0]
         if t.name.endswith("weight_scale_inv"):  # fp8 block scales: folded in at load
             continue
-        packed = t.dtype == "U32" and f"{base}.scales" in names
-        is_qparam = t.name.endswith((".scales", ".biases")) and f"{base}.weight" in names
+        packed = t.dtype == "U32" and f"{base}.scales" in numel
+        is_qparam = t.name.endswith((".scales", ".biases")) and f"{base}.weight" in numel
         if packed:
-            n = t.numel * 32 // _bits_for(t.name, quant)
+            # One scale per group, whatever the bits (GGUF imports mix 4 and 8 bits).
+            n = numel[f"{base}.scales"] * _group_for(t.name, quant)
             params += n
             total += n * wb if dequantize else t.numel * size
         elif is_qparam:

@@ -25,14 +25,7 @@ def real_opener(dtype: str = "auto", force: bool = False, overflow: str = "stop"
         from mlxkv.engine.loading import open_model
         from mlxkv.engine.session import Generator
 
-        try:
-            loaded = open_model(model, dtype, policy, force, on_status=on_status)
-        except ModuleNotFoundError as e:
-            if "budget" not in (e.name or ""):
-                raise
-            # The memory check is not built yet: say so, and load without it.
-            on_status("memory check not available in this build; loading without it")
-            loaded = open_model(model, dtype, policy, True, on_status=on_status)
+        loaded = open_model(model, dtype, policy, force, on_status=on_status)
         return Generator(loaded, policy, overflow=overflow)
 
     return open_generator
@@ -62,17 +55,18 @@ class ChatEngine:
     def open(self, model: str | None, on_status: Callable[[str], None]) -> None:
         """Load ``model``; the conversation and system prompt carry over to it. If loading
         fails the previous model stays in use."""
-        from tui.budget import memory_budget
+        from mlxkv.memory import system_memory
 
         self._mark()
+        if self._budget is None:
+            # What MLX may use, read before the weights take their share (as plan does).
+            self._budget = system_memory().available
         generator = self._open(model, self.policy, on_status)
         old = self.chat
         system = old.system if old else self._system
         self.chat = ChatSession(generator, self.settings, system=system)
         if old is not None:
             self.chat.messages = list(old.messages)
-        if self._budget is None:
-            self._budget = memory_budget()
 
     @property
     def loaded(self) -> bool:

@@ -14,13 +14,13 @@ from mlxkv.policy import KVPolicy
 
 class KVAccounting:
     def __init__(self, loaded, policy: KVPolicy, caches: list):
+        from mlxkv.memory import layout_for
         from mlxkv.memory.predictor import KVPredictor
-        from mlxkv.memory.probe import probe
 
         self.caches = caches
         self.loaded = loaded
         if getattr(loaded, "layout", None) is None:
-            loaded.layout = probe(loaded.config)  # once per model, not per cache
+            loaded.layout = layout_for(loaded.config)  # once per model, not per cache
         self.predictor = KVPredictor(loaded.layout, policy, 1, loaded.dtype)
         self.last = self.predictor.snapshot()
 

@@ -22,15 +22,8 @@ def open_model(
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
     if not force:
-        _check_budget(resolved.path, policy or KVPolicy(), context, on_status)
+        from mlxkv.memory import check_fits
+
+        check_fits(resolved.path, policy or KVPolicy(), context)
     on_status("loading weights ...")
     return load(resolved.path, dtype=dtype, name=resolved.alias or model or resolved.path.name)
-
-
-def _check_budget(path, policy, context, on_status) -> None:
-    try:
-        from mlxkv.memory.budget import check_fits
-    except ImportError:  # INTEGRATION: the budget module lands with the memory model
-        on_status("memory check unavailable; loading without it")
-        return
-    check_fits(path, policy, context)

@@ -67,6 +67,12 @@ def _aliases() -> str:
 
 def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        # A GGUF holds no config.json: convert it (lossless, cached) and plan the result.
+        from mlxkv.models.resolve import resolve as resolve_model
+
+        folder = resolve_model(str(path)).path
+        return ModelSource(path.stem, load_config(folder / "config.json"), folder, None, "GGUF")
     if path.is_file() or path.suffix == ".json":
         name = path.parent.name if path.name == "config.json" else path.stem
         return ModelSource(name or str(path), load_config(path), path.parent, None, "config file")

@@ -31,10 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlxkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue  # a command whose module is not built yet
+        module = importlib.import_module(module_name)
         help_text = getattr(module, "HELP", None)
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)

@@ -206,7 +206,9 @@ def _generate(args, policy, base, log, jobs, bad, skipped) -> int:
     from mlxkv.engine.batch_input import BadLine
     from mlxkv.engine.loading import open_model
 
-    loaded = open_model(args.model, args.dtype, policy, args.force, on_status=status)
+    loaded = open_model(
+        args.model, args.dtype, policy, args.force, batch=args.batch_size, on_status=status
+    )
     runner = BatchRunner(loaded, policy, args.batch_size, args.prefill_step)
     if runner.batched:
         status(f"{len(jobs)} prompts, batch size {args.batch_size}, cache: {policy.describe()}")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.engine.session import GenerationSettings, Generator, encode_prompt
 from mlxkv.engine.stopping import StopMatcher
 from mlxkv.errors import UserError
 from mlxkv.models.loader import LoadedModel
@@ -46,14 +46,6 @@ class Result:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     error: str | None = None  # set instead of text when this prompt could not run
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids for a whole prompt, with the Generator's BOS rule (add the tokenizer's BOS
-    unless the text already starts with it), so batched and single runs see the same ids."""
-    bos = getattr(tokenizer, "bos_token", None)
-    add = bool(bos) and not text.startswith(bos)
-    return tokenizer.encode(text, add_special_tokens=add)
 
 
 def why_not_batched(loaded: LoadedModel, policy: KVPolicy) -> str | None:

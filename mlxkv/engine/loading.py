@@ -15,15 +15,17 @@ def open_model(
     policy: KVPolicy | None = None,
     force: bool = False,
     context: int | None = None,
+    batch: int = 1,
     on_status: Callable[[str], None] = lambda _m: None,
 ) -> LoadedModel:
     """Resolve ``model``, refuse it (UserError) if the memory model says it won't fit at
-    ``context`` tokens under ``policy`` unless ``force``, then load it."""
+    ``context`` tokens under ``policy`` (``batch`` sequences at once) unless ``force``,
+    then load it."""
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
     if not force:
         from mlxkv.memory import check_fits
 
-        check_fits(resolved.path, policy or KVPolicy(), context)
+        check_fits(resolved.path, policy or KVPolicy(), context, batch)
     on_status("loading weights ...")
     return load(resolved.path, dtype=dtype, name=resolved.alias or model or resolved.path.name)

@@ -46,6 +46,14 @@ class GenerationSettings:
             raise UserError(f"--prefill-step must be at least 1, got {self.prefill_step}")
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a whole prompt: the tokenizer's BOS is added unless the text (a chat
+    template's output, say) already starts with it. Single and batched runs share this."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add = bool(bos) and not text.startswith(bos)
+    return tokenizer.encode(text, add_special_tokens=add)
+
+
 @dataclass
 class _Chunk:
     text: str
@@ -95,12 +103,7 @@ class Generator:
 
     def _encode(self, text: str, first: bool) -> list[int]:
         tok = self.loaded.tokenizer
-        if first:
-            # A raw first prompt gets the tokenizer's BOS unless the text already has it.
-            bos = getattr(tok, "bos_token", None)
-            add = bool(bos) and not text.startswith(bos)
-            return tok.encode(text, add_special_tokens=add)
-        return tok.encode(text, add_special_tokens=False)
+        return encode_prompt(tok, text) if first else tok.encode(text, add_special_tokens=False)
 
     def _drop_chunks(self, n_chunks: int) -> None:
         """Remove the last ``n_chunks`` chunks from the cache.
@@ -174,8 +177,9 @@ class Generator:
             return
         if self.overflow == "stop":
             raise UserError(
-                f"the conversation needs {needed} tokens but the model's context is {limit}; "
-                "clear the chat, use a window (--kv-window) or --on-overflow slide"
+                f"the prompt needs {needed} tokens but the model's context is {limit}; "
+                "shorten it (or clear the chat), use a window (--kv-window) or "
+                "--on-overflow slide"
             )
         self.set_policy(replace(self.policy, window=max(limit // 2, 64), sinks=4))
         yield Notice(

@@ -145,11 +145,18 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_fits(path: str | Path, policy: KVPolicy | None = None, context: int | None = None):
+def check_fits(
+    path: str | Path,
+    policy: KVPolicy | None = None,
+    context: int | None = None,
+    batch: int = 1,
+):
     """Raise UserError if the model in ``path`` will not fit (the engine's pre-load check)."""
     from mlxkv.memory.estimate import estimate_model
 
-    plan = estimate_model(str(path), policy or KVPolicy(), context=context, search=False)
+    plan = estimate_model(
+        str(path), policy or KVPolicy(), context=context, batch=batch, search=False
+    )
     if not plan.budget.fits:
         b = plan.budget
         if b.weights.bytes > b.available:

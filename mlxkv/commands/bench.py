@@ -68,6 +68,13 @@ def add_arguments(p) -> None:
         help="tokens every bounded cache keeps, sinks included (default 1024; quick 64)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="N",
+        help="interleaved repeats of the engine and speed comparisons (default 3 and 1)",
+    )
+    p.add_argument(
         "--stream-tokens", type=int, default=None, help="length of the long streams (tokens)"
     )
 
@@ -89,6 +96,10 @@ def run(args) -> int:
     from mlxkv.bench.scale import FULL, QUICK
 
     scale = QUICK if args.quick else FULL
+    if args.repeats:
+        if args.repeats < 1:
+            raise UserError("--repeats must be at least 1")
+        scale = replace(scale, engine_repeats=args.repeats, speed_repeats=args.repeats)
     if args.kept:
         scale = replace(scale, kept=args.kept)
     if args.stream_tokens:
@@ -130,7 +141,7 @@ def _argv(args):
     yield from ("--text", str(args.text), "--out", str(args.out))
     if args.quick:
         yield "--quick"
-    for flag in ("model", "only", "streams", "kept", "stream_tokens"):
+    for flag in ("model", "only", "streams", "kept", "repeats", "stream_tokens"):
         v = getattr(args, flag)
         if v:
             yield "--" + flag.replace("_", "-")

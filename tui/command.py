@@ -9,6 +9,7 @@ from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
     add_model_flags,
+    add_overflow_flag,
     policy_from_args,
     settings_from_args,
 )
@@ -23,18 +24,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument(
-        "--on-overflow",
-        choices=("stop", "slide"),
-        default="stop",
-        help="at the model's context limit: stop, or slide into a sink window",
-    )
-    p.add_argument(
         "--metrics",
         default=os.environ.get("MLXKV_TUI_METRICS"),
         metavar="PATH",
         help="write UI timings (load, first paint, key latency, tok/s) as JSON to PATH",
     )
     add_model_flags(p)
+    add_overflow_flag(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=512)
 

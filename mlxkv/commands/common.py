@@ -28,6 +28,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_overflow_flag(p: argparse.ArgumentParser) -> None:
+    from mlxkv.engine.session import OVERFLOW_CHOICES
+
+    p.add_argument(
+        "--on-overflow",
+        choices=OVERFLOW_CHOICES,
+        default="stop",
+        help="at the model's context limit: stop, or slide into a sink window",
+    )
+
+
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache policy")
     g.add_argument(

@@ -9,6 +9,7 @@ from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
     add_model_flags,
+    add_overflow_flag,
     policy_from_args,
     settings_from_args,
     status,
@@ -23,13 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--system", default="", help="system prompt (chat template only)")
     p.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument(
-        "--on-overflow",
-        choices=("stop", "slide"),
-        default="stop",
-        help="at the model's context limit: stop, or slide into a sink window",
-    )
     add_model_flags(p)
+    add_overflow_flag(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
 

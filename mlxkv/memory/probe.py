@@ -25,6 +25,7 @@ from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
+from mlxkv.errors import one_line
 from mlxkv.memory.config import BadInput, text_view, validate
 from mlxkv.memory.layout import CacheSpec, LayerSpec, Layout, ModelFacts
 
@@ -137,11 +138,6 @@ def _mlx_lm_models():
         for key in set(sys.modules) - before:
             if key == "mlx_lm" or key.startswith("mlx_lm."):
                 del sys.modules[key]
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _quantize(nn, model, config: dict) -> bool:
@@ -272,7 +268,7 @@ def probe(config: dict) -> Layout:
             arch = import_module(module)
             cache_mod = import_module("cache")
         except (Exception, SystemExit) as e:  # olmo.py calls sys.exit without ai2-olmo
-            raise BadInput(f"mlx-lm cannot import model '{module}': {_one_line(e)}") from None
+            raise BadInput(f"mlx-lm cannot import model '{module}': {one_line(e)}") from None
         try:
             args = arch.ModelArgs.from_dict(config)
             model = arch.Model(args)
@@ -281,7 +277,7 @@ def probe(config: dict) -> Layout:
             model.eval()
         except Exception as e:
             raise BadInput(
-                f"config.json does not describe a valid '{module}' model for mlx-lm: {_one_line(e)}"
+                f"config.json does not describe a valid '{module}' model for mlx-lm: {one_line(e)}"
             ) from None
 
         float_params = fixed_bytes = 0
@@ -308,7 +304,7 @@ def probe(config: dict) -> Layout:
             model(mx.array([[0]]), cache=caches)
         except Exception as e:
             raise BadInput(
-                f"mlx-lm's '{module}' model fails on this config: {_one_line(e)}"
+                f"mlx-lm's '{module}' model fails on this config: {one_line(e)}"
             ) from None
 
         layers = []

@@ -6,13 +6,13 @@ never a weight file.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxkv.errors import one_line
 from mlxkv.memory.config import BadInput, load_config
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+from mlxkv.models.registry import load_registry, lookup
+from mlxkv.models.resolve import looks_like_repo_id
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,6 @@ class ModelSource:
     folder: Path | None  # local folder that may hold safetensors
     repo: str | None  # hub repo for safetensors metadata
     how: str  # how MODEL was resolved, for the user
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _hub_config(repo: str) -> Path:
@@ -41,28 +36,8 @@ def _hub_config(repo: str) -> Path:
     except Exception as e:
         raise BadInput(
             f"could not fetch config.json of '{repo}' from the Hugging Face hub "
-            f"({_one_line(e)}); pass a local config.json or model folder"
+            f"({one_line(e)}); pass a local config.json or model folder"
         ) from None
-
-
-def _registry_entry(name: str):
-    try:
-        from mlxkv.models.registry import lookup
-    except ImportError:  # the registry is optional for planning
-        return None
-    try:
-        return lookup(name)
-    except Exception:  # a broken registry must not stop planning a local config
-        return None
-
-
-def _aliases() -> str:
-    try:
-        from mlxkv.models.registry import load_registry
-
-        return ", ".join(load_registry().models)
-    except Exception:
-        return ""
 
 
 def resolve(model: str) -> ModelSource:
@@ -81,7 +56,7 @@ def resolve(model: str) -> ModelSource:
         if not cfg.is_file():
             raise BadInput(f"{path} is a folder without config.json")
         return ModelSource(path.name, load_config(cfg), path, None, "local folder")
-    entry = _registry_entry(model)
+    entry = lookup(model)
     if entry is not None:
         from mlxkv.paths import models_dir
 
@@ -94,10 +69,10 @@ def resolve(model: str) -> ModelSource:
         return ModelSource(
             model, load_config(cfg), cfg.parent, entry.hf_repo, f"alias ({entry.hf_repo})"
         )
-    if _REPO_ID.match(model):
+    if looks_like_repo_id(model):
         cfg = _hub_config(model)
         return ModelSource(model, load_config(cfg), cfg.parent, model, "hub")
-    aliases = _aliases()
+    aliases = ", ".join(load_registry().models)
     raise BadInput(
         f"unknown model '{model}': not a config.json file, model folder, "
         + (f"registry alias ({aliases}) " if aliases else "registry alias ")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, one_line
 from mlxkv.models import registry
 from mlxkv.paths import models_dir
 
@@ -30,6 +30,11 @@ HUB_PATTERNS = [
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def looks_like_repo_id(name: str) -> bool:
+    """'owner/name' as the Hugging Face hub spells repo ids."""
+    return bool(_REPO_ID.match(name))
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     path: Path  # MLX model folder (config.json, safetensors, tokenizer)
@@ -39,11 +44,6 @@ class ResolvedModel:
 
 def _has_config(p: Path) -> bool:
     return (p / "config.json").is_file()
-
-
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def hub_download(repo: str, local_only: bool = False) -> Path:
@@ -84,7 +84,7 @@ def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedM
     try:
         return ResolvedModel(hub_download(entry.hf_repo), f"hub ({entry.hf_repo})", entry.alias)
     except Exception as e:
-        hub_error = _one_line(e)
+        hub_error = one_line(e)
     if entry.offline and offline_ok:
         from mlxkv.models.offline import fetch_offline
 
@@ -116,7 +116,7 @@ def resolve(
     entry = registry.lookup(name)
     if entry:
         return _alias(entry, offline_ok, on_status)
-    if _REPO_ID.match(name) and not path.exists():
+    if looks_like_repo_id(name) and not path.exists():
         cached = _hub_cached(name)
         if cached:
             return ResolvedModel(cached, f"Hugging Face cache ({name})")
@@ -124,7 +124,7 @@ def resolve(
             return ResolvedModel(hub_download(name), f"hub ({name})")
         except Exception as e:
             raise UserError(
-                f"could not download '{name}' from the Hugging Face hub ({_one_line(e)}); "
+                f"could not download '{name}' from the Hugging Face hub ({one_line(e)}); "
                 "check the repo id and your connection, or use a local model"
             ) from None
     if path.exists():

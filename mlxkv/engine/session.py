@@ -2,8 +2,7 @@
 
 The cache is described as a list of text chunks (prompt pieces and answers) with their
 token counts. A new turn's full prompt text either extends that text (only the new
-tokens are prefilled) or diverges from it (the chunks after the divergence are trimmed
-off the cache, or the cache is rebuilt when the policy cannot trim that far).
+tokens are prefilled) or diverges from it (the cache is rebuilt from the whole prompt).
 """
 
 from __future__ import annotations
@@ -105,25 +104,17 @@ class Generator:
         tok = self.loaded.tokenizer
         return encode_prompt(tok, text) if first else tok.encode(text, add_special_tokens=False)
 
-    def _drop_chunks(self, n_chunks: int) -> None:
-        """Remove the last ``n_chunks`` chunks from the cache.
+    def _keep_if_prefix_of(self, target: str) -> None:
+        """Keep the cache only while the text it holds is a prefix of ``target``.
 
-        The cache is rebuilt rather than trimmed: trimming keeps buffers the predictor
-        would have to re-derive, and a rebuild keeps predicted == actual by construction.
-        The cost is one prefill of the kept conversation, paid only when a turn diverges
-        from what the cache holds (regenerate, stop strings, templates that reformat).
+        A cache that diverges is rebuilt rather than trimmed: trimming keeps buffers the
+        predictor would have to re-derive, and a rebuild keeps predicted == actual by
+        construction. The cost is one prefill of the conversation, paid only when a turn
+        diverges from what the cache holds (regenerate, stop strings, templates that
+        reformat an answer), never on a plain next turn.
         """
-        if n_chunks:
+        if self.chunks and not target.startswith(self.cached_text):
             self.reset()
-
-    def _rollback_to(self, target: str) -> None:
-        """Drop cached chunks until the cached text is a prefix of ``target``."""
-        text = self.cached_text
-        n = 0
-        while n < len(self.chunks) and not target.startswith(text):
-            n += 1
-            text = text[: len(text) - len(self.chunks[-n].text)]
-        self._drop_chunks(n)
 
     def cancel(self) -> None:
         """Stop the current turn, or the next one if none is running yet."""
@@ -156,10 +147,10 @@ class Generator:
             self._cancel.clear()  # a cancel covers one turn
 
     def _run(self, prompt_text: str, settings: GenerationSettings) -> Iterator[Event]:
-        self._rollback_to(prompt_text)
-        if self.cached_text == prompt_text:
+        self._keep_if_prefix_of(prompt_text)
+        if self.chunks and self.cached_text == prompt_text:
             # All of it is cached, but sampling needs the last token's logits: refeed.
-            self._drop_chunks(1)
+            self.reset()
         new_text = prompt_text[len(self.cached_text) :]
         new_ids = self._encode(new_text, first=not self.chunks)
         yield from self._overflow_check(new_ids)

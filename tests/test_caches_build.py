@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -243,3 +246,47 @@ def test_sink_reference_on_hybrid_attention_layer():
     ref = reference_logits(model, TOKENS, 2, 10)
     got = feed(model, TOKENS, make_caches(model, SINK), [15, 1, 1, 23])
     assert mx.abs(got - ref).max().item() < 2e-5
+
+
+TINY_FAMILIES = json.loads(
+    (Path(__file__).parent / "data" / "configs" / "tiny_families.json").read_text()
+)["families"]
+
+
+def build_family(name, **overrides):
+    cfg = dict(TINY_FAMILIES[name], **overrides)
+    Model, Args = _get_classes(cfg)
+    model = Model(Args.from_dict(cfg))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize(
+    "family, policy, message",
+    [
+        # mlx-lm's own attention code for these cannot read a quantized cache
+        ("gemma2", KVPolicy(bits=4, group_size=32), "gemma2: mlx-lm's attention .* --kv-bits"),
+        ("stablelm", KVPolicy(bits=8, group_size=32), "stablelm: .*drop --kv-bits$"),
+        ("plamo2", KVPolicy(bits=4, group_size=32), r"plamo2: .*incompatible function arg"),
+        ("mimo_v2_flash", KVPolicy(bits=4, group_size=32), "mimo_v2_flash: .*--kv-bits"),
+        # KV-shared layers read another layer's cache through keys_and_values()
+        ("gemma3n", KVPolicy(window=40), "gemma3n: .*keys_and_values.*drop --kv-window$"),
+        # a window that works, with bits that do not: the flag named is --kv-bits
+        ("gemma2", KVPolicy(window=40, sinks=4, bits=4, group_size=32), "drop --kv-bits$"),
+        # head dim 16 is only seen when the cache is filled
+        ("dots1", KVPolicy(bits=4, group_size=32), "dots1: --kv-group-size 32 does not divide"),
+    ],
+)
+def test_policies_the_attention_code_cannot_run_are_refused_up_front(family, policy, message):
+    model = build_family(family)
+    with pytest.raises(PolicyError, match=message):
+        check_policy(model, policy)
+
+
+def test_refusal_is_per_flag_the_rest_still_runs():
+    model = build_family("gemma2")
+    for policy in (KVPolicy(window=40, sinks=4), KVPolicy(window=40)):
+        check_policy(model, policy)
+        caches = make_caches(model, policy)
+        feed(model, [i % 100 for i in range(60)], caches, [50, 1, 9])
+        assert max(c.kept for c in caches if hasattr(c, "kept")) <= 44

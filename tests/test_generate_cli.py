@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,39 @@ def test_bad_input_one_line_exit_2(args, message):
     assert "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("mlxkv generate: error:")]
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_kv_bits_refused_before_generating_on_a_model_that_cannot_take_them(
+    tmp_path, default_model_path
+):
+    """A tiny random gemma2 folder (its attention cannot read quantized keys) with the
+    default model's tokenizer: refused up front, one line, exit 2."""
+    from mlx_lm.utils import _get_classes, save_model
+
+    cfg = json.loads((Path(__file__).parent / "data/configs/tiny_families.json").read_text())
+    cfg = dict(cfg["families"]["gemma2"], vocab_size=49152)
+    Model, Args = _get_classes(cfg)
+    save_model(tmp_path, Model(Args.from_dict(cfg)))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path / name, tmp_path / name)
+
+    out = run_cli(
+        "generate",
+        "--model",
+        str(tmp_path),
+        "--prompt",
+        "hi",
+        "--kv-bits",
+        "4",
+        "--kv-group-size",
+        "32",
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("mlxkv generate: error: gemma2: ")
+    assert out.stderr.strip().endswith("drop --kv-bits")
+
+    args = ["--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "3", "--kv-window", "32"]
+    ok = run_cli("generate", *args, "--json")
+    assert ok.returncode == 0, ok.stderr

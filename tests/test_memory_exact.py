@@ -60,19 +60,6 @@ POLICIES = [
     KVPolicy(bits=8, group_size=32),
     KVPolicy(window=40, sinks=4, bits=4, group_size=32),
 ]
-# Policies mlxkv's caches cannot run yet on a family (reported to the caches owner); the
-# memory model is still checked on that family's native caches and other policies.
-CACHE_ISSUES = {
-    ("gemma2", "bits"): "gemma2's attention does not take quantized keys",
-    ("gemma3n", "any"): "StreamingKVCache has no keys_and_values (KV-shared layers)",
-    # These call mx.fast.scaled_dot_product_attention on the cache's (packed, scales,
-    # biases) tuples instead of mlx-lm's quantized attention, so --kv-bits crashes them.
-    ("iquestloopcoder", "bits"): "direct mx.fast SDPA",
-    ("phi3small", "bits"): "direct mx.fast SDPA",
-    ("plamo2", "bits"): "direct mx.fast SDPA",
-    ("stablelm", "bits"): "casts keys with astype",
-    ("mimo_v2_flash", "bits"): "quantized attention with v_head_dim != k_head_dim fails",
-}
 # (batch, model calls): prompt chunks then 1-token decode steps.
 NATIVE_RUNS = [(1, [5, 1, 1]), (2, [3, 130, 130, 1, 1])]  # crosses 256: mlx-lm's history rule
 POLICY_RUNS = [(2, [5, 50, 1, 1, 20, 1])]  # crosses the 40-token window mid-chunk
@@ -144,19 +131,15 @@ def _params():
 
 @pytest.mark.parametrize("family", list(_params()))
 def test_exact_bytes(family):
-    from mlxkv.caches import make_caches
-    from mlxkv.caches.build import plan_policy
+    from mlxkv.caches import check_policy, make_caches
 
     model, layout = _build(family)
     for batch, calls in NATIVE_RUNS:
         _run(model, layout, make_prompt_cache(model), KVPolicy(), "mlx-lm", batch, calls)
     for policy in POLICIES:
-        kind = "bits" if policy.bits is not None else "window"
-        if (family, kind) in CACHE_ISSUES or (family, "any") in CACHE_ISSUES:
-            continue
         try:
-            plan_policy(model, policy)
-            for batch, calls in POLICY_RUNS:
-                _run(model, layout, make_caches(model, policy), policy, "mlxkv", batch, calls)
+            check_policy(model, policy)
         except PolicyError:
-            continue  # the caches refuse this policy for this model (their tests cover it)
+            continue  # refused up front (tests/test_caches_build.py covers the refusals)
+        for batch, calls in POLICY_RUNS:
+            _run(model, layout, make_caches(model, policy), policy, "mlxkv", batch, calls)

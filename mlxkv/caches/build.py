@@ -25,6 +25,7 @@ from mlxkv.caches.rotation import (
     rotation_of,
 )
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
+from mlxkv.errors import one_line
 from mlxkv.policy import KVPolicy, PolicyError
 
 
@@ -181,8 +182,44 @@ def plan_policy(model, policy: KVPolicy, caches: list | None = None) -> PolicyPl
 
 
 def check_policy(model, policy: KVPolicy) -> PolicyPlan:
-    """Raise :class:`PolicyError` before any generation if ``model`` cannot honour ``policy``."""
-    return plan_policy(model, policy)
+    """Raise :class:`PolicyError` before any generation if ``model`` cannot honour ``policy``.
+
+    Past the static checks of :func:`plan_policy`, the policy's caches are traced through
+    the model (:func:`_dry_run`): some mlx-lm attention code reads the cache in ways only a
+    plain ``KVCache`` supports, and that should fail here, not mid-answer.
+    """
+    plan = plan_policy(model, policy)
+    if policy.window is None and policy.bits is None:
+        return plan
+    name = model_name(model)
+    # Name the flag to drop: try the window alone first when both are asked for.
+    parts = [KVPolicy(window=policy.window, sinks=policy.sinks)] if policy.bits else []
+    for part in [*parts, policy]:
+        flag = "--kv-bits" if part.bits is not None else "--kv-window"
+        try:
+            _dry_run(model, part)
+        except PolicyError as e:
+            raise PolicyError(f"{name}: {e}") from None
+        except Exception as e:
+            # nanobind's TypeError goes on to list signatures; the first sentence says it.
+            why = one_line(e).split(" The following argument types")[0]
+            raise PolicyError(
+                f"{name}: mlx-lm's attention for this model cannot use a {flag} cache "
+                f"({why}); drop {flag}"
+            ) from None
+    return plan
+
+
+def _dry_run(model, policy: KVPolicy) -> None:
+    """Push a 2-token prefill and a decode step through ``model`` with the policy's caches.
+
+    MLX is lazy and nothing here is evaluated, so this builds a graph and computes (almost)
+    nothing. Both steps are needed: quantized caches hand mlx-lm quantized keys only at
+    decode (prefill takes the dense path).
+    """
+    caches = make_caches(model, policy)
+    model(mx.array([[0, 0]]), cache=caches)
+    model(mx.array([[0]]), cache=caches)
 
 
 def cache_for(policy: KVPolicy, rotation=None, mla: bool = False, rebase_every: int | None = None):

@@ -290,3 +290,24 @@ def test_refusal_is_per_flag_the_rest_still_runs():
         caches = make_caches(model, policy)
         feed(model, [i % 100 for i in range(60)], caches, [50, 1, 9])
         assert max(c.kept for c in caches if hasattr(c, "kept")) <= 44
+
+
+def test_sink_caches_take_small_prefill_chunks_once_evicting():
+    """Big chunks up to the limit, then SINK_PREFILL_CHUNK (each chunk query attends to its
+    own shifted sink copy: S extra keys per token); same logits as token by token."""
+    from mlxkv.caches import prefill_chunk
+    from mlxkv.caches.streaming import SINK_PREFILL_CHUNK
+
+    model = tiny_llama(layers=1)
+    policy = KVPolicy(window=96, sinks=4)
+    tokens = [(5 * i + 1) % 64 for i in range(400)]
+    caches, sizes = make_caches(model, policy), []
+    while sum(sizes) < len(tokens):
+        sizes.append(min(prefill_chunk(caches, 256), len(tokens) - sum(sizes)))
+        feed(model, tokens[sum(sizes[:-1]) : sum(sizes)], caches, [sizes[-1]])
+    assert sizes[:3] == [100, SINK_PREFILL_CHUNK, SINK_PREFILL_CHUNK]
+    assert prefill_chunk(make_caches(model, KVPolicy(window=96)), 256) == 256  # no sinks
+    assert prefill_chunk(make_caches(model, KVPolicy()), 256) == 256
+    chunked = feed(model, tokens, make_caches(model, policy), sizes)
+    stepwise = feed(model, tokens, make_caches(model, policy), [1] * len(tokens))
+    assert mx.abs(chunked - stepwise).max().item() < 1e-4

@@ -10,7 +10,7 @@ from mlxkv.caches.build import PolicyPlan, cache_for, check_policy, make_caches,
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.persist import load_caches, read_metadata, save_caches
-from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
+from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache, prefill_chunk
 from mlxkv.caches.trim import trim_caches, trimmable
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "load_caches",
     "make_caches",
     "plan_policy",
+    "prefill_chunk",
     "read_metadata",
     "save_caches",
     "trim_caches",

@@ -47,6 +47,17 @@ from mlxkv.caches import storage as st
 from mlxkv.caches.rotation import Identity, Rotation
 
 DEFAULT_REBASE_EVERY = 4096
+# A chunk of N tokens through an evicting sink cache attends to S * N extra keys (one
+# shifted sink copy per query): at S=4, N=512 that is 2048 extra beside a 1020 window.
+# Past the window the engine feeds sink caches this many tokens at a time instead.
+# Measured on the default model, 2-core CPU (tok/s for chunk 32/64/96/256/512):
+# 49.7/49.6/47.7/36.5/26.2, vs mlx-lm RotatingKVCache(1024, keep=4) at 512: 53.2.
+SINK_PREFILL_CHUNK = 64
+
+
+def prefill_chunk(caches, step: int) -> int:
+    """How many tokens the next prefill call should feed (at most ``step``)."""
+    return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
 
 
 class StreamingKVCache(_BaseCache):
@@ -110,6 +121,13 @@ class StreamingKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return st.nbytes(self.keys) + st.nbytes(self.values) + st.nbytes(self.sink_keys)
+
+    def prefill_chunk(self, step: int) -> int:
+        """Fill up to the limit in big chunks; once evicting, chunks of SINK_PREFILL_CHUNK."""
+        if not self.sinks or self._temporal(self._n, step):
+            return step
+        room = self.limit - self._n
+        return room if room > 0 else min(step, SINK_PREFILL_CHUNK)
 
     # ---- the arithmetic of positions ----
     def _d(self, t: int, e0: int) -> int:

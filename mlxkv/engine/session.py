@@ -183,6 +183,8 @@ class Generator:
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+        from mlxkv.caches import prefill_chunk
+
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         if s.seed is not None:
             mx.random.seed(s.seed)
@@ -201,7 +203,7 @@ class Generator:
         total, done = len(new_ids), 0
         prompt = mx.array(new_ids)
         while total - done > 1:
-            n = min(s.prefill_step, total - done - 1)
+            n = min(prefill_chunk(self.caches, s.prefill_step), total - done - 1)
             model(prompt[None, done : done + n], cache=self.caches)
             mx.eval([c.state for c in self.caches])
             done += n

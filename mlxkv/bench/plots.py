@@ -51,9 +51,7 @@ def speed_over_position(streams, labels, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, r in streams.items():
-        tps = r.chunk_tps()
-        x = [(i + 1) * r.chunk for i in range(len(tps))]
-        ax.plot(x, tps, label=labels[key], linewidth=1.2)
+        ax.plot(r.chunk_ends(), r.chunk_tps(), label=labels[key], linewidth=1.2)
     ax.set_xlabel("position in the stream (tokens)")
     ax.set_ylabel("tokens/s (per prefill chunk, loss included)")
     ax.set_title("Speed along the stream")

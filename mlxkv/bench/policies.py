@@ -1,8 +1,8 @@
 """Cache policies side by side with mlx-lm: speed, KV bytes, peak memory, flatness.
 
-Two passes:
+Two kinds of stream jobs (run by ``mlxkv.bench.pool``, side by side on a CPU):
 - speed: a prompt longer than the window (so bounded caches are evicting), then greedy
-  decode; every mlxkv policy right after its mlx-lm peer, alternating who goes first.
+  decode; every mlxkv policy and its mlx-lm peer, ``speed_repeats`` times each.
 - long streams: selected configurations through a long token stream (bounded ones past
   the model's context, unbounded ones up to it), for KV bytes and peaks at checkpoints,
   speed over the stream (start vs end) and the losses the quality section reads.
@@ -14,7 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from mlxkv.bench.configs import CacheConfig
-from mlxkv.bench.stream import StreamResult, run_stream
+from mlxkv.bench.pool import Job
+from mlxkv.bench.stream import StreamResult
 
 
 @dataclass
@@ -35,25 +36,36 @@ def _get(r: StreamResult, what: str) -> float:
     return r.prefill_tps if what == "prefill_tps" else getattr(r, what)
 
 
-def speed(model, configs: dict[str, CacheConfig], keys, ids, scale, repeats, log):
-    """Interleaved short streams for each mlxkv policy and its mlx-lm peer."""
+def _cost(tokens: int, bounded: bool, kept: int) -> float:
+    """Rough relative run time: attention width grows with the kept tokens."""
+    width = min(tokens, kept) if bounded else tokens / 2
+    return tokens * (width + 2000)
+
+
+def speed_jobs(configs: dict[str, CacheConfig], keys, scale) -> list[Job]:
+    """Each mlxkv policy and its mlx-lm peer over the same prompt, ``speed_repeats`` times."""
+    n = scale.speed_prompt
+    jobs = []
+    for key in keys:
+        cfg = configs[key]
+        for r in range(scale.speed_repeats):
+            for c in (cfg, configs[cfg.peer]):
+                cost = _cost(n, c.bounded, scale.kept)
+                jobs.append(Job(f"speed/{key}/{r}/{c.key}", c.key, n, (n,), scale.speed_decode,
+                                False, cost))  # fmt: skip
+    return jobs
+
+
+def speed_pairs(configs, keys, scale, results, log) -> list[SpeedPair]:
     pairs = []
     for key in keys:
         cfg = configs[key]
-        peer = configs[cfg.peer]
-        pair = SpeedPair(key, peer.key)
-        for r in range(repeats):
-            order = (cfg, peer) if r % 2 == 0 else (peer, cfg)
-            out = {}
-            for c in order:
-                out[c.key] = run_stream(
-                    c.key, model, c.factory(model), ids, scale.chunk, (len(ids) - 1,),
-                    scale.speed_decode, decode_start=False,
-                )  # fmt: skip
-            pair.runs.append((out[cfg.key], out[peer.key]))
-            a, b = pair.runs[-1]
+        pair = SpeedPair(key, cfg.peer)
+        for r in range(scale.speed_repeats):
+            a, b = (results[f"speed/{key}/{r}/{k}"] for k in (key, cfg.peer))
+            pair.runs.append((a, b))
             log(
-                f"speed {cfg.label} vs {peer.label}: prefill {a.prefill_tps:.1f}/"
+                f"speed {cfg.label} vs {configs[cfg.peer].label}: prefill {a.prefill_tps:.1f}/"
                 f"{b.prefill_tps:.1f} tok/s, decode {a.decode_end_tps:.2f}/"
                 f"{b.decode_end_tps:.2f} tok/s"
             )
@@ -68,26 +80,25 @@ def stream_length(cfg: CacheConfig, stream_tokens: int, context: int | None) -> 
     return min(stream_tokens, context)
 
 
-def long_streams(model, configs, keys, ids, scale, context, log) -> dict[str, StreamResult]:
-    out = {}
+def stream_jobs(configs, keys, scale, context) -> list[Job]:
+    jobs = []
     for key in keys:
         cfg = configs[key]
         n = stream_length(cfg, scale.stream_tokens, context)
-        every = max(1, (n // scale.chunk) // 4)
+        cost = _cost(n, cfg.bounded, scale.kept)
+        jobs.append(Job(f"stream/{key}", key, n, scale.checkpoints, scale.stream_decode, True,
+                        cost))  # fmt: skip
+    return jobs
 
-        def progress(done, total, label=cfg.label, every=every):
-            if (done // scale.chunk) % every == 0 or done == total:
-                log(f"stream {label}: {done}/{total} tokens")
 
-        out[key] = run_stream(
-            key, model, cfg.factory(model), ids[: n + 1], scale.chunk, scale.checkpoints,
-            scale.stream_decode, on_chunk=progress,
-        )  # fmt: skip
-        r = out[key]
+def streams_from(configs, keys, results, log) -> dict[str, StreamResult]:
+    out = {}
+    for key in keys:
+        r = out[key] = results[f"stream/{key}"]
         log(
-            f"stream {cfg.label}: {r.prefill_tps:.1f} tok/s, first 10% {r.span_tps(0, 0.1):.1f}, "
-            f"last 10% {r.span_tps(0.9, 1.0):.1f}; decode start {r.decode_start_tps:.2f}, "
-            f"end {r.decode_end_tps:.2f} tok/s"
+            f"stream {configs[key].label}: {r.prefill_tps:.1f} tok/s, first 10% "
+            f"{r.span_tps(0, 0.1):.1f}, last 10% {r.span_tps(0.9, 1.0):.1f}; decode start "
+            f"{r.decode_start_tps:.2f}, end {r.decode_end_tps:.2f} tok/s"
         )
     return out
 

@@ -138,6 +138,15 @@ def render(res) -> str:
         "own). The machine is shared: runs are interleaved and medians reported, but "
         "absolute tok/s move with the load average; ratios are the robust numbers.\n"
     )
+    if res.get("workers", 1) > 1:
+        L.append(
+            f"Sections 2 and 3 (speed pairs, long streams) ran as jobs on {res['workers']} "
+            "worker processes, each pinned to one core with one BLAS thread: MLX's CPU "
+            "backend runs element-wise ops (softmax's exp, SiLU: most of this model's "
+            "prefill) on one thread, so two jobs side by side take about the time of one. "
+            "Their tok/s are single-core numbers, comparable with each other; the engine, "
+            "roofline and batch sections ran alone on the whole machine.\n"
+        )
     L.append("## Targets\n")
     L.append(_table(
         ["target", "goal", "measured", "met"],
@@ -229,7 +238,10 @@ def _speed(res):
         "## 2. Cache policies vs the closest mlx-lm cache\n",
         "### Speed\n",
         f"Each pair: the same {s['prompt_tokens']}-token stream prefilled in chunks (longer "
-        f"than the window, so bounded caches are already evicting), then {s['decode_tokens']} "
+        "than the window, so bounded caches are already evicting; sink caches take 64-token "
+        f"chunks once evicting, as the engine feeds them; the others {res['scale']['chunk']}), "
+        "then "
+        f"{s['decode_tokens']} "
         "greedy tokens with mlx-lm's `generate_step` — only the cache objects differ. "
         "mlx-lm has no sink-aware window and cannot quantize a rotating cache, so sink + "
         "4-bit is compared with `RotatingKVCache(keep=4)`. Values are mlxkv / mlx-lm.\n",

@@ -79,12 +79,23 @@ def run(args, scale) -> dict:
         }
         timed("engine")
 
-    if "speed" in sections:
-        keys = [k for k in scale.speed_configs if k in cfgs]
-        pairs = policies.speed(
-            loaded.model, cfgs, keys, ids[: scale.speed_prompt + 1], scale,
-            scale.speed_repeats, log,
+    # Speed pairs and long streams are independent jobs: one pool, busy to the end.
+    speed_keys = [k for k in scale.speed_configs if k in cfgs] if "speed" in sections else []
+    stream_keys = [k for k in scale.stream_configs if k in cfgs] if "streams" in sections else []
+    jobs = policies.speed_jobs(cfgs, speed_keys, scale)
+    jobs += policies.stream_jobs(cfgs, stream_keys, scale, context)
+    results = {}
+    if jobs:
+        from mlxkv.bench import pool
+
+        res["workers"] = workers = args.workers or pool.default_workers()
+        results = pool.run_jobs(
+            jobs, loaded=loaded, cfgs=cfgs, ids=ids, chunk=scale.chunk, kept=scale.kept,
+            sinks=scale.sinks, workers=workers, log=log,
+            on_result=lambda name: log(f"done: {name}"),
         )  # fmt: skip
+    if speed_keys:
+        pairs = policies.speed_pairs(cfgs, speed_keys, scale, results, log)
         res["sections"]["speed"] = {
             "prompt_tokens": scale.speed_prompt,
             "decode_tokens": scale.speed_decode,
@@ -108,16 +119,14 @@ def run(args, scale) -> dict:
                 for p in pairs
             ],
         }
-        timed("speed")
-
     streams = {}
-    if "streams" in sections:
-        keys = [k for k in scale.stream_configs if k in cfgs]
-        streams = policies.long_streams(loaded.model, cfgs, keys, ids, scale, context, log)
+    if stream_keys:
+        streams = policies.streams_from(cfgs, stream_keys, results, log)
         res["sections"]["streams"] = {
             k: {
                 "tokens": r.tokens,
                 "prefill_tps": r.prefill_tps,
+                "chunk_tokens": r.chunk_tokens,
                 "chunk_tps": r.chunk_tps().round(2).tolist(),
                 "flatness": policies.flatness(r),
                 "checkpoints": [asdict(c) for c in r.checkpoints],
@@ -126,7 +135,8 @@ def run(args, scale) -> dict:
         }
         res["sections"]["quality"] = quality.summary(streams, context)
         res["sections"]["prediction"] = prediction.compare(loaded, cfgs, streams, scale.chunk)
-        timed("streams")
+    if jobs:
+        timed("speed+streams")
 
     if "roofline" in sections:
         res["sections"]["roofline"] = _roofline(res, loaded, scale, streams, cfgs, roofline)

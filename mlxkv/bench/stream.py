@@ -33,8 +33,9 @@ class Checkpoint:
 class StreamResult:
     name: str
     tokens: int
-    chunk: int
+    chunk: int  # the prefill step asked for (sink caches take smaller ones once evicting)
     chunk_seconds: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
     losses: np.ndarray | None = None  # next-token NLL per position (nats)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     decode_start_tps: float | None = None
@@ -45,15 +46,19 @@ class StreamResult:
         return self.tokens / sum(self.chunk_seconds)
 
     def chunk_tps(self) -> np.ndarray:
-        return self.chunk / np.asarray(self.chunk_seconds)
+        return np.asarray(self.chunk_tokens) / np.asarray(self.chunk_seconds)
+
+    def chunk_ends(self) -> np.ndarray:
+        return np.cumsum(self.chunk_tokens)
 
     def span_tps(self, lo: float, hi: float) -> float:
-        """Tokens per second over the chunks in the fraction [lo, hi) of the stream."""
-        n = len(self.chunk_seconds)
-        a = min(int(round(lo * n)), n - 1)
-        b = max(int(round(hi * n)), a + 1)  # at least one chunk
-        secs = self.chunk_seconds[a:b]
-        return self.chunk * len(secs) / sum(secs)
+        """Tokens per second over the chunks ending in the fraction (lo, hi] of the stream."""
+        ends = self.chunk_ends()
+        pick = np.flatnonzero((ends > lo * self.tokens) & (ends <= hi * self.tokens))
+        if not len(pick):  # at least one chunk
+            pick = [min(int(np.searchsorted(ends, lo * self.tokens)), len(ends) - 1)]
+        secs = sum(self.chunk_seconds[i] for i in pick)
+        return sum(self.chunk_tokens[i] for i in pick) / secs
 
     def ppl(self, lo: int = 0, hi: int | None = None) -> float:
         return float(np.exp(self.losses[lo:hi].mean()))
@@ -114,6 +119,8 @@ def run_stream(
     """Feed ``ids[:-1]`` (targets ``ids[1:]``) through ``make()`` caches in chunks."""
     import mlx.core as mx
 
+    from mlxkv.caches import prefill_chunk
+
     n = len(ids) - 1
     res = StreamResult(name, n, chunk)
     if decode and decode_start:
@@ -131,12 +138,13 @@ def run_stream(
     marks = sorted(c for c in checkpoints if c <= n)
     done = 0
     while done < n:
-        step = min(chunk, n - done)
+        step = min(prefill_chunk(caches, chunk), n - done)  # as the engine feeds it
         tic = time.perf_counter()
         logits = model(tokens[None, done : done + step], cache=caches)
         loss = _chunk_losses(logits, tokens[done + 1 : done + step + 1])
         mx.eval(loss, [c.state for c in caches])
         res.chunk_seconds.append(time.perf_counter() - tic)
+        res.chunk_tokens.append(step)
         losses.append(np.array(loss))
         done += step
         while marks and marks[0] <= done:

@@ -58,7 +58,7 @@ def add_arguments(p) -> None:
         default=None,
         metavar="CONFIGS",
         help="comma-separated long-stream configurations (default: full,4bit,sink-window,"
-        "sink-4bit,lm-rot; also window, 8bit, lm-full, lm-rot0, lm-rot-decode, lm-q8, lm-q4)",
+        "lm-rot; also window, 8bit, sink-4bit, lm-full, lm-rot0, lm-rot-decode, lm-q8, lm-q4)",
     )
     p.add_argument(
         "--kept",
@@ -76,6 +76,14 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--stream-tokens", type=int, default=None, help="length of the long streams (tokens)"
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes for the speed and stream jobs, each pinned to a core "
+        "(default: one per core on a Linux CPU, else 1)",
     )
 
 
@@ -100,6 +108,8 @@ def run(args) -> int:
         if args.repeats < 1:
             raise UserError("--repeats must be at least 1")
         scale = replace(scale, engine_repeats=args.repeats, speed_repeats=args.repeats)
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be at least 1")
     if args.kept:
         scale = replace(scale, kept=args.kept)
     if args.stream_tokens:

@@ -76,3 +76,19 @@ def test_stream_losses_match_long_ppl(default_model):
     ours = run_stream("s", model, cfg.factory(model), ids, 16, (96,), decode=0).losses
     theirs = long_ppl.token_nll(model, ids, cfg.factory(model)(), 16)
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_flatness_of_a_bounded_stream_skips_the_fill():
+    """Two fast 512-token fill chunks, then 64-token chunks at a constant 40 tok/s: flat
+    from token 1024 on, not over the whole stream."""
+    from mlxkv.bench.policies import flatness
+    from mlxkv.bench.stream import StreamResult
+
+    tokens = [512, 512] + [64] * 64
+    seconds = [512 / 80, 512 / 80] + [64 / 40] * 64
+    r = StreamResult("s", sum(tokens), 512, seconds, tokens)
+    r.decode_start_tps = r.decode_end_tps = 5.0
+    whole, steady = flatness(r), flatness(r, start=1024)
+    assert whole["first10_tps"] == 80.0 and whole["last10_tps"] == 40.0
+    assert steady["first10_tps"] == steady["last10_tps"] == 40.0
+    assert steady["from_token"] == 1024 and steady["last_over_first"] == 1.0

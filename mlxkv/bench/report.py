@@ -296,7 +296,9 @@ def _streams(res):
         "ones stop at the model's context. KV = sum of the caches' `nbytes`; MLX peak = "
         "`mx.get_peak_memory()` since the stream started (weights included); RSS peak = the "
         "process's VmHWM, reset at the start of the stream. Decode: greedy tokens on a fresh "
-        "cache after the first chunk (start) and after the whole stream (end).\n",
+        "cache after the first chunk (start) and after the whole stream (end). Prefill "
+        "first/last 10%: of the tokens past the cache size for bounded caches (before "
+        "that they evict nothing and attend to fewer keys), of the whole stream otherwise.\n",
         _table(head, rows),
     ]
     for name, what in (("bench-stream-speed.png", "speed along the stream"),

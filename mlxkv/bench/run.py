@@ -128,7 +128,7 @@ def run(args, scale) -> dict:
                 "prefill_tps": r.prefill_tps,
                 "chunk_tokens": r.chunk_tokens,
                 "chunk_tps": r.chunk_tps().round(2).tolist(),
-                "flatness": policies.flatness(r),
+                "flatness": policies.flatness(r, scale.kept if cfgs[k].bounded else 0),
                 "checkpoints": [asdict(c) for c in r.checkpoints],
             }
             for k, r in streams.items()

@@ -1,4 +1,4 @@
-"""How big a run is: the full run (about 15 min on a quiet 2-core x86 box) and ``--quick``.
+"""How big a run is: the full run (about 19 min on a quiet 2-core x86 box) and ``--quick``.
 
 Every size lives here so the report can print the exact parameters it ran with.
 """
@@ -57,7 +57,7 @@ FULL = Scale(
     sinks=4,
     # What the targets need (sink+window vs full vs mlx-lm's rotating cache, 4-bit vs
     # full); window, 8-bit and sink+4-bit are in the speed pass only, to keep the run near
-    # 15 minutes on 2 cores (add them with --streams; --stream-tokens 16384 for 16k).
+    # the run short on 2 cores (add them with --streams; --stream-tokens 16384 for 16k).
     stream_configs=("full", "4bit", "sink-window", "lm-rot"),
     batch_prompts=8,
     batch_max_tokens=64,

@@ -51,12 +51,14 @@ class StreamResult:
     def chunk_ends(self) -> np.ndarray:
         return np.cumsum(self.chunk_tokens)
 
-    def span_tps(self, lo: float, hi: float) -> float:
-        """Tokens per second over the chunks ending in the fraction (lo, hi] of the stream."""
+    def span_tps(self, lo: float, hi: float, start: int = 0) -> float:
+        """Tokens per second over the chunks ending in the fraction (lo, hi] of the
+        stream's tokens [start, end)."""
         ends = self.chunk_ends()
-        pick = np.flatnonzero((ends > lo * self.tokens) & (ends <= hi * self.tokens))
+        a, b = (start + f * (self.tokens - start) for f in (lo, hi))
+        pick = np.flatnonzero((ends > a) & (ends <= b) & (ends - self.chunk_tokens >= start))
         if not len(pick):  # at least one chunk
-            pick = [min(int(np.searchsorted(ends, lo * self.tokens)), len(ends) - 1)]
+            pick = [min(int(np.searchsorted(ends, a, side="right")), len(ends) - 1)]
         secs = sum(self.chunk_seconds[i] for i in pick)
         return sum(self.chunk_tokens[i] for i in pick) / secs
 

@@ -54,7 +54,8 @@ def evaluate(res) -> list[dict]:
         f = s["flatness"]
         ok = f["last_over_first"] >= 0.95 and f["decode_end_over_start"] >= 0.95
         rows.append(_row(
-            f"sink+window flat over {s['tokens']} tokens", "last 10% within 5% of first 10%",
+            f"sink+window flat over tokens {f.get('from_token', 0)}-{s['tokens']}",
+            "last 10% within 5% of first 10%",
             f"prefill {f['last_over_first']:.3f}x ({f['first10_tps']:.1f} -> "
             f"{f['last10_tps']:.1f} tok/s); decode end/start {f['decode_end_over_start']:.3f}x",
             ok,

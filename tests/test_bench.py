@@ -92,3 +92,47 @@ def test_flatness_of_a_bounded_stream_skips_the_fill():
     assert whole["first10_tps"] == 80.0 and whole["last10_tps"] == 40.0
     assert steady["first10_tps"] == steady["last10_tps"] == 40.0
     assert steady["from_token"] == 1024 and steady["last_over_first"] == 1.0
+
+
+def test_gate_lets_a_decode_timing_run_alone():
+    """Prefill chunks overlap each other; an exclusive section never overlaps a chunk."""
+    import multiprocessing as mp
+    import threading
+    import time
+
+    from mlxkv.bench.pool import Gate
+
+    gate, log = Gate(mp.get_context("spawn")), []
+
+    def prefill():
+        for _ in range(15):
+            with gate.shared():
+                log.append("in")
+                time.sleep(0.004)
+                log.append("out")
+
+    def decode():
+        for _ in range(3):
+            time.sleep(0.01)
+            with gate.exclusive():
+                log.append("X")
+                time.sleep(0.01)
+                log.append("/X")
+
+    threads = [threading.Thread(target=f) for f in (prefill, prefill, decode)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    depth, alone, overlapped = 0, False, False
+    for event in log:
+        depth += {"in": 1, "out": -1}.get(event, 0)
+        overlapped |= depth == 2
+        if event == "X":
+            assert depth == 0 and not alone
+            alone = True
+        elif event == "/X":
+            alone = False
+        elif event == "in":
+            assert not alone
+    assert log.count("X") == 3 and overlapped

@@ -5,7 +5,8 @@ default model) on a single thread, so one stream leaves the second core mostly i
 pinned workers finish two streams in about the time of one, and each job still has a core
 to itself, so timings within a job (start vs end of a stream) and across jobs compare.
 Measured on the 2-core box: one pinned worker alone 57.3 tok/s (RotatingKVCache prefill,
-2048 tokens), two at once 65.1 and 61.9 tok/s.
+2048 tokens), two at once 65.1 and 61.9 tok/s. Decode timings are memory-bound, so they
+take the machine to themselves (:class:`Gate`).
 
 On a GPU (macOS) or with ``workers=1`` the jobs run in this process, one after another.
 """
@@ -15,7 +16,49 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+
+class Gate:
+    """Prefill chunks run side by side (``shared``); a decode timing runs ``exclusive``:
+    it waits for the other workers to finish their current chunk, and they wait for it.
+    Decode is memory-bound, so a neighbour's prefill would slow it (seen: a sink+window
+    decode timed 0.63x at the end of a stream vs its start, 1.02x in a run where it did not
+    overlap)."""
+
+    def __init__(self, ctx):
+        self._cond = ctx.Condition()
+        self._active = ctx.Value("i", 0, lock=False)  # workers inside a shared section
+        self._excl = ctx.Value("i", 0, lock=False)  # 1 while a decode wants or has the machine
+
+    @contextmanager
+    def shared(self):
+        with self._cond:
+            while self._excl.value:
+                self._cond.wait()
+            self._active.value += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active.value -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._excl.value:
+                self._cond.wait()
+            self._excl.value = 1
+            while self._active.value:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._excl.value = 0
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -38,7 +81,7 @@ def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def _run_job(model, cfgs, ids, chunk, job: Job, log):
+def _run_job(model, cfgs, ids, chunk, job: Job, log, gate=None):
     from mlxkv.bench.stream import run_stream
 
     marks = [job.tokens * q // 4 for q in (1, 2, 3, 4)]
@@ -52,11 +95,11 @@ def _run_job(model, cfgs, ids, chunk, job: Job, log):
     cfg = cfgs[job.config]
     return run_stream(
         job.config, model, cfg.factory(model), ids[: job.tokens + 1], chunk, job.checkpoints,
-        job.decode, decode_start=job.decode_start, on_chunk=progress,
+        job.decode, decode_start=job.decode_start, on_chunk=progress, gate=gate,
     )  # fmt: skip
 
 
-def _worker(core, model_path, kept, sinks, ids, chunk, jobs_q, results_q):
+def _worker(core, model_path, kept, sinks, ids, chunk, jobs_q, results_q, gate):
     os.sched_setaffinity(0, {core})
     from pathlib import Path
 
@@ -70,7 +113,8 @@ def _worker(core, model_path, kept, sinks, ids, chunk, jobs_q, results_q):
         model = load(Path(model_path)).model
         cfgs = all_configs(kept, sinks)
         while (job := jobs_q.get()) is not None:
-            results_q.put((job.name, _run_job(model, cfgs, ids, chunk, job, log), None))
+            result = _run_job(model, cfgs, ids, chunk, job, log, gate)
+            results_q.put((job.name, result, None))
     except BaseException as e:  # report, so the parent does not wait forever
         results_q.put((None, None, f"{type(e).__name__}: {e}"))
 
@@ -101,7 +145,7 @@ def run_jobs(
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    jobs_q, results_q = ctx.Queue(), ctx.Queue()
+    jobs_q, results_q, gate = ctx.Queue(), ctx.Queue(), Gate(ctx)
     for job in jobs:
         jobs_q.put(job)
     cores = sorted(os.sched_getaffinity(0))[:workers]
@@ -113,7 +157,7 @@ def run_jobs(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(c, str(loaded.path), kept, sinks, ids, chunk, jobs_q, results_q),
+                args=(c, str(loaded.path), kept, sinks, ids, chunk, jobs_q, results_q, gate),
                 daemon=True,
             )
             for c in cores

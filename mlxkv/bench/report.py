@@ -144,8 +144,10 @@ def render(res) -> str:
             "worker processes, each pinned to one core with one BLAS thread: MLX's CPU "
             "backend runs element-wise ops (softmax's exp, SiLU: most of this model's "
             "prefill) on one thread, so two jobs side by side take about the time of one. "
-            "Their tok/s are single-core numbers, comparable with each other; the engine, "
-            "roofline and batch sections ran alone on the whole machine.\n"
+            "Their tok/s are single-core numbers, comparable with each other. Decode is "
+            "memory-bound, so every decode timing ran alone (the other workers paused at their "
+            "next chunk boundary). The engine, roofline and batch sections ran alone on the "
+            "whole machine.\n"
         )
     L.append("## Targets\n")
     L.append(_table(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,18 @@ def decode_tps(model, caches, last_token: int, n: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+class NoGate:
+    """Stands in for ``mlxkv.bench.pool.Gate`` when a stream runs alone."""
+
+    @contextmanager
+    def shared(self):
+        yield
+
+    @contextmanager
+    def exclusive(self):
+        yield
+
+
 def run_stream(
     name: str,
     model,
@@ -117,19 +130,27 @@ def run_stream(
     decode: int,
     decode_start: bool = True,
     on_chunk: Callable[[int, int], None] | None = None,
+    gate=None,
 ) -> StreamResult:
-    """Feed ``ids[:-1]`` (targets ``ids[1:]``) through ``make()`` caches in chunks."""
+    """Feed ``ids[:-1]`` (targets ``ids[1:]``) through ``make()`` caches in chunks.
+
+    ``gate`` (see ``mlxkv.bench.pool``): prefill chunks run ``shared`` with other workers,
+    decode timings ``exclusive`` (decode is memory-bound: a neighbour's prefill slows it).
+    """
     import mlx.core as mx
 
     from mlxkv.caches import prefill_chunk
 
+    gate = gate or NoGate()
     n = len(ids) - 1
     res = StreamResult(name, n, chunk)
     if decode and decode_start:
         # Start: a fresh cache, one chunk in, then decode.
         caches = make()
-        mx.eval(model(mx.array(ids[:chunk])[None], cache=caches))
-        res.decode_start_tps = decode_tps(model, caches, ids[chunk], decode)
+        with gate.shared():
+            mx.eval(model(mx.array(ids[:chunk])[None], cache=caches))
+        with gate.exclusive():
+            res.decode_start_tps = decode_tps(model, caches, ids[chunk], decode)
         del caches
     mx.clear_cache()
     caches = make()
@@ -141,11 +162,12 @@ def run_stream(
     done = 0
     while done < n:
         step = min(prefill_chunk(caches, chunk), n - done)  # as the engine feeds it
-        tic = time.perf_counter()
-        logits = model(tokens[None, done : done + step], cache=caches)
-        loss = _chunk_losses(logits, tokens[done + 1 : done + step + 1])
-        mx.eval(loss, [c.state for c in caches])
-        res.chunk_seconds.append(time.perf_counter() - tic)
+        with gate.shared():
+            tic = time.perf_counter()
+            logits = model(tokens[None, done : done + step], cache=caches)
+            loss = _chunk_losses(logits, tokens[done + 1 : done + step + 1])
+            mx.eval(loss, [c.state for c in caches])
+            res.chunk_seconds.append(time.perf_counter() - tic)
         res.chunk_tokens.append(step)
         losses.append(np.array(loss))
         done += step
@@ -160,5 +182,6 @@ def run_stream(
             on_chunk(done, n)
     res.losses = np.concatenate(losses)
     if decode:
-        res.decode_end_tps = decode_tps(model, caches, ids[n], decode)
+        with gate.exclusive():
+            res.decode_end_tps = decode_tps(model, caches, ids[n], decode)
     return res

@@ -1,4 +1,4 @@
-"""How big a run is: the full run (about 19 min on a quiet 2-core x86 box) and ``--quick``.
+"""How big a run is: the full run (about 20 min on a quiet 2-core x86 box) and ``--quick``.
 
 Every size lives here so the report can print the exact parameters it ran with.
 """

@@ -25,7 +25,7 @@ Measure, in one run on this machine and the default model (or --model):
   6. prediction: predicted vs actual KV bytes and peaks
 and write OUT/benchmarks.md, OUT/bench-results.json and OUT/bench-*.png.
 
-The full run takes about 19 minutes on a quiet 2-core x86 CPU (two full-cache streams up
+The full run takes about 20 minutes on a quiet 2-core x86 CPU (two full-cache streams up
 to the 8192-token context take 10 core-minutes each there); --quick (under a minute)
 runs every section on tiny sizes, as CI's smoke test does."""
 

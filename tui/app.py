@@ -69,8 +69,15 @@ class ChatApp(App):
     class Wake(Message):
         """The worker queued something in the pipe."""
 
-    def __init__(self, engine: ChatEngine, model: str | None = None, metrics_path=None):
+    def __init__(
+        self,
+        engine: ChatEngine,
+        model: str | None = None,
+        metrics_path=None,
+        cursor_blink: bool = True,  # off in snapshots: a blink phase makes two pictures
+    ):
         super().__init__()
+        self.cursor_blink = cursor_blink
         self.engine = engine
         self.model = model
         self.worker = MLXWorker()
@@ -92,7 +99,9 @@ class ChatApp(App):
             with Vertical(id="chat-col"):
                 yield ChatLog(id="chat")
                 yield Static(READY, id="status")
-                yield PromptInput(id="prompt")
+                prompt = PromptInput(id="prompt")
+                prompt.cursor_blink = self.cursor_blink
+                yield prompt
             yield KVPanel(id="panel")
         yield Footer()
 

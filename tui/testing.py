@@ -18,6 +18,7 @@ def fake_app(delay: float = 0.0, model: str | None = None, max_tokens: int = 200
     engine = ChatEngine(
         fake_opener(delay=delay), GenerationSettings(max_tokens=max_tokens), budget=16 * GIB
     )
+    kw.setdefault("cursor_blink", False)
     return ChatApp(engine, model=model, **kw)
 
 

@@ -12,7 +12,7 @@ from mlxkv.errors import UserError
 # subcommand -> module with HELP, add_arguments(parser), run(args) -> int
 COMMANDS = {
     "chat": "tui.command",
-    "plan": "mlxkv.memory.plan",
+    "plan": "mlxkv.commands.plan",
     "generate": "mlxkv.commands.generate",
     "batch": "mlxkv.commands.batch",
     "models": "mlxkv.commands.models",

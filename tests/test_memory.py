@@ -243,7 +243,8 @@ def test_default_kv_dtype_follows_the_engine():
 def test_plan_weights_match_the_loaded_default_model(default_model):
     """The weights the plan predicts from safetensors headers == what the engine holds."""
     from mlxkv.memory.estimate import estimate_model
+    from mlxkv.memory.source import from_path
 
-    est = estimate_model(str(default_model.path), search=False)
+    est = estimate_model(from_path(default_model.path), search=False)
     assert est.budget.weights.bytes == default_model.weights_bytes
     assert est.setting.kv_dtype == default_model.dtype

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxkv.memory import plan
+from mlxkv.commands import plan
 
 PUBLISHED = Path(__file__).parent / "data" / "configs" / "published"
 JSON_KEYS = {

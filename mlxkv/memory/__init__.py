@@ -5,7 +5,8 @@ Entry points:
 
 * ``layout_for(config)`` (store) / ``probe(config)``: the per-layer cache layout
 * ``KVPredictor(layout, policy, batch, kv_dtype)``: ``.advance(n)`` per model call
-* ``estimate_model(MODEL, ...)``: everything ``mlxkv plan`` reports
+* ``estimate_model(source, ...)``: everything ``mlxkv plan`` reports (``source``: a
+  ``ModelSource``, from ``mlxkv.models.resolve.resolve_config``)
 * ``check_fits(path, policy, context)``: raise UserError if a model will not fit
 * ``default_kv_dtype(config)`` / ``default_weight_dtype(config)``: the engine's dtype rule
 """
@@ -21,7 +22,7 @@ _EXPORTS = {
     "KVBytes": "mlxkv.memory.predictor",
     "predict": "mlxkv.memory.predictor",
     "estimate_model": "mlxkv.memory.estimate",
-    "check_fits": "mlxkv.memory.budget",
+    "check_fits": "mlxkv.memory.estimate",
     "system_memory": "mlxkv.memory.system",
     "parse_size": "mlxkv.memory.system",
     "default_kv_dtype": "mlxkv.memory.dtypes",

@@ -1,14 +1,12 @@
 """The budget: weights + KV + runtime vs available memory, and the largest context/batch.
 
-``check_fits`` is what the engine calls before loading a model.
+``mlxkv.memory.estimate.check_fits`` is what the engine calls before loading a model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from mlxkv.errors import UserError
 from mlxkv.memory.layout import Layout
 from mlxkv.memory.predictor import KVBytes, KVPredictor, prefill_schedule
 from mlxkv.memory.runtime import Runtime, estimate
@@ -143,31 +141,3 @@ def max_batch(layout: Layout, weights: Weights, s: Setting, available: int) -> i
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
-
-
-def check_fits(
-    path: str | Path,
-    policy: KVPolicy | None = None,
-    context: int | None = None,
-    batch: int = 1,
-):
-    """Raise UserError if the model in ``path`` will not fit (the engine's pre-load check)."""
-    from mlxkv.memory.estimate import estimate_model
-
-    plan = estimate_model(
-        str(path), policy or KVPolicy(), context=context, batch=batch, search=False
-    )
-    if not plan.budget.fits:
-        b = plan.budget
-        if b.weights.bytes > b.available:
-            raise UserError(
-                f"{plan.name} does not fit: its weights alone need {gib(b.weights.bytes)} "
-                f"and {gib(b.available)} is available (see 'mlxkv plan'); use --force to try"
-            )
-        raise UserError(
-            f"{plan.name} needs about {gib(b.total)} at {plan.setting.context} tokens "
-            f"(weights {gib(b.weights.bytes)}, KV {gib(b.kv.peak_allocated)}) but "
-            f"{gib(b.available)} is available; try --kv-window/--kv-bits or a shorter "
-            "context (see 'mlxkv plan'), or --force"
-        )
-    return plan

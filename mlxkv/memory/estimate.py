@@ -1,14 +1,16 @@
-"""One model, one setting -> everything ``plan`` reports (and ``check_fits`` needs)."""
+"""One model, one setting -> everything ``plan`` reports; ``check_fits`` for the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from mlxkv.memory.budget import Budget, Setting, budget, max_batch, max_context
+from mlxkv.errors import UserError
+from mlxkv.memory.budget import Budget, Setting, budget, gib, max_batch, max_context
 from mlxkv.memory.config import validate
 from mlxkv.memory.dtypes import backend, default_kv_dtype, default_weight_dtype
 from mlxkv.memory.layout import Layout
-from mlxkv.memory.source import ModelSource, resolve
+from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.memory.system import SystemMemory, system_memory
 from mlxkv.memory.weights import Weights, from_hub, from_layout, from_local
 from mlxkv.policy import KVPolicy, PolicyError
@@ -90,7 +92,7 @@ def _window_note(layout: Layout, s: Setting) -> str | None:
 
 
 def estimate_model(
-    model: str,
+    src: ModelSource,
     policy: KVPolicy | None = None,
     context: int | None = None,
     batch: int = 1,
@@ -102,7 +104,6 @@ def estimate_model(
     from mlxkv.memory.store import layout_for
 
     policy = policy or KVPolicy()
-    src = resolve(model)
     validate(src.config)
     layout = layout_for(src.config)
     _check_policy(layout, policy)
@@ -134,3 +135,29 @@ def estimate_model(
     elif est.max_context == 0:
         notes.append(f"not even one prefill chunk fits at batch {batch}")
     return est
+
+
+def check_fits(
+    path: str | Path,
+    policy: KVPolicy | None = None,
+    context: int | None = None,
+    batch: int = 1,
+) -> Estimate:
+    """Raise UserError if the model in ``path`` will not fit (the engine's pre-load check)."""
+    plan = estimate_model(
+        from_path(Path(path)), policy or KVPolicy(), context=context, batch=batch, search=False
+    )
+    if not plan.budget.fits:
+        b = plan.budget
+        if b.weights.bytes > b.available:
+            raise UserError(
+                f"{plan.name} does not fit: its weights alone need {gib(b.weights.bytes)} "
+                f"and {gib(b.available)} is available (see 'mlxkv plan'); use --force to try"
+            )
+        raise UserError(
+            f"{plan.name} needs about {gib(b.total)} at {plan.setting.context} tokens "
+            f"(weights {gib(b.weights.bytes)}, KV {gib(b.kv.peak_allocated)}) but "
+            f"{gib(b.available)} is available; try --kv-window/--kv-bits or a shorter "
+            "context (see 'mlxkv plan'), or --force"
+        )
+    return plan

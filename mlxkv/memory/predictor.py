@@ -13,7 +13,7 @@ import copy
 from collections import Counter
 from dataclasses import dataclass
 
-from mlxkv.memory import native
+from mlxkv.memory import native, policy_bytes
 from mlxkv.memory.dtypes import dtype_bytes
 from mlxkv.memory.layout import CacheSpec, Layout
 from mlxkv.policy import KVPolicy
@@ -31,15 +31,6 @@ class KVBytes:
     peak_allocated: int  # largest ``allocated`` so far (rotating buffers shrink after a chunk)
     kept_tokens: int  # tokens a policy-governed layer keeps (tokens_seen if there is none)
     evicted_tokens: int
-
-
-def _policy_bytes():
-    """The caches helper's arithmetic for our own caches, if it is installed yet."""
-    try:
-        from mlxkv.memory import policy_bytes
-    except ImportError:
-        return None
-    return policy_bytes
 
 
 class _NativeGroup:
@@ -117,7 +108,7 @@ def _tracker(spec: CacheSpec, policy: KVPolicy):
 def _group(spec: CacheSpec, count: int, batch: int, kv_dtype: str, policy, runtime: str):
     """The one place that decides who sizes a cache: policy_bytes or mlx-lm's rules."""
     if spec.grows:
-        pb = _policy_bytes() if runtime == "mlxkv" else None
+        pb = policy_bytes if runtime == "mlxkv" else None
         if pb is not None:
             return _PolicyGroup(spec, count, batch, kv_dtype, policy, pb)
         if policy.bits is not None:  # mlx-lm's QuantizedKVCache

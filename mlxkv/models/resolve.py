@@ -1,8 +1,10 @@
-"""Turn a MODEL argument into a local MLX model folder.
+"""Turn a MODEL argument into a local MLX model folder, or only its config (for ``plan``).
 
 Order: local folder with config.json -> local .gguf file -> registry alias -> Hugging Face
 repo id. An alias is taken from the Hugging Face cache or an earlier conversion when
 present, else downloaded from the hub, else built from its offline source.
+``resolve_config`` is the config-only mode: a config.json file is accepted too, and from
+the hub only config.json is fetched (never a weight file).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxkv.errors import UserError, one_line
+from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.models import registry
 from mlxkv.paths import models_dir
 
@@ -133,4 +136,48 @@ def resolve(
     raise UserError(
         f"unknown model '{name}': not a local folder, .gguf file, registry alias ({aliases}) "
         "or Hugging Face repo id (owner/name); see 'mlxkv models'"
+    )
+
+
+def _hub_config(repo: str) -> Path:
+    """config.json of a hub repo: the local HF cache first, else a download of that file."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, "config.json")
+    if isinstance(cached, str):
+        return Path(cached)
+    try:
+        return Path(hf_hub_download(repo, "config.json"))
+    except Exception as e:
+        raise UserError(
+            f"could not fetch config.json of '{repo}' from the Hugging Face hub "
+            f"({one_line(e)}); pass a local config.json or model folder"
+        ) from None
+
+
+def resolve_config(model: str) -> ModelSource:
+    """MODEL as the memory model reads it: a config.json file, a model folder, a .gguf file
+    (converted, cached), a registry alias or a hub repo id. No weights are downloaded."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        # A GGUF holds no config.json: convert it (lossless, cached) and plan the result.
+        return from_path(_gguf(path).path, name=path.stem, how="GGUF")
+    if path.is_file() or path.suffix == ".json" or path.is_dir():
+        return from_path(path)
+    entry = registry.lookup(model)
+    if entry is not None:
+        local = models_dir() / entry.alias
+        if _has_config(local):
+            return from_path(local, name=model, how="alias (local copy)")
+        cfg = _hub_config(entry.hf_repo)
+        src = from_path(cfg, name=model, how=f"alias ({entry.hf_repo})")
+        return ModelSource(src.name, src.config, src.folder, entry.hf_repo, src.how)
+    if looks_like_repo_id(model):
+        src = from_path(_hub_config(model), name=model, how="hub")
+        return ModelSource(src.name, src.config, src.folder, model, src.how)
+    aliases = ", ".join(registry.load_registry().models)
+    raise UserError(
+        f"unknown model '{model}': not a config.json file, model folder, "
+        + (f"registry alias ({aliases}) " if aliases else "registry alias ")
+        + "or hub repo id (owner/name)"
     )

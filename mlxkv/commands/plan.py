@@ -50,6 +50,7 @@ def _int(value: str | None, flag: str, default: int | None, minimum: int) -> int
 def _estimate(args):
     from mlxkv.memory.config import BadInput
     from mlxkv.memory.estimate import estimate_model
+    from mlxkv.models.resolve import resolve_config
     from mlxkv.policy import KVPolicy
 
     context = _int(args.context, "--context", None, 1)
@@ -64,7 +65,14 @@ def _estimate(args):
     if args.kv_dtype is not None and args.kv_dtype not in KV_DTYPES:
         raise BadInput(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got '{args.kv_dtype}'")
     return estimate_model(
-        args.model, policy, context, batch, chunk, args.kv_dtype, args.memory, search=True
+        resolve_config(args.model),
+        policy,
+        context,
+        batch,
+        chunk,
+        args.kv_dtype,
+        args.memory,
+        search=True,
     )
 
 
@@ -86,13 +94,12 @@ def run(args) -> int:
 
 def _token_bytes(spec, policy, kv_dtype: str) -> int:
     """Bytes one token adds to this cache (batch 1), with the policy's bits if it applies."""
+    from mlxkv.memory import policy_bytes
     from mlxkv.memory.dtypes import dtype_bytes
-    from mlxkv.memory.predictor import _policy_bytes
 
-    pb = _policy_bytes()
-    if spec.grows and pb is not None:
+    if spec.grows:
         b = dtype_bytes(spec.dtype or kv_dtype)
-        return pb.token_bytes(policy, spec.kv_heads, spec.k_head_dim, spec.v_head_dim, b)
+        return policy_bytes.token_bytes(policy, spec.kv_heads, spec.k_head_dim, spec.v_head_dim, b)
     return spec.bytes_per_token(kv_dtype)
 
 

@@ -51,7 +51,7 @@ def _record(i: int, cache, arrays: dict) -> dict:
         rec = {
             "class": name,
             "meta": list(cache.meta_state),
-            "store": cache.store.describe(),
+            "store": _stores(cache),
             "state": _flatten(f"{i}.state.", list(cache.state), arrays),
         }
         rot = cache.rotation
@@ -67,6 +67,33 @@ def _record(i: int, cache, arrays: dict) -> dict:
     return {"class": name, "state": _flatten(f"{i}.state.", cache.state, arrays)}
 
 
+def _stores(cache) -> dict:
+    if isinstance(cache, QuantizedStreamingKVCache):
+        return cache.describe_stores()
+    return {}
+
+
+def _quantized(store: dict) -> QuantizedStreamingKVCache:
+    """The empty cache a saved store description names (files from before separate key and
+    value stores hold one mlx-lm style description for both)."""
+    if "keys" not in store:
+        store = {"keys": {**store, "scheme": "plain"}, "values": store}
+    k, v = store["keys"], store["values"]
+    if k.get("scheme", "plain") not in ("plain", "rotated"):
+        raise CacheError(f"saved cache uses key scheme {k['scheme']!r}, unknown to this mlxkv")
+    return QuantizedStreamingKVCache(
+        None,
+        0,
+        None,
+        None,
+        k.get("group_size", 64),
+        key_bits=k.get("bits"),
+        value_bits=v.get("bits"),
+        value_group_size=v.get("group_size"),
+        key_scheme=k.get("scheme", "plain"),
+    )
+
+
 def _tuples(x):
     # safetensors round trips lists; quantized storage is a tuple (packed, scales, biases)
     return tuple(x) if isinstance(x, list) else x
@@ -76,7 +103,7 @@ def _restore(i: int, rec: dict, arrays: dict):
     name = rec["class"]
     state = _unflatten(rec["state"], arrays) if rec["state"] else []
     if name in ("StreamingKVCache", "QuantizedStreamingKVCache"):
-        state = list(state) + [None] * (3 - len(state))
+        state = list(state) + [None] * (4 - len(state))
         rot = rec.get("rotation")
         rotation = None
         if rot and rot.get("identity"):
@@ -84,14 +111,13 @@ def _restore(i: int, rec: dict, arrays: dict):
         elif rot:
             freqs = arrays.get(f"{i}.rotation.freqs")
             rotation = Rotation(rot["dims"], rot["traditional"], rot["base"], rot["scale"], freqs)
-        if name == "QuantizedStreamingKVCache":
-            store = rec["store"]
-            c = QuantizedStreamingKVCache(None, 0, None, store["bits"], store["group_size"])
-        else:
-            c = StreamingKVCache(None)
+        quantized = name == "QuantizedStreamingKVCache"
+        c = _quantized(rec["store"]) if quantized else StreamingKVCache(None)
         c.meta_state = rec["meta"]
         c.rotation = rotation
-        c.keys, c.values, c.sink_keys = (_tuples(s) for s in state)
+        c.keys, c.values, c.sink_keys = (_tuples(s) for s in state[:3])
+        if state[3] is not None:
+            c.kstore.offset = state[3]
         return c
     cls = _OURS.get(name) or getattr(mlx_cache, name)
     return cls.from_state(state)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mlxkv.engine.session import GenerationSettings
+from tests.tui_pilot import send, sync, wait_for, wait_idle
 from tui.app import ChatApp
 from tui.chat_view import MessageView
 from tui.engine import ChatEngine, real_opener
-from tui.testing import send, sync, wait_for, wait_idle
 
 pytestmark = pytest.mark.model
 

@@ -1,18 +1,29 @@
 """Many independent prompts through one model, results yielded as each one finishes.
 
-Batched decoding uses mlx-lm's ``BatchGenerator`` (continuous batching: a finished sequence
-leaves the batch and a waiting prompt is prefilled into its slot). It needs caches that
-merge into a batch: the full-cache policy does (``FullKVCache`` is a ``KVCache`` and merges
-into ``BatchKVCache``; a model's own rotating or SSM caches merge too). Window, sink and
-quantized caches keep per-sequence ring positions and quantized buffers that have no
-batched form, so under those policies the prompts run one by one through the engine's
-``Generator`` -- same results, no batching speed-up.
+Two batched loops, both continuous (a finished sequence leaves the batch and a waiting
+prompt is prefilled into its slot):
+
+* The full-cache policy runs in mlx-lm's ``BatchGenerator`` (``FullKVCache`` is a
+  ``KVCache`` and merges into its ``BatchKVCache``; a model's own rotating or SSM caches
+  merge too).
+* Window, sink and quantized caches run in the engine's own row loop (``_run_rows``) over
+  :class:`mlxkv.caches.batched.BatchedKVCache`. ``BatchGenerator`` cannot host them: it
+  prefills new prompts together, left-padded, in chunks whose boundaries the whole prefill
+  batch shares, and its caches must follow that padding. A sink cache keeps chunked prefill
+  exact only with per-row chunk sizes (``prefill_chunk``) and one set of shifted sink copies
+  per query, and a quantized cache has no ``BatchKVCache`` to merge into. So the row loop
+  prefills each joining prompt alone, in its single-sequence cache, with exactly the
+  ``Generator``'s chunking (exact by construction), then merges that cache into the batch,
+  where every row keeps its own positions, evictions and sink shift and decodes one token
+  per step. A prefix shared by waiting prompts (a system prompt, a document asked several
+  questions) is prefilled once and copied into each row (:class:`SharedPrefixes`).
 
 Greedy batched outputs are token-identical to the single-sequence ``Generator``: the same
-prompt token ids (same BOS rule), the same EOS set, and attention over left-padded rows
-masks the padding. Sampled lines with a ``seed`` draw from their own PRNG key, so their
-text does not depend on which other prompts share the batch (it does differ from a
-seeded single-sequence run, which draws from MLX's global generator).
+prompt token ids (same BOS rule), the same EOS set, and attention over the batch masks
+what a row does not hold (left padding in ``BatchGenerator``, unused slots in the row
+loop). Sampled lines with a ``seed`` draw from their own PRNG key, so their text does not
+depend on which other prompts share the batch (it does differ from a seeded
+single-sequence run, which draws from MLX's global generator).
 """
 
 from __future__ import annotations
@@ -49,13 +60,15 @@ class Result:
     error: str | None = None  # set instead of text when this prompt could not run
 
 
-def why_not_batched(loaded: LoadedModel, policy: KVPolicy) -> str | None:
+def why_not_batched(
+    loaded: LoadedModel, policy: KVPolicy, row_loop: bool | None = None
+) -> str | None:
     """None if ``policy`` caches can be batched on this model, else the reason."""
     from mlxkv.caches import make_caches
     from mlxkv.caches.batched import batched_form
 
     caches = make_caches(loaded.model, policy)
-    if _uses_rows(policy):
+    if _uses_rows(policy) if row_loop is None else row_loop:
         why = batched_form(caches)
         return None if why is None else f"{why} under the {policy.describe()} cache"
     kinds = sorted({type(c).__name__ for c in caches if not hasattr(c, "merge")})
@@ -223,6 +236,7 @@ class BatchRunner:
         prefill_step: int = 512,
         prefill_batch_size: int = 8,
         share_prefix: bool = True,
+        row_loop: bool | None = None,  # None: the row loop for window/sink/quantized caches
     ):
         if batch_size < 1:
             raise UserError(f"--batch-size must be at least 1, got {batch_size}")
@@ -231,7 +245,8 @@ class BatchRunner:
         self.batch_size = batch_size
         self.prefill_step = prefill_step
         self.prefill_batch_size = max(1, min(prefill_batch_size, batch_size))
-        self.fallback_reason = why_not_batched(loaded, self.policy)
+        self.row_loop = _uses_rows(self.policy) if row_loop is None else row_loop
+        self.fallback_reason = why_not_batched(loaded, self.policy, self.row_loop)
         self.share_prefix = share_prefix
         self.kv_check: KVCheck | None = None  # set by batched runs of the row loop
 
@@ -243,6 +258,14 @@ class BatchRunner:
         self.prefixes = SharedPrefixes(fresh)
         self._shared_samplers: dict = {}
 
+    def kv_summary(self) -> dict:
+        """KV bytes actual vs predicted over the last batched run ({} when not measured)."""
+        out = self.kv_check.summary() if self.kv_check else {}
+        if self.kv_check and self.share_prefix:
+            out["shared_prefix_tokens"] = self.prefixes.prefilled_tokens
+            out["shared_prefix_rows"] = self.prefixes.hits
+        return out
+
     @property
     def batched(self) -> bool:
         return self.fallback_reason is None
@@ -250,7 +273,7 @@ class BatchRunner:
     def run(self, requests: Iterable[Request]) -> Iterator[Result]:
         if not self.batched:
             yield from self._run_one_by_one(requests)
-        elif _uses_rows(self.policy):
+        elif self.row_loop:
             yield from self._run_rows(requests)
         else:
             yield from self._run_batched(requests)

@@ -23,8 +23,10 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int | None:
-        cfg = self.config.get("text_config", self.config)
-        return cfg.get("max_position_embeddings") or cfg.get("max_seq_len")
+        """The trained context (the rule ``plan`` applies too)."""
+        from mlxkv.memory.context import trained_context
+
+        return trained_context(self.config)
 
 
 def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedModel:

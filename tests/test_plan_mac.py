@@ -255,3 +255,33 @@ def test_past_the_trained_context_plan_flags_what_generate_refuses(
     list(windowed.run(prompt, settings))
     flags = ["--context", str(needed + 1), "--kv-window", str(needed - 4)]
     assert not plan_json(capsys, str(tmp_path / "config.json"), *flags)[1]["past_trained_context"]
+
+
+def test_chart_in_the_terminal_shows_where_curves_cross_the_budget(capsys):
+    argv = [LLAMA31_4BIT, *MAC16, "--context", "32768"]
+    assert run_plan(*argv, "--chart") == 0
+    out = capsys.readouterr().out
+    _, d = plan_json(capsys, *argv)
+    assert f"* this plan (full): fits up to {d['max_context']:,} tokens" in out
+    assert "o sink 4 + window 4092: fits at any context" in out
+    assert "- budget 10.67 GiB" in out and "4-bit KV: fits up to" in out
+
+
+def test_chart_png_and_the_users_files(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    argv = [LLAMA31_4BIT, *MAC16, "--context", "32768", "--chart"]
+    png = tmp_path / "memory.png"
+    assert run_plan(*argv, str(png)) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"chart saved to {png}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "memory.png"]  # no temp file
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"user data")
+    assert run_plan(*argv, str(mine)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists" in err and mine.read_bytes() == b"user data"
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # not installed
+    assert run_plan(*argv, str(tmp_path / "other.png")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs matplotlib" in err
+    assert not (tmp_path / "other.png").exists()

@@ -116,9 +116,7 @@ def _number(flag: str, value, lo=None, hi=None, lo_open=False, hint: str = "") -
             want = f"{'above' if lo_open else 'at least'} {lo}"
         else:
             want = f"at most {hi}"
-        raise UserError(
-            f"{flag} must be {want}, got {value}" + (f"; {hint}" if hint else "")
-        )
+        raise UserError(f"{flag} must be {want}, got {value}" + (f"; {hint}" if hint else ""))
 
 
 def check_generation_flags(args) -> None:

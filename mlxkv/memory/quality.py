@@ -58,7 +58,3 @@ def lossless(note: str) -> Quality:
     """A change that leaves every token's output as it was (batch) or only drops tokens the
     request would have held (context)."""
     return Quality(0.0, note, None)
-
-
-def unmeasured(note: str) -> Quality:
-    return Quality(None, note, None)

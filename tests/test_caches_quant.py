@@ -4,13 +4,13 @@ and value stores."""
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
 
 from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
 from mlxkv.caches.storage import RotatedKeyStore
+from mlxkv.caches.streaming import StreamingKVCache
 from mlxkv.policy import KVPolicy
 from tests._caches_ref import feed, tiny_llama
 
@@ -106,45 +106,38 @@ def test_save_load_keeps_the_scheme(model, policy, tmp_path):
     assert mx.abs(a - b).max().item() == 0.0
 
 
-def _rewrite_layers(src, dst, edit):
-    arrays, meta = mx.load(str(src), return_metadata=True)
-    layers = json.loads(meta["layers"])
-    for rec in layers:
-        if rec["class"] == "QuantizedStreamingKVCache":
-            edit(rec)
-    mx.save_safetensors(str(dst), arrays, dict(meta, layers=json.dumps(layers)))
-
-
-def test_file_from_before_separate_stores_reads_as_plain(model, tmp_path):
-    """Older files hold one store description ({bits, group_size}) and three state arrays:
-    they were mlx-lm style per-token keys, and load as the plain scheme."""
+def test_state_from_before_separate_stores_reads_as_plain(model):
+    """Files written before keys and values had their own stores carry ``bits`` and
+    ``group_size`` for both: those were mlx-lm style per-token keys, read as ``plain``."""
     policy = KVPolicy(window=20, sinks=4, bits=4, group_size=32, key_scheme="plain")
     caches = make_caches(model, policy)
     feed(model, TOKENS[:40], caches, [30, 1, 9])
-    save_caches(tmp_path / "new.safetensors", caches, META)
-
-    def old(rec):
-        rec["store"] = {"bits": 4, "group_size": 32}
-        rec["state"] = [leaf for leaf in rec["state"] if leaf[0] != "3"]
-
-    _rewrite_layers(tmp_path / "new.safetensors", tmp_path / "old.safetensors", old)
-    loaded = load_caches(tmp_path / "old.safetensors", META)
-    assert loaded[0].describe_stores()["keys"]["scheme"] == "plain"
+    old = []
+    for c in caches:
+        state = dict(c.state)
+        for key in ("key_bits", "key_group_size", "key_scheme", "value_bits"):
+            state.pop(key)
+        state.pop("value_group_size")
+        state.pop("key_offset")
+        state.update(bits=4, group_size=32)
+        for key in ("keys", "values", "sink_keys"):  # copies: the live cache writes in place
+            state[key] = tree_map(lambda x: x + 0, state[key])
+        fresh = StreamingKVCache(None)
+        fresh.state = state
+        old.append(fresh)
+    assert old[0].kstore.describe() == {"bits": 4, "group_size": 32, "scheme": "plain"}
     a = feed(model, TOKENS[40:], caches, [1, 1, 28])
-    b = feed(model, TOKENS[40:], loaded, [1, 1, 28])
+    b = feed(model, TOKENS[40:], old, [1, 1, 28])
     assert mx.abs(a - b).max().item() == 0.0
 
 
-def test_unknown_key_scheme_in_file_refused_in_one_line(model, tmp_path):
+def test_file_of_another_format_refused_in_one_line(model, tmp_path):
     caches = make_caches(model, KVPolicy(bits=4, group_size=32))
     feed(model, TOKENS[:10], caches, [10])
     save_caches(tmp_path / "a.safetensors", caches, META)
-
-    def future(rec):
-        rec["store"]["keys"]["scheme"] = "kivi"
-
-    _rewrite_layers(tmp_path / "a.safetensors", tmp_path / "b.safetensors", future)
-    with pytest.raises(CacheError, match="key scheme 'kivi', unknown") as err:
+    arrays, meta = mx.load(str(tmp_path / "a.safetensors"), return_metadata=True)
+    mx.save_safetensors(str(tmp_path / "b.safetensors"), arrays, {**meta, "0.mlxkv_cache": "1"})
+    with pytest.raises(CacheError, match="not an mlxkv cache file") as err:
         load_caches(tmp_path / "b.safetensors", META)
     assert "\n" not in str(err.value)
 

@@ -68,6 +68,10 @@ class FloatStore:
     def extra_nbytes(self) -> int:
         return 0
 
+    def empty_like(self):
+        """A store of the same kind, holding no state."""
+        return type(self)()
+
     def zeros(self, like: mx.array, tokens: int):
         B, H, _, D = like.shape
         return mx.zeros((B, H, tokens, D), like.dtype)
@@ -120,6 +124,9 @@ class QuantStore:
 
     def extra_nbytes(self) -> int:
         return 0
+
+    def empty_like(self):
+        return type(self)(self.bits, self.group_size)
 
     def zeros(self, like: mx.array, tokens: int):
         B, H, _, D = like.shape

@@ -51,3 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except RuntimeError as e:
+        from mlxkv.engine.distributed import launched, lost_peer_message
+
+        if not launched():
+            raise
+        # Under mlx.launch a rank that stops takes its sockets with it: say so in one line.
+        print(f"mlxkv {args.command}: error: {lost_peer_message(e)}", file=sys.stderr)
+        return 1

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--memory", metavar="SIZE", help="memory to plan against, e.g. 16GB, 16GiB, 512M "
       "(default: what this machine reports)")  # fmt: skip
     a("--json", action="store_true", help="print the plan as JSON")
+    from mlxkv.commands import plan_hosts
+
+    plan_hosts.add_arguments(parser)
 
 
 def _int(value: str | None, flag: str, default: int | None, minimum: int) -> int | None:
@@ -77,6 +80,10 @@ def _estimate(args):
 
 
 def run(args) -> int:
+    if args.hosts is not None:
+        from mlxkv.commands import plan_hosts
+
+        return plan_hosts.run(args, _estimate)
     try:
         est = _estimate(args)
     except UserError as e:

@@ -1,4 +1,8 @@
-"""The front door: ``mlxkv chat | plan | generate | batch | models | pull | bench``."""
+"""The front door: ``mlxkv chat | plan | generate | batch | models | pull | bench``.
+
+Subcommands from higher layers (the chat UI) register themselves as ``mlxkv.commands``
+entry points in pyproject.toml, so this module never imports them by name.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from mlxkv.errors import UserError
 
 # subcommand -> module with HELP, add_arguments(parser), run(args) -> int
 COMMANDS = {
-    "chat": "tui.command",
     "plan": "mlxkv.commands.plan",
     "generate": "mlxkv.commands.generate",
     "batch": "mlxkv.commands.batch",
@@ -19,6 +22,16 @@ COMMANDS = {
     "pull": "mlxkv.commands.pull",
     "bench": "mlxkv.commands.bench",
 }
+ENTRY_POINT_GROUP = "mlxkv.commands"
+
+
+def commands() -> dict[str, str]:
+    """Installed subcommands (entry points) first, then the built-in ones."""
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {**plugins, **COMMANDS}
+
 
 DESCRIPTION = """\
 Run chat models locally on MLX with bounded or compressed KV caches (sliding window,
@@ -30,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxkv", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mlxkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name in COMMANDS.items():
+    for name, module_name in commands().items():
         module = importlib.import_module(module_name)
         help_text = getattr(module, "HELP", None)
         p = sub.add_parser(name, help=help_text, description=help_text)

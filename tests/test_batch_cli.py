@@ -112,7 +112,8 @@ def test_bad_lines_become_records_without_loading(tmp_path, capsys, no_model):
     assert "duplicate id 'a' on line 4" in cap.err
     assert json.loads(cap.out)["errors"] == 4
     before = out.read_bytes()
-    assert main(["batch", str(inp), "-o", str(out)]) == 0  # all done: nothing to redo
+    # All done, nothing to redo, but the output still answers lines with errors: exit 1.
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
     assert out.read_bytes() == before
     assert "4 lines already in" in capsys.readouterr().err
 

@@ -111,7 +111,7 @@ def test_log_appends_whole_lines_and_reads_them_back(tmp_path):
         log.append({"id": "a", "line": 1, "text": "é"})
         log.append({"line": 2, "error": "bad"})
     with ResultLog(out) as log:
-        assert log.done_ids == {("str", "a")} and log.done_lines == {1, 2}
+        assert [(r.line, r.id, r.error) for r in log.existing] == [(1, "a", False), (2, None, True)]
         assert log.records == 2 and log.torn_bytes == 0
     assert _records(out)[0]["text"] == "é"
 
@@ -123,7 +123,7 @@ def test_log_cuts_a_torn_last_line(tmp_path):
     out.write_text(good + torn)
     with ResultLog(out) as log:
         assert log.torn_bytes == len(torn)
-        assert log.done_ids == {("str", "a")}
+        assert [r.id for r in log.existing] == ["a"]
         log.append({"id": "b", "line": 2, "text": "y"})
     assert [r["id"] for r in _records(out)] == ["a", "b"]
 

@@ -51,18 +51,40 @@ def test_trim_shrinks_allocation(model):
 
 
 @pytest.mark.parametrize("policy", POLICIES[2:], ids=IDS[2:])
-def test_trim_after_eviction_only_window_tokens(model, policy):
+def test_trim_after_eviction_refused_without_reserve(model, policy):
     caches = make_caches(model, policy)
     feed(model, A[:60], caches, [30] + [1] * 30)
     assert caches[0].evicted == 60 - policy.kept_tokens
-    with pytest.raises(CacheError, match="at most 20: the sliding window has already evicted"):
-        trim_caches(caches, 21)
-    assert caches[0].kept == policy.kept_tokens  # refused: nothing trimmed
-    assert trim_caches(caches, 5) == 5
-    assert caches[0].kept == policy.kept_tokens - 5 and caches[0].tokens_seen == 55
-    feed(model, B[:3], caches, [1, 2])  # the window refills before evicting again
-    assert caches[0].kept == policy.kept_tokens - 2
-    assert caches[0].evicted == 60 - policy.kept_tokens
+    assert not caches[0].is_trimmable()
+    with pytest.raises(CacheError, match="at most 0: the sliding window has already evicted"):
+        trim_caches(caches, 1)
+    assert caches[0].kept == policy.kept_tokens and caches[0].tokens_seen == 60
+
+
+@pytest.mark.parametrize("policy", POLICIES[2:], ids=IDS[2:])
+@pytest.mark.parametrize("cut", [1, 3, 5, 6])
+def test_trim_after_eviction_within_reserve_is_exact(model, policy, cut):
+    """Trims inside the undo log leave the cache as an uncached run over the rest: same
+    logits afterwards, same counters, same bytes. (Float caches rebase often here, and the
+    undo log follows; quantized ones do not: a rebase re-quantizes, and an uncached run
+    rebases at other token counts.)"""
+    rebase = None if policy.bits else 7
+    caches = make_caches(model, policy, reserve=6, rebase_every=rebase)
+    feed(model, A[:60], caches, [30, 1, 1, 4, 2, 1] + [1] * 21)
+    assert caches[0].trimmable() >= 6
+    assert trim_caches(caches, cut) == cut
+    fresh = make_caches(model, policy, rebase_every=rebase)
+    feed(model, A[: 60 - cut], fresh, [60 - cut])
+    for c, f in zip(caches, fresh, strict=True):
+        assert (c.kept, c.evicted, c.tokens_seen, c.nbytes) == (
+            f.kept,
+            f.evicted,
+            f.tokens_seen,
+            f.nbytes,
+        )
+    got = feed(model, B[:6], caches, [4, 1, 1])
+    want = feed(model, B[:6], fresh, [4, 1, 1])
+    assert mx.abs(got - want).max().item() < 2e-4
 
 
 def test_trim_refusals():

@@ -1,14 +1,13 @@
 """Batch throughput: ``mlxkv batch`` (the real command) vs the prompts one
 by one through the engine vs mlx-lm ``batch_generate``, interleaved per round.
 
-The measuring functions are the batch helper's ``benchmarks/batch_bench.py`` (same
+The measuring functions are ``benchmarks/batch_bench.py``'s (same
 prompts, same counting); it lives in the source tree, not the installed package, so the
 section is skipped with a message when it is not there.
 """
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import tempfile
 from pathlib import Path
@@ -38,9 +37,8 @@ def measure(loaded, n_prompts: int, max_tokens: int, rounds: int, log) -> dict |
     def paired(a, b):
         return statistics.median(tps(x) / tps(y) for x, y in zip(runs[a], runs[b], strict=True))
 
-    in_process = "loaded" in inspect.signature(bb.run_mlxkv_batch).parameters
     return {
-        "mode": "in process" if in_process else "subprocess",
+        "mode": "in process",
         "prompts": n_prompts,
         "max_tokens": max_tokens,
         "batch_size": n_prompts,
@@ -53,9 +51,5 @@ def measure(loaded, n_prompts: int, max_tokens: int, rounds: int, log) -> dict |
 
 
 def _mlxkv_batch(bb, loaded, qs, max_tokens, workdir: Path) -> dict:
-    """The helper's runner, in process (warm, the loaded model handed over) when it offers
-    that, else its subprocess form."""
-    params = inspect.signature(bb.run_mlxkv_batch).parameters
-    if "loaded" in params:
-        return bb.run_mlxkv_batch(loaded, qs, max_tokens, len(qs), workdir, False)
-    return bb.run_mlxkv_batch(qs, max_tokens, len(qs), workdir)
+    """``mlxkv batch``'s engine in process (warm: the loaded model is handed over)."""
+    return bb.run_mlxkv_batch(loaded, qs, max_tokens, len(qs), workdir, False)

@@ -8,7 +8,7 @@ with RotatingKVCache(K, keep=S).
 
 mlx-lm's RotatingKVCache hides its sink slots from multi-token chunks, so a chunked stream
 through it shows what a long *prompt* gets. What a long *generated* chat gets (token by
-token) is ``lm-rot-decode``: the caches helper's exact chunked emulation of its decode
+token) is ``lm-rot-decode``: an exact chunked emulation of its decode
 semantics from ``benchmarks/long_ppl.py`` (sinks never re-positioned; quality only).
 """
 

@@ -1,4 +1,4 @@
-"""The issue's targets, each turned into (target, measured value, met?) from a results dict.
+"""The benchmark targets, each turned into (target, measured value, met?) from a results dict.
 
 A target whose inputs were not measured in this run (a section skipped, a stream too short
 to pass the context in --quick) is reported as not measured, never as met.

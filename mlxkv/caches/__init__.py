@@ -9,7 +9,7 @@ Every cache built here exposes ``kept`` / ``evicted`` / ``tokens_seen`` (plain i
 from mlxkv.caches.build import PolicyPlan, cache_for, check_policy, make_caches, plan_policy
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
-from mlxkv.caches.persist import load_caches, read_metadata, save_caches
+from mlxkv.caches.persist import load_caches, read_metadata, register_with_mlx_lm, save_caches
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache, prefill_chunk
 from mlxkv.caches.trim import trim_caches, trimmable
 
@@ -30,3 +30,6 @@ __all__ = [
     "trim_caches",
     "trimmable",
 ]
+
+# mlx-lm's load_prompt_cache finds cache classes by name in its own module.
+register_with_mlx_lm()

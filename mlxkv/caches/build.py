@@ -10,7 +10,7 @@ honour is refused up front with a one-line :class:`PolicyError`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -211,19 +211,31 @@ def check_policy(model, policy: KVPolicy) -> PolicyPlan:
 
 
 def _dry_run(model, policy: KVPolicy) -> None:
-    """Push a 2-token prefill and a decode step through ``model`` with the policy's caches.
+    """Push a 2-token prefill and a decode step through ``model`` with the policy's caches,
+    and for a window a prefill chunk that evicts (through a small window of that kind).
 
     MLX is lazy and nothing here is evaluated, so this builds a graph and computes (almost)
     nothing. Both steps are needed: quantized caches hand mlx-lm quantized keys only at
-    decode (prefill takes the dense path).
+    decode (prefill takes the dense path); an evicting chunk is the one update whose
+    output is not the kept tokens in order.
     """
     caches = make_caches(model, policy)
     model(mx.array([[0, 0]]), cache=caches)
     model(mx.array([[0]]), cache=caches)
+    if policy.window is not None:
+        small = replace(policy, window=policy.sinks + 1)
+        model(mx.zeros((1, small.sinks + 3), mx.int32), cache=make_caches(model, small))
 
 
-def cache_for(policy: KVPolicy, rotation=None, mla: bool = False, rebase_every: int | None = None):
-    """One growing layer's cache under ``policy``."""
+def cache_for(
+    policy: KVPolicy,
+    rotation=None,
+    mla: bool = False,
+    rebase_every: int | None = None,
+    reserve: int = 0,
+):
+    """One growing layer's cache under ``policy``; ``reserve``: tokens a bounded cache can
+    still trim exactly after it has evicted (speculative decoding rewinds that many)."""
     if mla:  # positions live in the "values" (decoupled RoPE key): never rotate keys
         rotation = None
     if policy.window is None:
@@ -231,17 +243,30 @@ def cache_for(policy: KVPolicy, rotation=None, mla: bool = False, rebase_every: 
             return FullKVCache()
         return QuantizedStreamingKVCache(None, bits=policy.bits, group_size=policy.group_size)
     if policy.bits is None:
-        return StreamingKVCache(policy.window, policy.sinks, rotation, rebase_every)
+        return StreamingKVCache(
+            policy.window, policy.sinks, rotation, rebase_every, reserve=reserve
+        )
     return QuantizedStreamingKVCache(
-        policy.window, policy.sinks, rotation, policy.bits, policy.group_size, rebase_every
+        policy.window,
+        policy.sinks,
+        rotation,
+        policy.bits,
+        policy.group_size,
+        rebase_every,
+        reserve=reserve,
     )
 
 
-def make_caches(model, policy: KVPolicy, *, rebase_every: int | None = None) -> list:
-    """Per-layer caches for ``model`` under ``policy`` (see the module docstring)."""
+def make_caches(
+    model, policy: KVPolicy, *, rebase_every: int | None = None, reserve: int = 0
+) -> list:
+    """Per-layer caches for ``model`` under ``policy`` (see the module docstring).
+
+    ``reserve`` > 0 gives bounded caches an undo log of that many tokens, so that a trim
+    after eviction stays exact (mlx-lm's speculative decoding rewinds rejected drafts)."""
     caches = base_caches(model)
     plan = plan_policy(model, policy, caches)
     for i in plan.growing:
         info = plan.layers[i]
-        caches[i] = cache_for(policy, info.rotation, info.mla, rebase_every)
+        caches[i] = cache_for(policy, info.rotation, info.mla, rebase_every, reserve)
     return caches

@@ -64,4 +64,5 @@ class FullKVCache(KVCache):
         if self.keys is not None:
             k, v = self.keys_and_values()
             q.update_and_fetch(k, v)
+            q._dense = False  # the next call is the model's; no dense output is pending
         return q

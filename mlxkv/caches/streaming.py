@@ -40,10 +40,14 @@ after a quantize/dequantize round trip, whatever the path, so prefill == decode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Identity, Rotation
 
 DEFAULT_REBASE_EVERY = 4096
@@ -53,6 +57,52 @@ DEFAULT_REBASE_EVERY = 4096
 # Measured on the default model, 2-core CPU (tok/s for chunk 32/64/96/256/512):
 # 49.7/49.6/47.7/36.5/26.2, vs mlx-lm RotatingKVCache(1024, keep=4) at 512: 53.2.
 SINK_PREFILL_CHUNK = 64
+
+
+@dataclass
+class _Undo:
+    """One evicting update, enough to take it back: the counters before it, what it
+    overwrote in the ring (slot, length, keys, values), and its input (to replay a prefix)."""
+
+    start: int
+    evicted: int
+    saved: list
+    keys: mx.array
+    values: mx.array
+
+
+def _copy(s):
+    # A slice would keep the whole old buffer alive; a copy holds only the saved slots.
+    return tree_map(lambda x: mx.add(x, mx.zeros((), x.dtype)), s)
+
+
+def _tuple(s):
+    # files give lists back; quantized storage is a tuple (packed, scales, biases)
+    return tuple(s) if isinstance(s, list) else s
+
+
+def _rotation_state(rot) -> dict:
+    if rot is None:
+        return {"kind": "none"}
+    if isinstance(rot, Identity):
+        return {"kind": "identity"}
+    return {
+        "kind": "rope",
+        "dims": rot.dims,
+        "traditional": rot.traditional,
+        "rope_base": rot.base,
+        "scale": rot.scale,
+        "freqs": rot.freqs,
+    }
+
+
+def _rotation_from_state(v: dict):
+    kind = v["kind"]
+    if kind == "none":
+        return None
+    if kind == "identity":
+        return Identity()
+    return Rotation(v["dims"], v["traditional"], v["rope_base"], v["scale"], v.get("freqs"))
 
 
 def prefill_chunk(caches, step: int) -> int:
@@ -70,6 +120,7 @@ class StreamingKVCache(_BaseCache):
         rotation: Rotation | Identity | None = None,
         rebase_every: int | None = None,
         store=None,
+        reserve: int = 0,
     ):
         if window is None and sinks:
             raise ValueError("sinks need a window")
@@ -90,6 +141,9 @@ class StreamingKVCache(_BaseCache):
         self._base = 0  # positions subtracted from the model's frame by rebases
         self._sink_shift = 0  # shift currently applied to the keys in slots [0, S)
         self._dense = False
+        self.reserve = reserve
+        self._undo: list[_Undo] = []
+        self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
 
     # ---- counters the engine reads (plain ints, no device sync) ----
     @property
@@ -120,7 +174,18 @@ class StreamingKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffers attention reads (what the memory model predicts)."""
         return st.nbytes(self.keys) + st.nbytes(self.values) + st.nbytes(self.sink_keys)
+
+    @property
+    def undo_nbytes(self) -> int:
+        """Bytes held by the undo log (0 unless ``reserve`` > 0); not part of ``nbytes``."""
+        return sum(
+            r.keys.nbytes
+            + r.values.nbytes
+            + sum(st.nbytes(k) + st.nbytes(v) for *_, k, v in r.saved)
+            for r in self._undo
+        )
 
     def prefill_chunk(self, step: int) -> int:
         """Fill up to the limit in big chunks; once evicting, chunks of SINK_PREFILL_CHUNK."""
@@ -236,6 +301,7 @@ class StreamingKVCache(_BaseCache):
         N = keys.shape[2]
         P, S = self._n, self.sinks
         self._dense = N > 1 and self.store.quantized
+        self._chunk_layout = False
         if P < S:  # sink tokens keep their original rotation in the side copy
             self._ensure(keys, values, min(P + N, self.limit))
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
@@ -252,6 +318,7 @@ class StreamingKVCache(_BaseCache):
     def _decode_step(self, keys, values):
         t = self._n
         slot = self._slot(t)
+        self._record(1, keys, values, [(slot, 1)])
         st.write(self.keys, slot, self.store.encode(keys))
         st.write(self.values, slot, self.store.encode(values))
         self._evicted = self._d(t, self._evicted)
@@ -265,6 +332,8 @@ class StreamingKVCache(_BaseCache):
         P, N, S = self._n, keys.shape[2], self.sinks
         e0, d_first, d_end, m, w_old = self._layout(P, N)
         self._ensure(keys, values, self.limit)
+        kept = self._ring_ranges(max(S, P, S + d_end), P + N)
+        self._record(N, keys, values, [(slot, length) for slot, length, _ in kept])
         enc_k, enc_v = self.store.encode(keys), self.store.encode(values)
         if P < S:
             st.write(self.keys, P, st.take(enc_k, 0, S - P))
@@ -285,9 +354,10 @@ class StreamingKVCache(_BaseCache):
         parts_k.append(dense(enc_k))
         parts_v.append(dense(enc_v))
         out = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        self._chunk_layout = True
 
         # Keep what the next token needs: the last W tokens after the sinks.
-        for slot, length, first in self._ring_ranges(max(S, P, S + d_end), P + N):
+        for slot, length, first in kept:
             st.write(self.keys, slot, st.take(enc_k, first - P, first - P + length))
             st.write(self.values, slot, st.take(enc_v, first - P, first - P + length))
         self._evicted = d_end
@@ -311,23 +381,49 @@ class StreamingKVCache(_BaseCache):
             self.keys = ring
         self._base += R
         self._sink_shift = 0
+        for rec in self._undo:  # the undo log moves to the new frame with the ring
+            rec.keys = self.rotation.shift(rec.keys, -R)
+            rec.saved = [
+                (slot, n, self.store.encode(self.rotation.shift(self.store.decode(k), -R)), v)
+                for slot, n, k, v in rec.saved
+            ]
 
     # ---- trim / rewind ----
     def trimmable(self) -> int:
-        """Tokens that can be removed from the end: all of them before the first eviction,
-        afterwards the window tokens still kept (the window then refills before evicting)."""
+        """Tokens that can be removed from the end *exactly*: leaving the cache as an uncached
+        run over the remaining tokens would have left it.
+
+        Before the first eviction that is every token. Once evicting, a token that left the
+        window cannot be brought back, so only what the undo log covers can be removed (at
+        least ``reserve`` tokens; none when ``reserve`` is 0); a trim that reaches back before
+        the first eviction continues as a plain trim.
+        """
         if self._evicted == 0:
             return self._n
-        return self._n - self.sinks - self._evicted
+        if not self._undo:
+            return 0
+        first = self._undo[0]
+        return self._n - first.start + (first.start if first.evicted == 0 else 0)
 
     def is_trimmable(self) -> bool:
-        return True
+        """Whether trims are exact now (mlx-lm's question): before the first eviction, or
+        while the undo log covers the last tokens. ``trimmable()`` says how many."""
+        return self._evicted == 0 or bool(self._undo)
 
     def trim(self, n: int) -> int:
+        """Remove the last ``min(n, trimmable())`` tokens exactly; returns how many."""
         n = max(0, min(n, self.trimmable()))
-        self._n -= n
+        target = self._n - n
+        while self._undo and self._undo[-1].start >= target and self._evicted:
+            self._undo_last()
+        if self._n > target and self._evicted:  # inside the newest update: replay a prefix
+            rec = self._undo.pop()
+            self._restore(rec)
+            self._replay(rec, target - rec.start)
+        self._n = min(self._n, target)
         if self._n == 0:
             self.keys = self.values = self.sink_keys = None
+            self._undo.clear()
         elif self._evicted == 0:
             cap = st.capacity(self._n, self.limit)
             if st.tokens_of(self.keys) > cap:
@@ -335,47 +431,144 @@ class StreamingKVCache(_BaseCache):
                 self.values = st.shrink(self.values, cap)
         return n
 
-    # ---- state ----
+    # ---- the undo log (exact trims after eviction) ----
+    def _record(self, N: int, keys: mx.array, values: mx.array, slots: list) -> None:
+        """Before an evicting update: keep what it will overwrite, and its input."""
+        if not self.reserve:
+            return
+        saved = [
+            (
+                slot,
+                length,
+                _copy(st.take(self.keys, slot, slot + length)),
+                _copy(st.take(self.values, slot, slot + length)),
+            )
+            for slot, length in slots
+        ]
+        self._undo.append(_Undo(self._n, self._evicted, saved, keys, values))
+        while len(self._undo) > 1 and self._n + N - self._undo[1].start >= self.reserve:
+            self._undo.pop(0)
+
+    def _restore(self, rec: _Undo) -> None:
+        for slot, _, k, v in rec.saved:
+            st.write(self.keys, slot, k)
+            st.write(self.values, slot, v)
+        self._n, self._evicted = rec.start, rec.evicted
+        if self.sinks:
+            self._sink_shift = None  # rewrite the sink slots for the restored shift
+            self._set_sink_shift(self._evicted - self._base)
+
+    def _undo_last(self) -> None:
+        self._restore(self._undo.pop())
+
+    def _replay(self, rec: _Undo, m: int) -> None:
+        """Feed the first ``m`` tokens of an undone update again (lazy: nothing computed
+        but the cache writes)."""
+        if m > 0:
+            self.update_and_fetch(rec.keys[..., :m, :], rec.values[..., :m, :])
+            self._dense = False
+
+    # ---- mlx-lm's cache protocol beyond update/mask ----
+    def keys_and_values(self):
+        """Kept keys and values in temporal order (sinks at their current shift), dense.
+
+        That is what the last update returned, and what its mask describes, except after a
+        multi-token update that evicted (it returned shifted sink copies and the tokens it
+        overwrote): then this raises :class:`CacheError` rather than hand a model that reads
+        another layer's cache (KV-shared layers) keys its mask does not fit.
+        """
+        if self._chunk_layout:
+            raise CacheError(
+                "keys_and_values() after an evicting multi-token update has no layout its "
+                "mask fits (attention reads another layer's window cache)"
+            )
+        if self.keys is None:
+            return None, None
+        S, kept = self.sinks, self.kept
+        if not self._evicted:
+            k, v = st.take(self.keys, 0, kept), st.take(self.values, 0, kept)
+        else:
+            ranges = self._ring_ranges(self._n - self.window, self._n)
+            k = st.concat(
+                [st.take(self.keys, 0, S)] + [st.take(self.keys, a, a + n) for a, n, _ in ranges]
+            )
+            v = st.concat(
+                [st.take(self.values, 0, S)]
+                + [st.take(self.values, a, a + n) for a, n, _ in ranges]
+            )
+        return self.store.decode(k), self.store.decode(v)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """The same cache (window, sinks, positions) with its tokens stored at ``bits``
+        (mlx-lm's ``maybe_quantize_kv_cache`` calls it; mlx-lm's rotating cache cannot)."""
+        if self.store.quantized:
+            # mlx-lm's generate calls this after every step once the start is reached
+            if (self.store.bits, self.store.group_size) == (bits, group_size):
+                return self
+            raise ValueError(f"the cache is already quantized to {self.store.bits} bits")
+        q = QuantizedStreamingKVCache(
+            self.window,
+            self.sinks,
+            self.rotation,
+            bits,
+            group_size,
+            self.rebase_every,
+            self.reserve,
+        )
+        if self.keys is None:
+            return q
+        state = dict(self.state)
+        state.update(
+            keys=q.store.encode(self.keys),
+            values=q.store.encode(self.values),
+            bits=bits,
+            group_size=group_size,
+        )
+        q.state = state
+        return q
+
+    # ---- state: everything needed to rebuild the cache from a file ----
     @property
     def state(self):
-        return self.keys, self.values, self.sink_keys
+        """Arrays and scalars (mlx-lm 0.32.2's ``save_prompt_cache`` stores both). The undo
+        log is not part of it: a loaded cache trims exactly only back to its first eviction."""
+        rot = self.rotation
+        return {
+            "keys": self.keys,
+            "values": self.values,
+            "sink_keys": self.sink_keys,
+            "window": self.window,
+            "sinks": self.sinks,
+            "tokens_seen": self._n,
+            "evicted": self._evicted,
+            "base": self._base,
+            "sink_shift": self._sink_shift,
+            "rebase_every": self.rebase_every,
+            "reserve": self.reserve,
+            "bits": self.store.bits if self.store.quantized else None,
+            "group_size": self.store.group_size if self.store.quantized else None,
+            "rotation": _rotation_state(rot),
+        }
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.sink_keys = v
-
-    @property
-    def meta_state(self):
-        return tuple(
-            map(
-                str,
-                (
-                    self.window,
-                    self.sinks,
-                    self._n,
-                    self._evicted,
-                    self._base,
-                    self._sink_shift,
-                    self.rebase_every,
-                ),
-            )
+        v = dict(v)
+        self.window, self.sinks = v["window"], v["sinks"]
+        self._n, self._evicted, self._base = v["tokens_seen"], v["evicted"], v["base"]
+        self._sink_shift, self.rebase_every = v["sink_shift"], v["rebase_every"]
+        self.reserve = v.get("reserve", 0)
+        if v.get("bits") is not None:
+            self.store = st.QuantStore(v["bits"], v["group_size"])
+            self.group_size = v["group_size"]
+        else:
+            self.store = st.FloatStore()
+        self.rotation = _rotation_from_state(v["rotation"])
+        self.keys, self.values, self.sink_keys = (
+            _tuple(v[k]) for k in ("keys", "values", "sink_keys")
         )
-
-    @meta_state.setter
-    def meta_state(self, v):
-        def num(x):
-            return None if x == "None" else int(x)
-
-        (
-            self.window,
-            self.sinks,
-            self._n,
-            self._evicted,
-            self._base,
-            self._sink_shift,
-            self.rebase_every,
-        ) = map(num, v)
         self._dense = False
+        self._undo = []
+        self._chunk_layout = False
 
 
 class QuantizedStreamingKVCache(StreamingKVCache):
@@ -389,8 +582,11 @@ class QuantizedStreamingKVCache(StreamingKVCache):
         bits: int = 4,
         group_size: int = 64,
         rebase_every: int | None = None,
+        reserve: int = 0,
     ):
-        super().__init__(window, sinks, rotation, rebase_every, st.QuantStore(bits, group_size))
+        super().__init__(
+            window, sinks, rotation, rebase_every, st.QuantStore(bits, group_size), reserve
+        )
         self.group_size = group_size
 
     @property

@@ -35,25 +35,40 @@ optionally with "max_tokens", "temperature", "top_p", "seed", "system" (these ov
 flags for that line). Ids are strings or integers and must be unique: a repeated id is
 reported and only its first line runs.
 
-Output records: {"id", "line", "text", "finish_reason", "prompt_tokens",
-"generation_tokens", "latency_s", "prompt_tps", "generation_tps"}; a line that cannot run
-becomes {"id" (if known), "line", "error"} and the run goes on.
+IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
+record for that line; the other lines run.
 
-Resume: re-run the same command. Ids (and error lines) already in OUT.jsonl are skipped;
-a torn last line (a kill mid-write) is cut off and redone. Nothing written is lost.
+Output records: {"id", "line", "text", "finish_reason", "prompt_tokens",
+"generation_tokens", "latency_s", "prompt_tps", "generation_tps", "fp"}; a line that
+cannot run becomes {"id" (if known), "line", "error", "fp"} and the run goes on. "fp" is a
+fingerprint of what produced the record: the line itself, the model, dtype, cache policy,
+sampling flags, --system and --raw.
+
+Resume: re-run the same command. A line whose record is in OUT.jsonl with the same
+fingerprint is skipped. A line whose prompt, messages or settings changed since (or a run
+with another model, policy or sampling flags) is run again and gets a new record after the
+old one: the last record for a line is its answer. --resume strict refuses such a run
+instead. Error records are kept unless --retry-errors. OUT.jsonl is only ever appended to
+(each record fsync'd); a run is refused, the file untouched, if OUT.jsonl holds anything but
+records of this input. A torn last record (a kill mid-write) is cut and redone; a complete
+last record without its newline is kept.
 
 Batching: the full cache (the default) decodes --batch-size prompts together.
 --kv-window / --kv-sinks / --kv-bits caches have no batched form: with those, the prompts
 run one by one (same results, no batching speed-up), and the run says so.
 
-Exit status: 0 all lines answered, 1 some lines became error records, 2 the run could not
-start (bad paths, empty or non-JSON input, bad flags), 130 interrupted (re-run to resume)."""
+Exit status: 0 every line is answered by a result, 1 OUT.jsonl answers some lines of this
+input with error records (written now or kept from before), 2 the run could not start
+(bad paths, empty or non-JSON input, a foreign output file, bad flags), 130 interrupted
+(re-run to resume)."""
 
 
 def add_arguments(p) -> None:
     p.description = DESCRIPTION
     p.formatter_class = _raw_formatter()
-    p.add_argument("input", metavar="IN.jsonl", help="input prompts, one JSON object per line")
+    p.add_argument(
+        "input", metavar="IN.jsonl", help="input prompts, one JSON object per line (- = stdin)"
+    )
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="results file")
     p.add_argument(
         "--batch-size",
@@ -72,6 +87,16 @@ def add_arguments(p) -> None:
         help="print a JSON summary on stdout (throughput, tokens, errors)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--retry-errors", action="store_true", help="run lines answered by error records again"
+    )
+    p.add_argument(
+        "--resume",
+        choices=("rerun", "strict"),
+        default="rerun",
+        help="lines changed since their record was written: rerun them (default, a new "
+        "record is appended) or strict: refuse the run",
+    )
     add_model_flags(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
@@ -84,30 +109,74 @@ def _raw_formatter():
 
 
 # -- planning: which lines run, which become error records, which are already done ----------
-def _plan(entries, log, warn):
-    from mlxkv.engine.batch_input import BadLine, find_duplicates, id_key
+def _run_context(args, policy, base) -> str:
+    """Everything run-wide that changes the text, for the records' fingerprints."""
+    from dataclasses import asdict
+
+    from mlxkv.engine.batch_resume import run_context
+    from mlxkv.models.registry import default_alias
+
+    model = args.model or default_alias()
+    if Path(model).expanduser().exists():  # a path: the same file however it is spelled
+        model = str(Path(model).expanduser().resolve())
+    settings = {k: v for k, v in asdict(base).items() if k != "prefill_step"}
+    return run_context(
+        model=model,
+        dtype=args.dtype,
+        policy=policy.to_dict(),
+        settings=settings,
+        system=args.system,
+        raw=args.raw,
+    )
+
+
+def _plan(entries, log, context, args):
+    """-> (jobs, bad, fingerprints, plan): runnable lines and input-error lines to write."""
+    from mlxkv.engine.batch_input import BadLine, find_duplicates
+    from mlxkv.engine.batch_resume import ResumeEntry, line_fingerprint, plan_resume
 
     dups = find_duplicates(entries)
     for line, first in dups.items():
         ident = next(e.id for e in entries if e.line == line)
-        warn(f"duplicate id {ident!r} on line {line} (first on line {first}): line {line} not run")
-    jobs, bad, skipped = [], [], 0
+        status(
+            f"duplicate id {ident!r} on line {line} (first on line {first}): line {line} not run"
+        )
+    prepared = []
     for e in entries:
         if e.line in dups:
-            if e.line in log.done_lines:
-                skipped += 1
-            else:
-                msg = f"duplicate id {e.id!r} (first on line {dups[e.line]}); not run"
-                bad.append(BadLine(e.line, msg, e.id))
-        elif (e.id is not None and id_key(e.id) in log.done_ids) or (
-            e.id is None and e.line in log.done_lines
-        ):
-            skipped += 1
-        elif isinstance(e, BadLine):
-            bad.append(e)
-        else:
-            jobs.append(e)
-    return jobs, bad, skipped
+            e = BadLine(
+                e.line,
+                f"duplicate id {e.id!r} (first on line {dups[e.line]}); not run",
+                e.id,
+                e.source,
+            )
+        prepared.append(e)
+    fps = {e.line: line_fingerprint(e.source, context) for e in prepared}
+    resume = [ResumeEntry(e.line, e.id, fps[e.line], not isinstance(e, BadLine)) for e in prepared]
+    plan = plan_resume(resume, log.existing, retry_errors=args.retry_errors)
+    if plan.foreign:
+        r = plan.foreign[0]
+        what = f"id {r.id!r}" if r.id is not None else f"line {r.line}"
+        raise UserError(
+            f"output {log.path} holds {len(plan.foreign)} records for lines that "
+            f"{_input_name(args)} does not have (first: {what}); it belongs to another "
+            "input, so it is left untouched (give another -o file)"
+        )
+    if plan.changed and args.resume == "strict":
+        lines = ", ".join(map(str, plan.changed[:5])) + (" ..." if len(plan.changed) > 5 else "")
+        raise UserError(
+            f"{len(plan.changed)} lines changed since their records in {log.path} were "
+            f"written (input lines {lines}: prompt, model, policy or sampling settings); "
+            "give another -o file, or drop --resume strict to run them again"
+        )
+    to_run = set(plan.run)
+    jobs = [e for e in prepared if e.line in to_run and not isinstance(e, BadLine)]
+    bad = [e for e in prepared if e.line in to_run and isinstance(e, BadLine)]
+    return jobs, bad, fps, plan
+
+
+def _input_name(args) -> str:
+    return "stdin" if args.input == "-" else args.input
 
 
 def _prompt_text(job, tokenizer, args) -> str:
@@ -136,10 +205,11 @@ def _settings(job, base):
 class Progress:
     """A one-line bar redrawn in place on a terminal; occasional lines otherwise."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, errors: int = 0):
         self.total, self.enabled = total, enabled and total > 0
         self.tty = sys.stderr.isatty()
-        self.done = self.errors = self.tokens = 0
+        self.done = self.tokens = 0
+        self.errors = errors  # error records this run wrote before the first prompt ran
         self.t0 = time.perf_counter()
         self._last = 0.0
 
@@ -179,29 +249,35 @@ def run(args) -> int:
     base = settings_from_args(args)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
-    inp, out = Path(args.input), Path(args.output)
-    if out.exists() and inp.exists() and os.path.samefile(inp, out):
-        raise UserError("the output file is the input file; give another -o path")
-    entries = read_input(inp)
+    out = Path(args.output)
+    if args.input != "-" and out.exists() and Path(args.input).exists():
+        if os.path.samefile(args.input, out):
+            raise UserError("the output file is the input file; give another -o path")
+    entries = read_input(args.input)
+    context = _run_context(args, policy, base)
     log = ResultLog(out)
     log.open()
     try:
+        jobs, bad, fps, plan = _plan(entries, log, context, args)
         if log.torn_bytes:
             status(f"{out}: cut a torn last line ({log.torn_bytes} bytes); that result is redone")
-        jobs, bad, skipped = _plan(entries, log, status)
-        if skipped:
-            status(f"resuming: {skipped} lines already in {out}")
+        if plan.done:
+            status(f"resuming: {len(plan.done)} lines already in {out}")
+        if plan.changed:
+            status(f"{len(plan.changed)} lines changed since their records; running them again")
+        if plan.retried:
+            status(f"retrying {len(plan.retried)} lines answered by error records")
         for b in bad:  # before the model loads: cheap, and nothing waits on them
-            log.append(b.record())
+            log.append({**b.record(), "fp": fps[b.line]})
         if not jobs:
             status(f"nothing left to run; {len(bad)} error records written to {out}")
-            return _finish(args, policy, log, [], bad, skipped, 0.0, None)
-        return _generate(args, policy, base, log, jobs, bad, skipped)
+            return _finish(args, policy, log, [], bad, plan, 0.0, None)
+        return _generate(args, policy, base, log, jobs, bad, fps, plan)
     finally:
         log.close()
 
 
-def _generate(args, policy, base, log, jobs, bad, skipped) -> int:
+def _generate(args, policy, base, log, jobs, bad, fps, plan) -> int:
     from mlxkv.engine.batch import BatchRunner, Request
     from mlxkv.engine.batch_input import BadLine
     from mlxkv.engine.loading import open_model
@@ -215,18 +291,21 @@ def _generate(args, policy, base, log, jobs, bad, skipped) -> int:
     else:
         status(f"{len(jobs)} prompts one by one: {runner.fallback_reason}")
 
-    progress = Progress(len(jobs), not args.no_progress)
+    progress = Progress(len(jobs), not args.no_progress, errors=len(bad))
     by_line = {j.line: j for j in jobs}
     results, errors = [], list(bad)
+
+    def write_error(job, message):
+        err = BadLine(job.line, message, job.id)
+        log.append({**err.record(), "fp": fps[job.line]})
+        errors.append(err)
 
     def requests():
         for job in jobs:
             try:
                 text = _prompt_text(job, loaded.tokenizer, args)
             except UserError as e:
-                err = BadLine(job.line, str(e), job.id)
-                log.append(err.record())
-                errors.append(err)
+                write_error(job, str(e))
                 progress.update(False, 0)
                 continue
             yield Request(job.line, text, _settings(job, base))
@@ -236,11 +315,9 @@ def _generate(args, policy, base, log, jobs, bad, skipped) -> int:
         for r in runner.run(requests()):
             job = by_line[r.key]
             if r.error:
-                err = BadLine(job.line, r.error, job.id)
-                log.append(err.record())
-                errors.append(err)
+                write_error(job, r.error)
             else:
-                log.append(_record(job, r))
+                log.append({**_record(job, r), "fp": fps[job.line]})
                 results.append(r)
             progress.update(r.error is None, r.generation_tokens)
     except KeyboardInterrupt:
@@ -248,7 +325,7 @@ def _generate(args, policy, base, log, jobs, bad, skipped) -> int:
         status(f"interrupted: {log.records} records are safe in {log.path}; re-run to resume")
         raise
     elapsed = time.perf_counter() - t0
-    return _finish(args, policy, log, results, errors, skipped, elapsed, runner)
+    return _finish(args, policy, log, results, errors, plan, elapsed, runner)
 
 
 def _record(job, r) -> dict:
@@ -265,18 +342,25 @@ def _record(job, r) -> dict:
     }
 
 
-def _finish(args, policy, log, results, errors, skipped, elapsed, runner) -> int:
+def _finish(args, policy, log, results, errors, plan, elapsed, runner) -> int:
     gen_tokens = sum(r.generation_tokens for r in results)
     prompt_tokens = sum(r.prompt_tokens for r in results)
     tps = gen_tokens / elapsed if elapsed > 0 else 0.0
+    skipped = len(plan.done)
     status(
         f"done: {len(results)} results, {len(errors)} errors, {skipped} skipped; "
         f"{gen_tokens} tokens generated in {elapsed:.1f}s ({tps:.1f} tok/s) -> {log.path}"
     )
+    if plan.errors_kept:
+        status(
+            f"{len(plan.errors_kept)} lines are answered by error records from before; fix "
+            "those input lines, or --retry-errors to run lines that failed while running again"
+        )
     if args.stats:
         summary = {
             "results": len(results),
             "errors": len(errors),
+            "errors_kept": len(plan.errors_kept),
             "skipped": skipped,
             "prompt_tokens": prompt_tokens,
             "generation_tokens": gen_tokens,
@@ -288,4 +372,4 @@ def _finish(args, policy, log, results, errors, skipped, elapsed, runner) -> int
             "output": str(log.path),
         }
         print(json.dumps(summary))
-    return 1 if errors else 0
+    return 1 if errors or plan.errors_kept else 0

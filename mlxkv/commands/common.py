@@ -70,21 +70,42 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_generation_flags(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
+def add_generation_flags(
+    p: argparse.ArgumentParser,
+    max_tokens: int = 512,
+    prefill_step: int = 512,
+    model_sampling: bool = False,
+) -> None:
+    """Sampling flags. With ``model_sampling`` the temperature, top-p and repetition
+    penalty default to None: the caller takes them from the model (see
+    mlxkv.engine.sampling) and only what the user typed overrides that."""
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    if model_sampling:
+        where = "default: the model's generation_config.json, else "
+        g.add_argument(
+            "--temp", type=float, default=None, help=f"temperature, 0 = greedy ({where}0.7)"
+        )
+        g.add_argument("--top-p", type=float, default=None, help=f"nucleus ({where}0.9)")
+        g.add_argument(
+            "--repetition-penalty",
+            type=float,
+            default=None,
+            help=f"penalty on the last 20 tokens ({where}1.1)",
+        )
+    else:
+        g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
         "--prefill-step",
         type=int,
-        default=512,
-        help="prompt tokens per model call (prefill)",
+        default=prefill_step,
+        help=f"prompt tokens per model call (prefill; default {prefill_step})",
     )
 
 
@@ -103,8 +124,8 @@ def settings_from_args(args):
 
     return GenerationSettings(
         max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
+        temperature=0.0 if args.temp is None else args.temp,
+        top_p=1.0 if args.top_p is None else args.top_p,
         min_p=args.min_p,
         top_k=args.top_k,
         repetition_penalty=args.repetition_penalty,
@@ -112,6 +133,14 @@ def settings_from_args(args):
         stop=tuple(args.stop),
         prefill_step=args.prefill_step,
     )
+
+
+def given_sampling(args) -> set[str]:
+    """The GenerationSettings sampling fields the user set on the command line."""
+    flags = {"temperature": args.temp, "top_p": args.top_p}
+    flags["repetition_penalty"] = args.repetition_penalty
+    flags |= {"top_k": args.top_k or None, "min_p": args.min_p or None}  # 0 = not given
+    return {name for name, value in flags.items() if value is not None}
 
 
 _quiet = False

@@ -8,6 +8,7 @@ be a batch at all (missing, empty, not JSON on any line) raises :class:`UserErro
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class Job:
     messages: list[dict] | None = None
     system: str | None = None
     overrides: dict = field(default_factory=dict)  # max_tokens / temperature / top_p / seed
+    source: object = None  # the parsed line (what its fingerprint is taken of)
 
 
 @dataclass
@@ -33,6 +35,7 @@ class BadLine:
     line: int
     error: str
     id: str | int | None = None
+    source: object = None  # the parsed line, or its raw bytes when it is not JSON
 
     def record(self) -> dict:
         rec = {"id": self.id} if self.id is not None else {}
@@ -73,22 +76,28 @@ def _check_overrides(obj: dict) -> str | None:
     return None
 
 
-def parse_line(n: int, raw: str) -> Job | BadLine:
+def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
     """One input line (``n`` is 1-based) -> a Job, or a BadLine saying what is wrong."""
+    raw_bytes = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return BadLine(n, f"not UTF-8 text (byte {e.start} of the line)", None, raw_bytes)
     try:
         obj = json.loads(raw)
     except ValueError as e:
-        return BadLine(n, f"not valid JSON: {e}")
+        return BadLine(n, f"not valid JSON: {e}", None, raw_bytes)
     if not isinstance(obj, dict):
-        return BadLine(n, f"expected a JSON object, got {type(obj).__name__}")
+        return BadLine(n, f"expected a JSON object, got {type(obj).__name__}", None, obj)
     ident = obj.get("id")
     if "id" not in obj:
-        return BadLine(n, "missing 'id'")
+        return BadLine(n, "missing 'id'", None, obj)
     if not (isinstance(ident, str) or _is_int(ident)):
-        return BadLine(n, f"'id' must be a string or an integer, got {ident!r}")
+        return BadLine(n, f"'id' must be a string or an integer, got {ident!r}", None, obj)
 
     def bad(msg):
-        return BadLine(n, msg, ident)
+        return BadLine(n, msg, ident, obj)
 
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:
@@ -103,31 +112,32 @@ def parse_line(n: int, raw: str) -> Job | BadLine:
     if err := _check_overrides(obj):
         return bad(err)
     overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in obj}
-    return Job(n, ident, obj.get("prompt"), obj.get("messages"), obj.get("system"), overrides)
+    return Job(n, ident, obj.get("prompt"), obj.get("messages"), obj.get("system"), overrides, obj)
 
 
-def read_input(path: Path) -> list[Job | BadLine]:
-    """Parse every non-blank line. Raises UserError if the file cannot be a batch at all."""
-    path = Path(path)
+def read_input(path: Path | str) -> list[Job | BadLine]:
+    """Parse every non-blank line (``-`` reads stdin). A line that is not UTF-8 or not JSON
+    becomes a BadLine; raises UserError only if the file cannot be a batch at all."""
+    name = "stdin" if str(path) == "-" else str(path)
     try:
-        data = path.read_bytes()
+        data = sys.stdin.buffer.read() if str(path) == "-" else Path(path).read_bytes()
     except FileNotFoundError:
-        raise UserError(f"input file {path} does not exist") from None
+        raise UserError(f"input file {name} does not exist") from None
     except IsADirectoryError:
-        raise UserError(f"input {path} is a directory, not a JSONL file") from None
+        raise UserError(f"input {name} is a directory, not a JSONL file") from None
     except OSError as e:
-        raise UserError(f"cannot read input {path}: {e.strerror}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"input {path} is not UTF-8 text (byte {e.start})") from None
-    entries = [parse_line(i, raw) for i, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+        raise UserError(f"cannot read input {name}: {e.strerror}") from None
+    except ValueError:  # stdin closed
+        raise UserError("stdin is closed; pipe the JSONL input into '-'") from None
+    # Lines end at b"\n" only: a JSON string may hold U+2028 or a lone \r.
+    lines = [raw.removesuffix(b"\r") for raw in data.split(b"\n")]
+    entries = [parse_line(i, raw) for i, raw in enumerate(lines, 1) if raw.strip()]
     if not entries:
-        raise UserError(f"input {path} is empty; expected one JSON object per line")
-    if all(isinstance(e, BadLine) and e.error.startswith("not valid JSON") for e in entries):
+        raise UserError(f"input {name} is empty; expected one JSON object per line")
+    if all(isinstance(e, BadLine) and isinstance(e.source, bytes) for e in entries):
         first = entries[0]
         raise UserError(
-            f"input {path} is not JSONL: no line is JSON (line {first.line}: {first.error})"
+            f"input {name} is not JSONL: no line is JSON (line {first.line}: {first.error})"
         )
     return entries
 

@@ -1,39 +1,116 @@
 """The batch output file: an append-only JSONL log that a re-run resumes from.
 
-Crash safety rests on three things: each record is one ``write()`` of a whole line to a
-file opened with O_APPEND (a kill -9 leaves at most one torn line, never an interleaving);
-on open, bytes after the last newline are a torn record and are truncated away (that
-result is redone); and what is done is read back from the file itself, so nothing else
-has to survive a crash. An exclusive lock stops two runs appending to the same file.
+The file is the user's: nothing in it is rewritten, and only a torn final record is ever
+cut. On open the whole file is read and checked *before* anything changes: every line must
+be a batch record, else the run is refused and the file is left as it was. Bytes after the
+last newline are kept when they form a complete record (a newline is appended first) and
+cut only when they are the start of a record that a kill interrupted. Each record is one
+``write()`` of a whole line to a file opened with O_APPEND, then fsync'd, so a kill -9
+leaves at most one torn line and a finished record survives a power cut. An exclusive lock
+stops two runs appending to the same file.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
-from mlxkv.engine.batch_input import id_key
+from mlxkv.engine.batch_resume import FINGERPRINT_FIELD, ResumeRecord
 from mlxkv.errors import UserError
+
+# Every record starts with one of these (json.dumps of a dict whose first key is id or line).
+_RECORD_STARTS = (b'{"id": ', b'{"line": ')
+_RECORD_HEAD = re.compile(rb'\{("id": (-?\d+|"([^"\\]|\\.)*"), )?"line": \d')
+
+
+def parse_record(raw: bytes) -> ResumeRecord | None:
+    """One output line -> the record it holds, or None if it is not a batch record."""
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict):
+        return None
+    line, ident, fp = rec.get("line"), rec.get("id"), rec.get(FINGERPRINT_FIELD)
+    if not (isinstance(line, int) and not isinstance(line, bool) and line >= 1):
+        return None
+    if ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int))):
+        return None
+    if fp is not None and not isinstance(fp, str):
+        return None
+    has_text, has_error = isinstance(rec.get("text"), str), isinstance(rec.get("error"), str)
+    if has_text == has_error:
+        return None
+    return ResumeRecord(line, ident, fp, has_error)
+
+
+def read_records(data: bytes, name: str) -> tuple[list[ResumeRecord], int, bool]:
+    """Check a whole output file's bytes without changing anything.
+
+    Returns (records, torn_bytes, needs_newline): ``torn_bytes`` is the length of an
+    interrupted final record to cut; ``needs_newline`` is set when the last line is a
+    complete record without its newline. Raises UserError (naming the line) when the file
+    holds anything but batch records."""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends in a newline
+    records = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        rec = parse_record(raw)
+        if rec is None:
+            raise UserError(
+                f"output {name} line {n} is not a batch record; it is left untouched "
+                "(give another -o file)"
+            )
+        records.append(rec)
+    if not tail.strip():
+        return records, 0, False
+    rec = parse_record(tail)
+    if rec is not None:
+        return [*records, rec], 0, True
+    if tail.startswith(_RECORD_STARTS) and _is_torn_json(tail):
+        # Ours if records come before it, or if it got as far as a record's "line" field.
+        if records or _RECORD_HEAD.match(tail):
+            return records, len(tail), False
+    raise UserError(
+        f"output {name} line {len(lines) + 1} is not a batch record; it is left untouched "
+        "(give another -o file)"
+    )
+
+
+def _is_torn_json(tail: bytes) -> bool:
+    """True if ``tail`` is not whole JSON: with the record start checked by the caller,
+    the beginning of a record that a kill cut short."""
+    try:
+        json.loads(tail)
+    except ValueError:
+        return True
+    return False
 
 
 class ResultLog:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.done_ids: set[tuple] = set()  # id_key of every id with a record
-        self.done_lines: set[int] = set()  # input line of every record
-        self.records = 0
+        self.existing: list[ResumeRecord] = []  # records found on open, in file order
+        self.records = 0  # records in the file now
         self.torn_bytes = 0  # bytes of a torn last line removed on open
+        self.errors_written = 0  # error records appended by this run
         self._fd: int | None = None
 
-    # -- opening: check, lock, repair, read back -------------------------------------------
+    # -- opening: check, lock, read back, and only then repair -----------------------------
     def open(self) -> ResultLog:
         parent = self.path.parent
         if not parent.is_dir():
             raise UserError(f"output directory {parent} does not exist; create it first")
         if self.path.is_dir():
             raise UserError(f"output {self.path} is a directory; give a file path")
+        if self.path.exists() and not self.path.is_file():
+            raise UserError(f"output {self.path} is not a regular file; give a file path")
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
@@ -54,40 +131,37 @@ class ResultLog:
         return self
 
     def _read_back(self) -> None:
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            # A record is written as one line ending in "\n": a tail without one is torn.
-            os.ftruncate(self._fd, end)
-            self.torn_bytes = len(data) - end
-            data = data[:end]
-        for n, raw in enumerate(data.splitlines(), 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-                line = rec["line"]
-            except (ValueError, KeyError, TypeError):
-                raise UserError(
-                    f"output {self.path} line {n} is not a batch record; "
-                    "is this the right output file?"
-                ) from None
-            self.done_lines.add(line)
-            if "id" in rec:
-                self.done_ids.add(id_key(rec["id"]))
-            self.records += 1
+        with open(self._fd, "rb", closefd=False) as f:
+            f.seek(0)
+            data = f.read()
+        records, torn, needs_newline = read_records(data, str(self.path))
+        if torn:
+            os.ftruncate(self._fd, len(data) - torn)
+            self.torn_bytes = torn
+        elif needs_newline:
+            self._write(b"\n")
+        self.existing = records
+        self.records = len(records)
 
     # -- writing ---------------------------------------------------------------------------
     def append(self, record: dict) -> None:
-        """Write one record as one line, now (no buffering survives a crash)."""
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        self.done_lines.add(record["line"])
-        if "id" in record:
-            self.done_ids.add(id_key(record["id"]))
+        """Write one record as one line and fsync it (nothing buffered survives a crash)."""
+        self._write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
         self.records += 1
+        self.errors_written += "error" in record
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError as e:
+            why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
+            raise UserError(
+                f"cannot write to {self.path}: {why}; the {self.records} records before "
+                "are safe, re-run the same command to resume"
+            ) from None
 
     def close(self) -> None:
         if self._fd is not None:

@@ -41,7 +41,7 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         try:
             yield from self._answer()
-        except UserError:
+        except Exception:
             # The model never answered: take the message back so the caller can restore it.
             if self.messages and self.messages[-1]["role"] == "user":
                 self.messages.pop()

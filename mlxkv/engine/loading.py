@@ -17,13 +17,15 @@ def open_model(
     context: int | None = None,
     batch: int = 1,
     on_status: Callable[[str], None] = lambda _m: None,
+    on_progress: Callable[[int, int], None] | None = None,
     cluster=None,
     shard: str = "auto",
 ) -> LoadedModel:
     """Resolve ``model``, refuse it (UserError) if the memory model says it won't fit at
     ``context`` tokens under ``policy`` (``batch`` sequences at once) unless ``force``,
-    then load it. With ``cluster`` (``mlxkv.engine.distributed.Cluster``) the model is split
-    over its ranks (``shard``: auto, tensor or pipeline) and the check is this rank's share."""
+    then load it (``on_progress(bytes_done, bytes_total)`` follows the weights). With
+    ``cluster`` (``mlxkv.engine.distributed.Cluster``) the model is split over its ranks
+    (``shard``: auto, tensor or pipeline) and the check is this rank's share."""
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
     group = cluster.group if cluster is not None else None
@@ -33,4 +35,6 @@ def open_model(
         check_fits(resolved.path, policy or KVPolicy(), context, batch)
     on_status("loading weights ..." if group is None else f"loading this rank's share ({shard})")
     name = resolved.alias or model or resolved.path.name
-    return load(resolved.path, dtype=dtype, name=name, group=group, shard=shard)
+    return load(
+        resolved.path, dtype=dtype, name=name, on_progress=on_progress, group=group, shard=shard
+    )

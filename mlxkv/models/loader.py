@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,11 +35,13 @@ def load(
     path: Path,
     dtype: str = "auto",
     name: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     group=None,
     shard: str = "auto",
 ) -> LoadedModel:
     """Load weights and tokenizer. ``auto``: float32 on the CPU (dequantized, see
     mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept.
+    ``on_progress(bytes_done, bytes_total)`` follows the weights as they are read.
 
     With ``group`` (an ``mx.distributed`` group of more than one rank) the model is split
     over it before any weight is evaluated (``mlxkv.models.sharding``): each rank holds and
@@ -69,7 +72,7 @@ def load(
         from mlxkv.models.sharding import shard_model
 
         mode, rank, ranks = shard_model(model, config, group, shard), group.rank(), group.size()
-    mx.eval(model.parameters())
+    _materialize(model, on_progress)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     loaded = LoadedModel(
         model, tokenizer, config, Path(path), target, name or Path(path).name, weights
@@ -83,6 +86,28 @@ def load(
         # As mlx-lm's sharded_load: every rank is loaded before anyone computes.
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return loaded
+
+
+def _materialize(model, on_progress, step: int = 64 << 20) -> None:
+    """Read the (lazy) weights; with a progress callback, in groups of about ``step``
+    bytes so a caller can show how far loading is."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if on_progress is None:
+        mx.eval(model.parameters())
+        return
+    arrays = [v for _, v in tree_flatten(model.parameters())]
+    total, done, group, size = sum(v.nbytes for v in arrays), 0, [], 0
+    on_progress(0, total)
+    for v in arrays:
+        group.append(v)
+        size += v.nbytes
+        if size >= step or v is arrays[-1]:
+            mx.eval(group)
+            done += size
+            group, size = [], 0
+            on_progress(done, total)
 
 
 def _float_dtype(model) -> str:

@@ -1,0 +1,208 @@
+"""mlxkv caches driven through mlx-lm's own functions (the cache protocol of mlx-lm 0.32.2).
+
+Intended differences from mlx-lm's caches, each checked here:
+
+* ``load_prompt_cache`` resolves classes by name in ``mlx_lm.models.cache``; importing
+  ``mlxkv.caches`` adds mlxkv's three class names there.
+* A window/sink cache's ``is_trimmable()`` is True only while trims are exact: before the
+  first eviction, or within its undo log (``reserve`` tokens, 0 by default). mlx-lm's
+  ``RotatingKVCache`` answers the same way (``offset < max_size``) but has no undo log.
+* ``keys_and_values()`` returns the kept tokens in temporal order, dense, sinks first at
+  their current shift (mlx-lm returns its raw buffer, quantized caches the packed triples).
+* ``to_quantized()`` keeps the window, sinks and positions (mlx-lm's ``RotatingKVCache``
+  raises).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+
+from mlxkv.caches import (
+    CacheError,
+    FullKVCache,
+    QuantizedStreamingKVCache,
+    StreamingKVCache,
+    make_caches,
+)
+from mlxkv.policy import KVPolicy
+from tests._caches_ref import feed, tiny_llama
+
+POLICIES = [
+    KVPolicy(),
+    KVPolicy(bits=4, group_size=32),
+    KVPolicy(window=12),
+    KVPolicy(window=12, sinks=4),
+    KVPolicy(window=12, sinks=4, bits=8, group_size=32),
+]
+IDS = [p.describe() for p in POLICIES]
+A = [(5 * i + 1) % 64 for i in range(80)]
+B = [(11 * i + 7) % 64 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_mlx_lm_save_load_round_trip(model, policy, tmp_path):
+    caches = make_caches(model, policy, rebase_every=9)
+    feed(model, A[:40], caches, [30] + [1] * 10)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches, {"who": "test"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta == {"who": "test"}
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    for c, x in zip(caches, loaded, strict=True):
+        assert (x.offset, x.kept, x.evicted, x.nbytes) == (c.offset, c.kept, c.evicted, c.nbytes)
+    a = feed(model, B[:12], caches, [5, 1, 1, 5])
+    b = feed(model, B[:12], loaded, [5, 1, 1, 5])
+    assert mx.array_equal(a, b)
+
+
+def test_loaded_sink_cache_keeps_window_sinks_rotation(model, tmp_path):
+    caches = make_caches(model, KVPolicy(window=12, sinks=4))
+    feed(model, A[:30], caches, [30])
+    save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+    (c,) = load_prompt_cache(str(tmp_path / "c.safetensors"))[:1]
+    assert type(c) is StreamingKVCache
+    assert (c.window, c.sinks, c.evicted) == (12, 4, 14)
+    assert c.rotation.same_as(caches[0].rotation)
+
+
+@pytest.mark.parametrize("policy", POLICIES[2:4], ids=IDS[2:4])
+def test_trim_prompt_cache_is_honest(model, policy):
+    caches = make_caches(model, policy)
+    feed(model, A[:10], caches, [10])
+    assert can_trim_prompt_cache(caches)
+    assert trim_prompt_cache(caches, 3) == 3 and caches[0].offset == 7
+    feed(model, A[7:40], caches, [20, 13])
+    assert caches[0].evicted > 0
+    assert not can_trim_prompt_cache(caches)
+    assert trim_prompt_cache(caches, 3) == 0 and caches[0].tokens_seen == 40
+
+
+def test_keys_and_values_are_the_kept_tokens(model):
+    full = make_caches(model, KVPolicy())
+    window = make_caches(model, KVPolicy(window=12))
+    feed(model, A[:30], full, [20, 9, 1])
+    feed(model, A[:30], window, [20, 9, 1])
+    assert window[0].evicted == 18
+    fk, fv = full[0].keys_and_values()
+    wk, wv = window[0].keys_and_values()
+    assert wk.shape[2] == 12
+    assert mx.array_equal(wk, fk[..., 18:30, :]) and mx.array_equal(wv, fv[..., 18:30, :])
+
+
+def test_keys_and_values_sinks_first(model):
+    sink = make_caches(model, KVPolicy(window=12, sinks=4))
+    full = make_caches(model, KVPolicy())
+    feed(model, A[:30], sink, [29, 1])
+    feed(model, A[:30], full, [29, 1])
+    k, v = sink[0].keys_and_values()
+    fk, fv = full[0].keys_and_values()
+    assert k.shape[2] == 16
+    assert mx.array_equal(v, mx.concatenate([fv[..., :4, :], fv[..., 18:, :]], axis=2))
+    # the sinks sit right before the window: rotated forward by the 14 evicted tokens
+    moved = sink[0].rotation.shift(fk[..., :4, :], 14)
+    assert mx.abs(k[..., :4, :] - moved).max().item() < 1e-5
+
+
+@pytest.mark.parametrize("policy", [KVPolicy(), KVPolicy(window=12), KVPolicy(window=12, sinks=4)])
+def test_to_quantized_keeps_the_policy(model, policy):
+    caches = make_caches(model, policy)
+    feed(model, A[:30], caches, [29, 1])
+    q = caches[0].to_quantized(group_size=32, bits=8)
+    assert isinstance(q, QuantizedStreamingKVCache) and q.bits == 8
+    assert (q.window, q.sinks, q.kept, q.offset) == (
+        getattr(caches[0], "window", None),
+        getattr(caches[0], "sinks", 0),
+        caches[0].kept,
+        caches[0].offset,
+    )
+    k, _ = caches[0].keys_and_values()
+    qk, _ = q.keys_and_values()
+    assert mx.abs(k - qk).max().item() < 0.05 * mx.abs(k).max().item()
+
+
+@pytest.mark.parametrize("policy", POLICIES[2:4], ids=IDS[2:4])
+def test_generate_step_kv_bits_quantizes_window_caches(model, policy):
+    caches = make_caches(model, policy)
+    steps = generate_step(
+        mx.array(A[:30]),
+        model,
+        max_tokens=4,
+        prompt_cache=caches,
+        kv_bits=8,
+        kv_group_size=32,
+        quantized_kv_start=0,
+    )
+    assert len([t for t, _ in steps]) == 4
+    assert all(type(c) is QuantizedStreamingKVCache for c in caches)
+    assert caches[0].window == 12 and caches[0].tokens_seen == 34
+
+
+def _tokens(steps) -> list[int]:
+    return [t if isinstance(t, int) else t.item() for t, *_ in steps]
+
+
+@pytest.mark.parametrize("policy", [KVPolicy(), *POLICIES[2:]], ids=["full", *IDS[2:]])
+def test_speculative_decoding_matches_plain_greedy(model, policy):
+    """mlx-lm's speculative decoding rewinds rejected drafts with trim_prompt_cache: with an
+    undo log of ``num_draft`` tokens the window and sink caches give plain greedy tokens."""
+    draft = tiny_llama(seed=3, layers=1)
+    prompt = mx.array(A[:20])
+    plain = _tokens(
+        generate_step(prompt, model, max_tokens=40, prompt_cache=make_caches(model, policy))
+    )
+    caches = make_caches(model, policy, reserve=3, rebase_every=7)
+    caches += make_caches(draft, policy, reserve=3, rebase_every=7)
+    spec = speculative_generate_step(
+        prompt,
+        model,
+        max_tokens=40,
+        draft_model=draft,
+        num_draft_tokens=3,
+        prompt_cache=caches,
+    )
+    got = [(t, d) for t, _, d in spec]
+    assert [t for t, _ in got] == plain
+    assert any(d for _, d in got) and not all(d for _, d in got)  # drafts accepted and not
+
+
+def test_keys_and_values_refused_after_an_evicting_chunk(model):
+    """An evicting chunk returned [sink copies][old window][chunk]; its mask fits only that."""
+    caches = make_caches(model, KVPolicy(window=12, sinks=4))
+    feed(model, A[:30], caches, [30])
+    with pytest.raises(CacheError, match="evicting multi-token update"):
+        caches[0].keys_and_values()
+    feed(model, A[30:31], caches, [1])
+    assert caches[0].keys_and_values()[0].shape[2] == 16
+
+
+def test_class_names_resolve_from_a_file(model, tmp_path):
+    caches = [
+        FullKVCache(),
+        StreamingKVCache(8, 2, caches_rotation(model)),
+        QuantizedStreamingKVCache(None, bits=4, group_size=32),
+    ]
+    save_prompt_cache(str(tmp_path / "e.safetensors"), caches)
+    loaded = load_prompt_cache(str(tmp_path / "e.safetensors"))
+    assert [type(c).__name__ for c in loaded] == [
+        "FullKVCache",
+        "StreamingKVCache",
+        "QuantizedStreamingKVCache",
+    ]
+    assert all(c.empty() for c in loaded)
+
+
+def caches_rotation(model):
+    return make_caches(model, KVPolicy(window=8, sinks=2))[0].rotation

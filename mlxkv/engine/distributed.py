@@ -29,6 +29,7 @@ class Cluster:
     group: object  # mx.distributed.Group
     rank: int
     size: int
+    stopped: bool = False  # rank 0 told the followers there is no more work
 
     @property
     def leader(self) -> bool:
@@ -57,6 +58,32 @@ def quiet_followers(cluster: Cluster | None) -> None:
 
     if cluster is not None and not cluster.leader:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
+def on_terminate(message) -> None:
+    """When mlx.launch stops this rank (SIGTERM: another rank exited), print ``message()``
+    on stderr and exit 1, even while the main thread waits inside MLX for a dead peer.
+
+    Python runs signal handlers only between bytecodes of the main thread, which may be
+    blocked in a collective; the wakeup fd is written by the C-level handler at once, and a
+    watcher thread reads it."""
+    import signal
+    import sys
+    import threading
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def watch():
+        while True:
+            got = os.read(r, 1)
+            if got and got[0] == signal.SIGTERM:
+                print(message(), file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="mlxkv-sigterm", daemon=True).start()
 
 
 def lost_peer_message(e: BaseException) -> str:

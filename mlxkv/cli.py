@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "chat":
+        from mlxkv.engine.distributed import launched
+
+        if launched():
+            # One terminal UI cannot be shared by N processes, and a split model needs every
+            # rank to take each turn in lockstep: run chat on one machine.
+            print(
+                "mlxkv chat: error: chat runs in one process, not under mlx.launch; use "
+                "'mlxkv generate' or 'mlxkv batch' across machines (docs/distributed.md)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         return args.run(args)
     except UserError as e:

@@ -126,7 +126,8 @@ def test_plan_hosts_pipeline_matches_what_each_rank_holds(tiny_qwen2):
 def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(default_model_path):
     """The default model (3 KV heads) split over 3 ranks: same greedy text; each rank holds
     one KV head per layer and plan --hosts 3 predicts its bytes and weights exactly."""
-    args = ["--prompt", "What is the capital of France?", "--max-tokens", "3", "--json"]
+    # -p as the docs write it: after `--`, mlx.launch leaves it to mlxkv.
+    args = ["-p", "What is the capital of France?", "--max-tokens", "3", "--json"]
     one = run_cli("generate", *args, env=ONE_THREAD)
     assert one.returncode == 0, one.stderr
     three = launch(3, 41300, "generate", *args)

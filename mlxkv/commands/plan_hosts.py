@@ -53,10 +53,11 @@ def run(args, estimate) -> int:
 def _host_json(h) -> dict:
     b, rt = h.budget, h.budget.runtime
     heads = sorted({p.kv_heads for p in h.layout.specs() if p.kv_heads})
+    heads = heads[0] if len(heads) == 1 else (heads or None)  # None: no KV heads here
     return {
         "rank": h.rank,
         "layers": list(h.layers),
-        "kv_heads_per_layer": heads[0] if len(heads) == 1 else heads,
+        "kv_heads_per_layer": heads,
         "weights_bytes": b.weights.bytes,
         "weights_params": b.weights.params,
         "kv_bytes": b.kv.allocated,
@@ -127,7 +128,7 @@ def render(est, hp) -> str:
         rt = h["activation_bytes"] + h["logits_bytes"] + h["overhead_bytes"]
         layers = f"{h['layers'][0]}-{h['layers'][1] - 1}"
         out.append(
-            f"  {h['rank']:>4} {layers:>9} {str(h['kv_heads_per_layer']):>8} "
+            f"  {h['rank']:>4} {layers:>9} {str(h['kv_heads_per_layer'] or '-'):>8} "
             f"{_g(h['weights_bytes'])} {_g(h['kv_bytes_peak'])} {_g(rt)} {_g(h['total_bytes'])} "
             f"{_g(h['available_bytes'])}  {'fits' if h['fits'] else 'DOES NOT FIT'}"
         )

@@ -95,52 +95,60 @@ def host_layout(layout: Layout, n: int, rank: int, mode: str) -> Layout:
     return replace(layout, layers=layers)
 
 
+def _build(config: dict):
+    """mlx-lm's model for ``config``, lazily (nothing allocated), as ``probe`` builds it."""
+    import importlib
+
+    from mlxkv.errors import one_line
+    from mlxkv.memory.probe import module_name
+
+    module = module_name(config)
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{module}")
+        return arch.Model(arch.ModelArgs.from_dict(config))
+    except (Exception, SystemExit) as e:
+        raise BadInput(f"mlx-lm cannot build a '{module}' model: {one_line(e)}") from None
+
+
 def host_weights(
     config: dict, n: int, mode: str, weight_dtype: str, dequantize: bool
 ) -> list[Weights]:
     """Parameter bytes each rank holds, from mlx-lm's model split with a stand-in group."""
-    from mlxkv.memory.probe import _mlx_lm_models, _quantize, module_name
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
 
-    with _mlx_lm_models() as import_module:
-        import mlx.core as mx
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten
+    from mlxkv.memory.dtypes import dtype_bytes
+    from mlxkv.memory.probe import _quantize
 
-        from mlxkv.memory.dtypes import dtype_bytes
-
-        arch = import_module(module_name(config))
-        wb = dtype_bytes(weight_dtype)
-        out = []
-        for rank in range(n):
-            model = arch.Model(arch.ModelArgs.from_dict(config))
-            if not dequantize:
-                _quantize(nn, model, config)
-            group = StandInGroup(rank, n)
-            if n > 1:
-                if mode == "tensor":
-                    model.shard(group)
-                else:
-                    model.model.pipeline(group)
-            total = params = 0
-            for _, p in tree_flatten(model.parameters()):
-                floating = mx.issubdtype(p.dtype, mx.floating)
-                total += p.size * wb if floating else p.nbytes
-                params += p.size
-            out.append(Weights(total, None, params, f"mlx-lm model split {n} ways ({mode})"))
-        return out
+    wb = dtype_bytes(weight_dtype)
+    out = []
+    for rank in range(n):
+        model = _build(config)
+        if not dequantize:
+            _quantize(nn, model, config)
+        group = StandInGroup(rank, n)
+        if n > 1:
+            if mode == "tensor":
+                model.shard(group)
+            else:
+                model.model.pipeline(group)
+        total = params = 0
+        for _, p in tree_flatten(model.parameters()):
+            floating = mx.issubdtype(p.dtype, mx.floating)
+            total += p.size * wb if floating else p.nbytes
+            params += p.size
+        out.append(Weights(total, None, params, f"mlx-lm model split {n} ways ({mode})"))
+    return out
 
 
 def split_support(config: dict) -> dict[str, bool]:
     """Which splits mlx-lm's model class for ``config`` offers (built lazily, no weights)."""
-    from mlxkv.memory.probe import _mlx_lm_models, module_name
-
-    with _mlx_lm_models() as import_module:
-        arch = import_module(module_name(config))
-        model = arch.Model(arch.ModelArgs.from_dict(config))
-        return {
-            "tensor": hasattr(model, "shard"),
-            "pipeline": hasattr(model, "model") and hasattr(model.model, "pipeline"),
-        }
+    model = _build(config)
+    return {
+        "tensor": hasattr(model, "shard"),
+        "pipeline": hasattr(model, "model") and hasattr(model.model, "pipeline"),
+    }
 
 
 def choose_split(config: dict, mode: str, n: int) -> str:
@@ -149,6 +157,11 @@ def choose_split(config: dict, mode: str, n: int) -> str:
     can = split_support(config)
     model_type = config.get("model_type", "this model")
     if mode == "auto":
+        if not (can["tensor"] or can["pipeline"]):
+            raise BadInput(
+                f"{model_type} cannot be split across hosts: mlx-lm gives it neither shard() "
+                "nor model.pipeline(); it runs on one host only"
+            )
         mode = "tensor" if can["tensor"] else "pipeline"
     if mode not in SPLIT_MODES:
         raise BadInput(f"--shard must be one of auto, {', '.join(SPLIT_MODES)}, got '{mode}'")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlxkv.errors import UserError
 from mlxkv.policy import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVPolicy
 
 
@@ -119,8 +120,42 @@ def policy_from_args(args) -> KVPolicy:
     )
 
 
+SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
+
+
+def _number(flag: str, value, lo=None, hi=None, lo_open=False, hint: str = "") -> None:
+    """Refuse nan/inf and values outside [lo, hi] (or (lo, hi]) with one line naming the flag."""
+    if value is None:
+        return
+    bad = value != value or value in (float("inf"), float("-inf"))  # nan, inf
+    bad = bad or (lo is not None and (value <= lo if lo_open else value < lo))
+    bad = bad or (hi is not None and value > hi)
+    if bad:
+        if lo is not None and hi is not None:
+            want = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        elif lo is not None:
+            want = f"{'above' if lo_open else 'at least'} {lo}"
+        else:
+            want = f"at most {hi}"
+        raise UserError(f"{flag} must be {want}, got {value}" + (f"; {hint}" if hint else ""))
+
+
+def check_generation_flags(args) -> None:
+    """Every sampling flag checked at the edge: a one-line error instead of a deep failure."""
+    _number("--max-tokens", args.max_tokens, lo=1)
+    _number("--temp", args.temp, lo=0, hint="0 means greedy")
+    _number("--top-p", args.top_p, lo=0, hi=1, lo_open=True)
+    _number("--min-p", args.min_p, lo=0, hi=1)
+    _number("--top-k", args.top_k, lo=0, hint="0 keeps every token")
+    _number("--repetition-penalty", args.repetition_penalty, lo=0, lo_open=True, hint="1 = none")
+    _number("--seed", args.seed, lo=0, hi=SEED_MAX)
+    _number("--prefill-step", args.prefill_step, lo=1)
+
+
 def settings_from_args(args):
     from mlxkv.engine.session import GenerationSettings
+
+    check_generation_flags(args)
 
     return GenerationSettings(
         max_tokens=args.max_tokens,

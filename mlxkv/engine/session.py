@@ -160,11 +160,11 @@ class Generator:
         yield from self._generate(new_text, new_ids, settings)
 
     def _overflow_check(self, new_ids: list[int]) -> Iterator[Event]:
+        from mlxkv.memory.context import past_trained_context
+
         limit = self.loaded.context_length
-        if not limit or self.policy.window is not None:
-            return
         needed = self.cached_tokens + len(new_ids)
-        if needed < limit:
+        if not past_trained_context(limit, self.policy.window, needed + 1):  # + 1 reply token
             return
         if self.overflow == "stop":
             raise UserError(

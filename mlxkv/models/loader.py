@@ -24,8 +24,10 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int | None:
-        cfg = self.config.get("text_config", self.config)
-        return cfg.get("max_position_embeddings") or cfg.get("max_seq_len")
+        """The trained context (the rule ``plan`` applies too)."""
+        from mlxkv.memory.context import trained_context
+
+        return trained_context(self.config)
 
 
 def load(
@@ -43,6 +45,7 @@ def load(
     from mlx_lm.utils import dequantize_model
 
     from mlxkv.memory.dtypes import default_weight_dtype
+    from mlxkv.memory.working_set import wire_for_load
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
@@ -58,8 +61,9 @@ def load(
             # An explicit dtype means plain weights in that dtype: dequantize first.
             dequantize_model(model)
         model.set_dtype(getattr(mx, target))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # known while lazy
+    wire_for_load(weights)  # on Metal: the weights stay resident, nothing more (see plan)
     _materialize(model, on_progress)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return LoadedModel(
         model, tokenizer, config, Path(path), target, name or Path(path).name, weights
     )

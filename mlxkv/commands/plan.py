@@ -260,6 +260,8 @@ def render(est, suggestions=None) -> str:
         if d["fits"]
         else f"DOES NOT FIT ({-spare / 2**30:.2f} GiB short)"
     )
+    if d["past_trained_context"]:
+        verdict += (", but" if d["fits"] else ", and") + " past the trained context (below)"
     attention = "fused attention, no score matrix" if d["fused_attention"] else "scores held"
     available = d["available_source"]
     if d["memory_total_bytes"] and s.backend == "metal":
@@ -281,12 +283,14 @@ def render(est, suggestions=None) -> str:
         "",
     ]
     mc = d["max_context"]
+    tc = d["trained_context"]
+    beyond = tc and s.policy.window is None and (mc is None or mc > tc)
     out.append(
         f"  largest context that fits at batch {s.batch}: "
         + ("any (every cache is bounded)" if mc is None else f"{mc:,} tokens")
+        + (f" (the model is trained on {tc:,})" if beyond else "")
     )
     out.append(f"  largest batch that fits at {s.context:,} tokens: {d['max_batch']:,}")
-    tc = d["trained_context"]
     if d["past_trained_context"]:
         out.append(
             f"  PAST THE TRAINED CONTEXT: {s.context:,} tokens > {tc:,}; generate refuses a "

@@ -333,10 +333,11 @@ def _render_suggestions(est, suggestions) -> list[str]:
     out = ["", "  --fit: these fit (add to the command; cheapest in measured quality first):"]
     for x in suggestions:
         cost = x.kv_cost if x.quality.cost is None else x.quality.cost
+        shown = "     ?" if cost is None else f"{cost:+6.1%}"
         tail = "  (weights: unmeasured)" if x.weight_bits is not None else ""
         out.append(
             f"    total {x.budget.total / 2**30:6.2f} GiB, {x.spare / 2**30:5.2f} spare, "
-            f"quality {cost:+6.1%}  {' '.join(x.flags)}{tail}"
+            f"quality {shown}  {' '.join(x.flags)}{tail}"
         )
     src = {x.quality.source for x in suggestions if x.quality.source}
     if src:

@@ -9,6 +9,7 @@ the hub only config.json is fetched (never a weight file).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -65,16 +66,41 @@ def _hub_cached(repo: str) -> Path | None:
     return p if _has_config(p) and any(p.glob("*.safetensors")) else None
 
 
+GGUF_HEAD_BYTES = 16 << 20  # metadata, tokenizer and tensor table live at the front
+GGUF_SAMPLES, GGUF_SAMPLE_BYTES = 64, 64 << 10
+
+
+def gguf_content_key(path: Path) -> str:
+    """A digest of a GGUF file's content: its size, its first 16 MiB (header, tokenizer,
+    tensor offsets) and 64 blocks spread over the tensor data. Reads ~20 MB whatever the
+    file's size; two different models (a fine-tune changes every tensor) never share it."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(GGUF_HEAD_BYTES))
+        rest = size - GGUF_HEAD_BYTES - GGUF_SAMPLE_BYTES
+        if rest > 0:  # blocks from just past the head to the very end of the file
+            for i in range(GGUF_SAMPLES + 1):
+                f.seek(GGUF_HEAD_BYTES + rest * i // GGUF_SAMPLES)
+                h.update(f.read(GGUF_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
 def _gguf(path: Path) -> ResolvedModel:
+    """A GGUF file, converted once: the cache is keyed on the file's content, never on its
+    name (two files called model.gguf are two models)."""
     from mlxkv.models.gguf import convert_gguf
 
     if not path.is_file():
         raise UserError(f"GGUF file not found: {path}")
-    out = models_dir() / f"gguf-{path.stem}"
+    try:
+        key = gguf_content_key(path)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    out = models_dir() / f"gguf-{path.stem}-{key}"
     marker = out / "mlxkv_source.json"
-    want = {"gguf": path.name, "size": path.stat().st_size}
-    if not (marker.is_file() and json.loads(marker.read_text()) == want):
-        convert_gguf(path, out)
+    if not (marker.is_file() and json.loads(marker.read_text()).get("content") == key):
+        convert_gguf(path, out, content_key=key)
     return ResolvedModel(out, f"converted from {path}")
 
 

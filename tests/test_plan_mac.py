@@ -378,3 +378,14 @@ def test_fit_offers_keys_4_values_2_where_the_policy_splits_widths(capsys):
         assert code == 0 and again["total_bytes"] == s["total_bytes"]
     run_plan(*argv, "--chart")
     assert "keys 4 / values 2" in capsys.readouterr().out
+
+
+def test_bad_backend_or_weight_bits_is_one_line(capsys):
+    for argv, words in (
+        (["--backend", "cuda"], "--backend must be one of metal, cpu"),
+        (["--backend", "metal", "--memory", "16GB", "--weight-bits", "7"], "--weight-bits"),
+        (["--chart", "memory.svg"], "ending in .png"),
+    ):
+        assert run_plan(LLAMA31, *argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "Traceback" not in err

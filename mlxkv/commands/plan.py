@@ -15,7 +15,6 @@ from mlxkv.errors import UserError
 
 HELP = "check whether a model fits in memory (weights, KV cache, runtime) before loading it"
 KV_DTYPES = ("float16", "bfloat16", "float32")
-BACKENDS = ("metal", "cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: what this machine reports); with --backend metal, the Mac's RAM (16GB = a "
       "16 GB Mac, planned against Metal's recommended working set: 2/3 of RAM up to 36 GB, "
       "3/4 above)")  # fmt: skip
-    a("--backend", choices=BACKENDS, help="plan for Apple Silicon (metal: checkpoint dtype, "
+    a("--backend", metavar="metal|cpu", help="plan for Apple Silicon (metal: checkpoint dtype, "
       "packed quantized weights, fused attention) or MLX's CPU backend (float32); "
       "default: this machine's")  # fmt: skip
     a("--weight-bits", metavar="b", help="plan the model as an MLX conversion with weights "

@@ -206,6 +206,7 @@ class ChatApp(App):
             )
 
     def _turn(self, kind: str, text: str = "") -> None:
+        self._pending_policy = None  # its cost changes with the turn: ask again
         self._stop = threading.Event()
         stop, engine, pipe = self._stop, self.engine, self.pipe
 

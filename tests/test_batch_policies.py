@@ -93,7 +93,8 @@ def test_rows_decode_leave_and_join_bit_for_bit(policy):
         if mask is not None:  # each row sees exactly the slots its single cache holds
             held = [min(s.tokens_seen, getattr(s, "limit", None) or s.tokens_seen) for s in singles]
             assert mask[:, 0, 0, :].sum(axis=1).tolist() == held
-        assert st.tokens_of(out_k) == st.capacity(max(batched.n), batched.limit)
+        assert st.tokens_of(out_k) == max(min(n, batched.limit or n) for n in batched.n)
+        assert st.tokens_of(batched.keys) == st.capacity(max(batched.n), batched.limit)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())

@@ -26,7 +26,7 @@ def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.a
     stores' native forms with Hk heads (Hq a multiple of Hk: grouped-query attention).
     """
     B, n_q, L, D = queries.shape
-    first = keys[0] if isinstance(keys, tuple) else keys
+    first = keys[0] if isinstance(keys, (tuple, list)) else keys
     n_kv = first.shape[1]
     rep = n_q // n_kv
     q = queries * scale
@@ -53,7 +53,7 @@ def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.a
 
 
 def _expand(s):
-    if isinstance(s, tuple):
+    if isinstance(s, (tuple, list)):
         return tuple(mx.expand_dims(x, -3) for x in s)
     return mx.expand_dims(s, -3)
 

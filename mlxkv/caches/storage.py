@@ -202,7 +202,7 @@ def store_for(bits: int | None, group_size: int, scheme: str = "plain"):
 
 # A quantized store is a tuple, or a list once mlx-lm's pipeline has rebound it through
 # ``cache.keys = mx.depends(cache.keys, h)`` (which returns a list): both are triples.
-_TRIPLE = (tuple, list)
+TRIPLE = _TRIPLE = (tuple, list)
 
 
 def tokens_of(s) -> int:

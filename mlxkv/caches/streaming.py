@@ -206,7 +206,7 @@ class StreamingKVCache(_BaseCache):
         arrays take the fused kernel (queries moved into the key store's frame), the packed
         store the products of :func:`mlxkv.caches.attention.attention`."""
         q = self.kstore.queries(queries)
-        if not isinstance(keys, tuple) and not isinstance(values, tuple):
+        if not isinstance(keys, st.TRIPLE) and not isinstance(values, st.TRIPLE):
             return mx.fast.scaled_dot_product_attention(
                 q, keys, values, scale=scale, mask=mask, sinks=sinks
             )

@@ -53,9 +53,11 @@ instead. Error records are kept unless --retry-errors. OUT.jsonl is only ever ap
 records of this input. A torn last record (a kill mid-write) is cut and redone; a complete
 last record without its newline is kept.
 
-Batching: the full cache (the default) decodes --batch-size prompts together.
---kv-window / --kv-sinks / --kv-bits caches have no batched form: with those, the prompts
-run one by one (same results, no batching speed-up), and the run says so.
+Batching: --batch-size prompts decode together under every cache policy (full, --kv-window,
+--kv-sinks, --kv-bits and combinations); a finished prompt leaves the batch and a waiting one
+joins. A prefix shared by waiting prompts (a system prompt, a document) is prefilled once.
+Greedy results are token-identical to one-by-one generation. --stats adds the KV cache bytes
+the batch allocated next to the memory model's prediction.
 
 Exit status: 0 every line is answered by a result, 1 OUT.jsonl answers some lines of this
 input with error records (written now or kept from before), 2 the run could not start
@@ -370,6 +372,7 @@ def _finish(args, policy, log, results, errors, plan, elapsed, runner) -> int:
             "batch_size": args.batch_size,
             "policy": policy.to_dict(),
             "output": str(log.path),
+            **(runner.kv_summary() if runner else {}),
         }
         print(json.dumps(summary))
     return 1 if errors or plan.errors_kept else 0

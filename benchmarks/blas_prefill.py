@@ -7,7 +7,7 @@ system    = Debian's libopenblas0-pthread (MLXKV_BLAS=system)
 Each measurement is a fresh ``mlxkv generate --json`` process, exactly what a user runs;
 the three BLAS run interleaved in every round (so a busy machine slows them alike), and
 the table gives medians over rounds with the load average seen during the runs.
-Usage: python benchmarks/blas_prefill.py [--rounds 5]
+Usage: python benchmarks/blas_prefill.py [--rounds 5] [--long]
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ def run(blas: str, prompt: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--long", action="store_true", help="also a ~280-token prompt")
     args = ap.parse_args()
-    prompts = {"README prompt": README_PROMPT, "long prompt": LONG_PROMPT}
+    prompts = {"README prompt": README_PROMPT}
+    if args.long:
+        prompts["long prompt"] = LONG_PROMPT
     tps = {(b, p): [] for b in BLAS for p in prompts}
     tokens, loads, libs = {}, [], {}
     for r in range(args.rounds):

@@ -96,11 +96,12 @@ def missing_cpu_features(lib: ctypes.CDLL) -> list[str]:
     return [f for f in need if f not in have] if have else []
 
 
-def _load(lib: Path) -> str | None:
+def _load(lib: Path, one_thread: bool = False) -> str | None:
     """Load ``lib`` so its symbols serve MLX; None on success, else why not.
 
     Loaded privately first to ask OpenBLAS which CPU it was built for; made global (what
-    routes MLX's calls to it) only when this CPU can run it."""
+    routes MLX's calls to it) only when this CPU can run it. ``one_thread``: unless the
+    user set OPENBLAS_NUM_THREADS, run its matmuls on one thread."""
     try:
         private = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
     except OSError as e:
@@ -109,7 +110,16 @@ def _load(lib: Path) -> str | None:
     if missing:
         return f"built for CPUs with {', '.join(missing)}, which this CPU lacks"
     ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+    if one_thread and not os.environ.get("OPENBLAS_NUM_THREADS"):
+        set_threads = getattr(private, "openblas_set_num_threads", None)
+        if set_threads is not None:
+            set_threads(1)
     return None
+
+
+# The cmeel build's worker threads spin: on a busy machine an fp32 matmul ran 10x slower
+# with its default two threads than with one (docs/benchmarks.md#blas); Debian's does not.
+_ONE_THREAD = {"cmeel": True, "system": False}
 
 
 def setup_blas() -> str:
@@ -130,7 +140,7 @@ def setup_blas() -> str:
     if choice == "auto":
         for source in AUTO_ORDER:
             lib = _find(source)
-            if lib is not None and _load(lib) is None:
+            if lib is not None and _load(lib, _ONE_THREAD[source]) is None:
                 _state["blas"] = str(lib)
                 break
         return _state["blas"]
@@ -146,7 +156,7 @@ def setup_blas() -> str:
                 f"MLXKV_BLAS={choice}: no such library; use one of {', '.join(CHOICES)} "
                 "or the path of a BLAS .so"
             )
-    why = _load(lib)
+    why = _load(lib, _ONE_THREAD.get(choice, False))
     if why:
         raise UserError(f"MLXKV_BLAS={choice}: cannot use {lib}: {why}")
     _state["blas"] = str(lib)

@@ -24,7 +24,7 @@ from mlxkv.errors import UserError
 OPENBLAS_INSTALL = "apt-get install libopenblas0-pthread"
 CHOICES = ("auto", "reference", "cmeel", "system")
 # auto: the first of these that loads. Order from docs/benchmarks.md (prefill, this machine).
-AUTO_ORDER = ("system", "cmeel")
+AUTO_ORDER = ("cmeel", "system")
 _state = {"blas": "reference"}
 
 

@@ -21,6 +21,7 @@ from mlxkv.policy import KVPolicy
 H, D = 3, 64
 ROT = Rotation(D, False, 100000.0, 1.0)
 POLICIES = [
+    KVPolicy(),
     KVPolicy(window=16, sinks=4),
     KVPolicy(window=16),
     KVPolicy(bits=4),
@@ -90,9 +91,10 @@ def test_rows_decode_leave_and_join_bit_for_bit(policy):
             s.update_and_fetch(k, v)
         _check_rows(batched, singles)
         if mask is not None:  # each row sees exactly the slots its single cache holds
-            held = [min(s.tokens_seen, s.limit or s.tokens_seen) for s in singles]
+            held = [min(s.tokens_seen, getattr(s, "limit", None) or s.tokens_seen) for s in singles]
             assert mask[:, 0, 0, :].sum(axis=1).tolist() == held
-        assert st.tokens_of(out_k) == st.capacity(max(batched.n), batched.limit)
+        assert st.tokens_of(out_k) == max(min(n, batched.limit or n) for n in batched.n)
+        assert st.tokens_of(batched.keys) == st.capacity(max(batched.n), batched.limit)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
@@ -201,3 +203,35 @@ def test_plan_batch_predicts_the_batched_allocation(policy, default_model, capsy
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["kv_bytes_allocated"] == sum(c.nbytes for c in caches)
+
+
+DOCUMENT = (
+    "The lighthouse at Carrow Point was built in 1871 from granite quarried on the island. "
+    "Its lamp burned whale oil until 1904, then kerosene, and it was electrified in 1952. "
+    "Three keepers lived there at a time; the last of them left in 1989 when the light "
+    "became automatic. Today the keepers' cottage is a small museum about the wrecks."
+)
+QUESTIONS = ["When was it built?", "What did the lamp burn?", "When did the last keeper leave?"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("policy", [KVPolicy(), KVPolicy(window=48, sinks=4)], ids=str)
+def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, policy):
+    """Three questions about one document, batch size 2 (the third joins later): the
+    document is prefilled once, and every answer is the Generator's."""
+    from mlxkv.engine.batch import BatchRunner, Request
+    from mlxkv.engine.chat import ChatSession
+    from mlxkv.engine.events import Finished
+    from mlxkv.engine.session import GenerationSettings, Generator
+
+    settings = GenerationSettings(max_tokens=12)
+    asks = [f"{DOCUMENT}\n\n{q}" for q in QUESTIONS]
+    reqs = [Request(i, _chat_text(default_model, q), settings) for i, q in enumerate(asks)]
+    runner = BatchRunner(default_model, policy, 2)
+    got = {r.key: r for r in runner.run(reqs)}
+    assert runner.prefixes.hits == 3
+    assert runner.prefixes.prefilled_tokens > 64  # the template's head and the document
+    for i, q in enumerate(asks):
+        session = ChatSession(Generator(default_model, policy), settings)
+        ref = [e for e in session.send(q) if isinstance(e, Finished)][0]
+        assert (got[i].text, got[i].finish_reason) == (ref.text, ref.finish_reason)

@@ -214,11 +214,14 @@ class BatchedKVCache:
             raise ValueError("a batched cache takes decode steps only; prefill rows alone")
         if window_size is not None:
             raise ValueError("model-defined attention windows are not batched here")
-        held = [n + 1 if self.limit is None else min(n + 1, self.limit) for n in self.n]
-        cap = self._capacity(max(held))
-        if all(h == cap for h in held):
+        held = [self._held(n + 1) for n in self.n]
+        width = max(held)  # what update_and_fetch returns: slots past every row are left out
+        if all(h == width for h in held):
             return None
-        return (mx.arange(cap)[None] < mx.array(held)[:, None])[:, None, None, :]
+        return (mx.arange(width)[None] < mx.array(held)[:, None])[:, None, None, :]
+
+    def _held(self, n: int) -> int:
+        return n if self.limit is None else min(n, self.limit)
 
     def _slot(self, t: int) -> int:
         if self.window is None or t < self.sinks:
@@ -257,7 +260,10 @@ class BatchedKVCache:
         return out
 
     def _fetch(self):
-        return self.keys, self.values
+        width = max(self._held(n) for n in self.n)
+        if width == st.tokens_of(self.keys):
+            return self.keys, self.values
+        return st.take(self.keys, 0, width), st.take(self.values, 0, width)
 
     def _set_sink_shifts(self):
         if not self.sinks:

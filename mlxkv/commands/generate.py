@@ -11,6 +11,8 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_overflow_flag,
+    add_shard_flag,
+    join_cluster,
     policy_from_args,
     settings_from_args,
     status,
@@ -29,6 +31,7 @@ def add_arguments(p) -> None:
     add_overflow_flag(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
+    add_shard_flag(p)
 
 
 def _read_prompt(arg: str) -> str:
@@ -95,7 +98,20 @@ def run(args) -> int:
     policy = policy_from_args(args)
     settings = settings_from_args(args)
     prompt = _read_prompt(args.prompt)
-    loaded = open_model(args.model, args.dtype, policy, args.force, on_status=status)
+    cluster = join_cluster()
+    if cluster is not None:
+        from mlxkv.engine.distributed import shared_seed
+
+        settings.seed = shared_seed(cluster, settings.seed)
+    loaded = open_model(
+        args.model,
+        args.dtype,
+        policy,
+        args.force,
+        on_status=status,
+        cluster=cluster,
+        shard=args.shard,
+    )
     gen = Generator(loaded, policy, overflow=args.on_overflow)
     if args.raw:
         events = gen.run(prompt, settings)
@@ -116,6 +132,9 @@ def run(args) -> int:
         elif isinstance(ev, Finished):
             final = ev
     s = final.stats
+    from mlxkv.engine.distributed import rank_kv_report
+
+    per_rank = rank_kv_report(cluster, loaded, s)
     if args.json:
         out = {
             "text": final.text,
@@ -135,6 +154,7 @@ def run(args) -> int:
             "dtype": loaded.dtype,
             "policy": policy.to_dict(),
             "blas": blas(),
+            **per_rank,
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -145,4 +165,9 @@ def run(args) -> int:
             f"finish: {final.finish_reason}; KV {s.kv_tokens} tokens, "
             f"{s.kv_bytes_actual} bytes (predicted {s.kv_bytes_predicted})"
         )
+        for r in per_rank.get("per_rank", []):
+            status(
+                f"rank {r['rank']}: KV {r['kv_bytes_actual']} bytes "
+                f"(predicted {r['kv_bytes_predicted']}), weights {r['weights_bytes']} bytes"
+            )
     return 0

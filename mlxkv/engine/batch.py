@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain, islice
 
 from mlxkv.engine.session import GenerationSettings, Generator, encode_prompt
 from mlxkv.engine.stopping import StopMatcher
@@ -278,7 +279,30 @@ class BatchRunner:
         elif self.row_loop:
             yield from self._run_rows(requests)
         else:
-            yield from self._run_batched(requests)
+            # A full cache decodes in mlx-lm's BatchGenerator, unless the first prompts share
+            # a prefix worth prefilling once: then the row loop (it shares, BatchGenerator
+            # does not).
+            requests = iter(requests)
+            head = list(islice(requests, 2 * self.batch_size))
+            if self.share_prefix and self._shared_head(head):
+                yield from self._run_rows(chain(head, requests))
+            else:
+                yield from self._run_batched(chain(head, requests))
+
+    def _shared_head(self, head: list[Request]) -> bool:
+        from mlxkv.caches import make_caches
+        from mlxkv.caches.batched import batched_form
+
+        if len(head) < 2 or batched_form(make_caches(self.loaded.model, self.policy)):
+            return False
+        tok = self.loaded.tokenizer
+        ids = [encode_prompt(tok, r.prompt) for r in head]
+        common = SharedPrefixes._common
+        return any(
+            common(a, b) >= self.prefixes.min_tokens
+            for i, a in enumerate(ids)
+            for b in ids[i + 1 :]
+        )
 
     # -- one by one: the engine's Generator, for policies that cannot batch -----------------
     def _run_one_by_one(self, requests: Iterable[Request]) -> Iterator[Result]:

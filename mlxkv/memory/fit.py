@@ -135,7 +135,7 @@ class _Search:
                 lo = mid
             else:
                 hi = mid - 1
-        return _round(lo)
+        return lo if lo == cap else _round(lo)  # the trained context binds: use all of it
 
     def policies(self, layout, weights, wbits: int | None, prefix: list[str]) -> None:
         base = self.est.setting

@@ -246,7 +246,7 @@ def plan_hosts(
     from mlxkv.memory.system import system_memory
 
     mode = choose_split(config, mode, n)
-    mems = [system_memory(m) for m in host_memories(memory, n)]
+    mems = [system_memory(m, setting.backend) for m in host_memories(memory, n)]
     wdtype = default_weight_dtype(config, setting.backend)
     weights = host_weights(config, n, mode, wdtype, dequantize=setting.backend == "cpu")
     if mode == "pipeline":

@@ -29,7 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlxkv  # noqa: F401  (OpenBLAS before MLX)
+from mlxkv.backend import setup_blas
+
+setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 TOPICS = [
     "the ocean", "mountains", "a city at night", "the history of bread", "robots",

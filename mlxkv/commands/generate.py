@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
     add_model_flags,
     add_overflow_flag,
+    add_shard_flag,
+    join_cluster,
     policy_from_args,
     settings_from_args,
     status,
@@ -28,6 +31,7 @@ def add_arguments(p) -> None:
     add_overflow_flag(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
+    add_shard_flag(p)
 
 
 def _read_prompt(arg: str) -> str:
@@ -53,24 +57,73 @@ def _read_stdin() -> str:
         ) from None
 
 
+class PrefillBar:
+    """Prompt reading progress on stderr: a bar redrawn in place in a terminal, and
+    nothing when stderr is piped or the output is --json. Cleared before the answer."""
+
+    WIDTH = 24
+
+    def __init__(self, enabled: bool, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and self.stream.isatty()
+        self.shown = False
+        self.t0 = time.perf_counter()
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or done >= total - 1:  # one chunk: nothing worth a bar
+            return
+        fill = self.WIDTH * done // max(total, 1)
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        self.stream.write(
+            f"\rmlxkv: reading the prompt [{'#' * fill}{'-' * (self.WIDTH - fill)}] "
+            f"{done}/{total} tokens  {rate:.0f} tok/s\x1b[K"
+        )
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
 def run(args) -> int:
     from mlxkv.backend import blas
     from mlxkv.engine.chat import ChatSession
-    from mlxkv.engine.events import Finished, Notice, TokenDelta
+    from mlxkv.engine.events import Finished, Notice, PrefillProgress, TokenDelta
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.session import Generator
 
     policy = policy_from_args(args)
     settings = settings_from_args(args)
     prompt = _read_prompt(args.prompt)
-    loaded = open_model(args.model, args.dtype, policy, args.force, on_status=status)
+    cluster = join_cluster()
+    if cluster is not None:
+        from mlxkv.engine.distributed import shared_seed
+
+        settings.seed = shared_seed(cluster, settings.seed)
+    loaded = open_model(
+        args.model,
+        args.dtype,
+        policy,
+        args.force,
+        on_status=status,
+        cluster=cluster,
+        shard=args.shard,
+    )
     gen = Generator(loaded, policy, overflow=args.on_overflow)
     if args.raw:
         events = gen.run(prompt, settings)
     else:
         events = ChatSession(gen, settings, system=args.system).send(prompt)
     final = None
+    bar = PrefillBar(enabled=not args.json)
     for ev in events:
+        if isinstance(ev, PrefillProgress):
+            bar.update(ev.done, ev.total)
+            continue
+        bar.clear()
         if isinstance(ev, TokenDelta) and not args.json:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -79,6 +132,9 @@ def run(args) -> int:
         elif isinstance(ev, Finished):
             final = ev
     s = final.stats
+    from mlxkv.engine.distributed import rank_kv_report
+
+    per_rank = rank_kv_report(cluster, loaded, s)
     if args.json:
         out = {
             "text": final.text,
@@ -98,6 +154,7 @@ def run(args) -> int:
             "dtype": loaded.dtype,
             "policy": policy.to_dict(),
             "blas": blas(),
+            **per_rank,
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -108,4 +165,9 @@ def run(args) -> int:
             f"finish: {final.finish_reason}; KV {s.kv_tokens} tokens, "
             f"{s.kv_bytes_actual} bytes (predicted {s.kv_bytes_predicted})"
         )
+        for r in per_rank.get("per_rank", []):
+            status(
+                f"rank {r['rank']}: KV {r['kv_bytes_actual']} bytes "
+                f"(predicted {r['kv_bytes_predicted']}), weights {r['weights_bytes']} bytes"
+            )
     return 0

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "context for this policy and the alternatives, with the budget as a line: in the "
       "terminal, or as a PNG (needs matplotlib)")  # fmt: skip
     a("--json", action="store_true", help="print the plan as JSON")
+    from mlxkv.commands import plan_hosts
+
+    plan_hosts.add_arguments(parser)
 
 
 def _int(value: str | None, flag: str, default: int | None, minimum: int) -> int | None:
@@ -93,6 +96,10 @@ def _estimate(args):
 
 
 def run(args) -> int:
+    if args.hosts is not None:
+        from mlxkv.commands import plan_hosts
+
+        return plan_hosts.run(args, _estimate)
     try:
         est = _estimate(args)
         suggestions = None

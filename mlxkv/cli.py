@@ -1,9 +1,15 @@
-"""The front door: ``mlxkv chat | plan | generate | batch | models | pull | bench``."""
+"""The front door: ``mlxkv chat | plan | generate | batch | models | pull | bench``.
+
+Subcommands from higher layers (the chat UI) register themselves as ``mlxkv.commands``
+entry points in pyproject.toml, so this module never imports them by name.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 from mlxkv import __version__
@@ -11,7 +17,6 @@ from mlxkv.errors import UserError
 
 # subcommand -> module with HELP, add_arguments(parser), run(args) -> int
 COMMANDS = {
-    "chat": "tui.command",
     "plan": "mlxkv.commands.plan",
     "generate": "mlxkv.commands.generate",
     "batch": "mlxkv.commands.batch",
@@ -19,6 +24,16 @@ COMMANDS = {
     "pull": "mlxkv.commands.pull",
     "bench": "mlxkv.commands.bench",
 }
+ENTRY_POINT_GROUP = "mlxkv.commands"
+
+
+def commands() -> dict[str, str]:
+    """Installed subcommands (entry points) first, then the built-in ones."""
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {**plugins, **COMMANDS}
+
 
 DESCRIPTION = """\
 Run chat models locally on MLX with bounded or compressed KV caches (sliding window,
@@ -30,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxkv", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mlxkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name in COMMANDS.items():
+    for name, module_name in commands().items():
         module = importlib.import_module(module_name)
         help_text = getattr(module, "HELP", None)
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -40,9 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        args = build_parser().parse_args(argv)
+    except UserError as e:  # an environment variable read while building the help texts
+        print(f"mlxkv: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        code = args.run(args)
+        sys.stdout.flush()  # here, not at exit, so a failed write is reported below
+        return code
     except UserError as e:
         print(f"mlxkv {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -50,4 +71,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlxkv {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    except OSError as e:
+        if not _is_stdout_error(e):
+            raise
+        _drop_stdout()
+        print(
+            f"mlxkv {args.command}: error: cannot write the output: {e.strerror}", file=sys.stderr
+        )
+        return 1
+
+
+def _is_stdout_error(e: OSError) -> bool:
+    """A write to stdout failed (disk full, closed)? Other OS errors are bugs to see whole."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return e.filename is None and e.errno in (errno.ENOSPC, errno.EIO, errno.EBADF, errno.EPIPE)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

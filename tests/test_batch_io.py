@@ -47,6 +47,9 @@ def test_messages_line_with_system():
         ('{"id": "a", "prompt": "x", "temperature": -1}', True, "'temperature'"),
         ('{"id": "a", "prompt": "x", "top_p": 0}', True, "'top_p'"),
         ('{"id": "a", "prompt": "x", "seed": "7"}', True, "'seed'"),
+        ('{"id": "a", "prompt": "x", "seed": -1}', True, "'seed'"),
+        ('{"id": "a", "prompt": "x", "temperature": Infinity}', True, "'temperature'"),
+        ('{"id": "a", "prompt": "x", "top_p": NaN}', True, "'top_p'"),
         ('{"id": "a", "prompt": "x", "max_token": 9}', True, "unknown field(s) max_token"),
     ],
 )

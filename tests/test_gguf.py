@@ -251,3 +251,32 @@ def test_gguf_path_argument_is_converted_once(default_gguf, tmp_path, monkeypatc
     assert again.path == first.path
     assert (again.path / "model.safetensors").stat().st_mtime_ns == stamp
     assert Path(first.path).parent == tmp_path / "models"
+
+
+def test_conversion_cache_is_keyed_on_content(default_gguf, tmp_path, monkeypatch):
+    """Two files with one name and one size but different weights are two conversions."""
+    from mlxkv.models import resolve as r
+
+    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+    data = default_gguf.read_bytes()
+    a, b, c = (tmp_path / d / "model.gguf" for d in "abc")
+    for p in (a, b, c):
+        p.parent.mkdir()
+    a.write_bytes(data)
+    b.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the last weight byte differs
+    c.write_bytes(data)  # same content, another folder
+    assert r.gguf_content_key(a) != r.gguf_content_key(b)
+    assert r.gguf_content_key(a) == r.gguf_content_key(c)
+
+    converted = []
+
+    def fake_convert(path, out, content_key=None):
+        converted.append(out)
+        out.mkdir(parents=True)
+        (out / "mlxkv_source.json").write_text(json.dumps({"content": content_key}))
+        return out
+
+    monkeypatch.setattr("mlxkv.models.gguf.convert_gguf", fake_convert)
+    first, second, third = r._gguf(a), r._gguf(b), r._gguf(c)
+    assert first.path != second.path and first.path == third.path
+    assert converted == [first.path, second.path]  # c reused a's conversion

@@ -97,8 +97,13 @@ def test_largest_context_is_the_edge(capsys):
     _, d = plan_json(capsys, cfg, "--memory", "40GB")
     edge = d["max_context"]
     assert 0 < edge < 10**6
-    assert run_plan(cfg, "--memory", "40GB", "--context", str(edge)) == 0
-    assert run_plan(cfg, "--memory", "40GB", "--context", str(edge + 1)) == 1
+    _, at = plan_json(capsys, cfg, "--memory", "40GB", "--context", str(edge))
+    _, past = plan_json(capsys, cfg, "--memory", "40GB", "--context", str(edge + 1))
+    assert at["fits"] and not past["fits"]
+    # The edge (9,472) is past Llama 2's 4,096 trained tokens: flagged, and the exit says so.
+    assert at["past_trained_context"] and at["trained_context"] == 4096
+    assert run_plan(cfg, "--memory", "40GB", "--context", str(edge)) == 1
+    assert run_plan(cfg, "--memory", "40GB", "--context", "4096") == 0
 
 
 def _bad(capsys, *argv: str) -> str:
@@ -147,6 +152,10 @@ def test_bad_flags(capsys):
 
 def test_unreachable_hub_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import (a probe may have imported it).
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     err = _bad(capsys, "nobody-here/no-such-model")
     assert "config.json" in err
 

@@ -1,4 +1,6 @@
-"""Pilot tests of the chat app over the scripted engine (tui.fake): fast and exact."""
+"""Pilot tests of the chat app over the scripted engine (tests/tui_fake.py): fast and
+exact about what the UI does. The KV figures themselves are checked on the real engine
+(tests/test_tui_model.py): the fake's are made up."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import pytest
 from rich.console import Console
 
 from mlxkv.policy import KVPolicy
+from tests.tui_pilot import fake_app, send, sync, wait_for, wait_idle
 from tui.chat_view import MessageView, Note
+from tui.conversations import ConversationStore
 from tui.loading import LoadingScreen
-from tui.panel import figures
-from tui.testing import fake_app, send, sync, wait_for, wait_idle
 
 SIZE = (120, 40)
 
@@ -45,9 +47,7 @@ async def test_send_streams_answer_and_panel():
             ("assistant", "The capital of France is **Paris**."),
         ]
         assert app.prompt.text == ""
-        s = app.panel.stats
-        assert s.kv_bytes_actual == s.kv_bytes_predicted > 0 and s.generation_tokens == 6
-        assert "exact" in plain(figures(s))
+        assert app.panel.stats.generation_tokens == 6
         assert len(app.panel.series.points) >= 6  # one plot point per token
         # every engine call ran on the one MLX worker thread
         assert app.engine.threads == {app.worker.ident}
@@ -120,27 +120,47 @@ async def test_regenerate():
 
 
 @sync
-async def test_policy_change_and_bad_policies():
+async def test_policy_change_says_the_cost_first_and_bad_policies():
     app = fake_app()
     async with app.run_test(size=SIZE) as pilot:
         await wait_idle(app, pilot)
+        await send(app, pilot, "/policy bits=4")  # nothing to re-read: applied at once
+        assert app.engine.policy == KVPolicy(bits=4)
         await send(app, pilot, "What is the capital of France?")
-        await send(app, pilot, "/policy window=64 sinks=4 bits=4")
+        tokens = app.engine.reread_tokens()
+        await send(app, pilot, "/policy window=64 sinks=4")
+        # not applied yet: the cost is shown and the command waits in the input box
+        assert app.engine.policy == KVPolicy(bits=4)
+        assert (
+            f"re-reads the conversation, {tokens} tokens (about 0 s at 100 tok/s)"
+            in (notes(app)[-1])
+        )
+        assert app.prompt.text == "/policy window=64 sinks=4"
+        await pilot.press("enter")
+        await wait_idle(app, pilot)
         assert app.engine.policy == KVPolicy(window=64, sinks=4, bits=4)
-        assert "sink 4 + window 64" in notes(app)[-1] and "dropped" in notes(app)[-1]
+        assert "sink 4 + window 64" in notes(app)[-1] and f"re-reads {tokens}" in notes(app)[-1]
         assert app.panel.stats.policy == app.engine.policy.describe()
-        assert app.panel.stats.kv_bytes_actual == 0  # the cache was dropped
+        assert app.panel.stats.kv_tokens == 0  # the cache was dropped
+        await send(app, pilot, "/policy window=64")  # the same policy: the cache stays
+        assert "already" in notes(app)[-1] and app.prompt.text == ""
+        await send(app, pilot, "/policy full")  # full means full precision too
+        await pilot.press("enter")
+        await wait_idle(app, pilot)
+        assert app.engine.policy == KVPolicy()
         # a policy the (fake) model cannot honour: visible error, policy unchanged
         await send(app, pilot, "/policy window=8")
-        assert "policy unchanged" in notes(app)[-1]
-        assert app.engine.policy == KVPolicy(window=64, sinks=4, bits=4)
-        # an invalid one: error, and the typed command stays in the box to fix
+        await pilot.press("enter")
+        await wait_idle(app, pilot)
+        assert "policy unchanged" in notes(app)[-1] and app.engine.policy == KVPolicy()
+        # an invalid one: error, and the command comes back selected, so what is typed
+        # next replaces it instead of mixing with it
+        app.prompt.clear()
         await send(app, pilot, "/policy bits=7")
         assert "not supported" in notes(app)[-1] and app.prompt.text == "/policy bits=7"
-        app.prompt.clear()
-        await send(app, pilot, "tell me more " * 20)
-        s = app.panel.stats
-        assert s.kv_bytes_actual == s.kv_bytes_predicted and s.kv_evicted > 0
+        assert app.prompt.selected_text == "/policy bits=7"
+        await pilot.press(*"/help")
+        assert app.prompt.text == "/help"
 
 
 @sync
@@ -156,6 +176,10 @@ async def test_save_clear_load(tmp_path):
         saved = json.loads(path.read_text())
         assert saved["system"] == "be brief" and len(saved["messages"]) == 2
         assert "Paris" in (tmp_path / "chat.md").read_text()
+        before = path.read_bytes()
+        await send(app, pilot, f"/save {path}")  # never overwrites a file
+        assert "exists" in notes(app)[-1] and path.read_bytes() == before
+        app.prompt.clear()
         await pilot.press("ctrl+l")
         await wait_idle(app, pilot)
         assert views(app) == [] and app.engine.messages == []
@@ -163,7 +187,10 @@ async def test_save_clear_load(tmp_path):
         assert [r for r, _ in views(app)] == ["user", "assistant"]
         assert app.engine.system == "be brief"
         await send(app, pilot, f"/load {tmp_path / 'missing.json'}")
-        assert "cannot load transcript" in notes(app)[-1]
+        assert "cannot load conversation" in notes(app)[-1]
+        app.prompt.clear()
+        await send(app, pilot, f"/load {tmp_path / 'chat.md'}")
+        assert "is a Markdown export" in notes(app)[-1]
         assert len(app.engine.messages) == 2
 
 
@@ -240,3 +267,138 @@ async def test_help_and_unknown_command(command):
         await wait_idle(app, pilot)
         await send(app, pilot, command)
         assert ("Esc" in notes(app)[-1]) if command == "/help" else "unknown" in notes(app)[-1]
+
+
+@sync
+async def test_ctrl_c_stops_an_answer_and_says_how_to_quit_when_idle():
+    app = fake_app(delay=0.1)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await pilot.press("ctrl+c")  # idle: a hint, the app keeps running
+        assert any("Ctrl+Q quits" in n.message for n in app._notifications)
+        await send(app, pilot, "tell me something", wait=False)
+        view = app.chat.last_message("assistant")
+        await wait_for(pilot, lambda: len(view.text) > 5)
+        await pilot.press("ctrl+c")
+        await wait_idle(app, pilot)
+        assert str(view.query_one(".meta").render()).startswith("stopped")
+        assert app.is_running
+
+
+@sync
+async def test_ctrl_y_copies_while_the_input_has_focus():
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, "What is the capital of France?")
+        assert app.focused is app.prompt
+        await pilot.press("ctrl+y")
+        assert app.clipboard == "The capital of France is **Paris**."
+
+
+@sync
+async def test_sampling_defaults_and_set():
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        s = app.engine.settings  # the fake model has no generation_config.json
+        assert (s.temperature, s.top_p, s.repetition_penalty) == (0.7, 0.9, 1.1)
+        assert "temp 0.7 top-p 0.9 rep 1.1 max 200" in app.panel.sampling.plain
+        await send(app, pilot, "/set temp 0.2 max_tokens 3")
+        assert app.engine.chat.settings.temperature == 0.2
+        assert "temp 0.2 top-p 0.9 rep 1.1 max 3" in app.panel.sampling.plain
+        await send(app, pilot, "tell me something")
+        assert app.panel.stats.generation_tokens == 3
+        await send(app, pilot, "/set temp -1")
+        assert "--temp must be 0 or more" in notes(app)[-1]
+        assert app.engine.settings.temperature == 0.2
+    greedy = fake_app(given={"temperature"})  # --temp 0 on the command line
+    async with greedy.run_test(size=SIZE) as pilot:
+        await wait_idle(greedy, pilot)
+        assert greedy.engine.settings.temperature == 0.0
+        assert "greedy" in greedy.panel.sampling.plain
+
+
+@sync
+async def test_conversations_are_kept_listed_and_reopened(tmp_path):
+    store = ConversationStore(tmp_path)
+    app = fake_app(store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, "/policy window=64 sinks=4")
+        await send(app, pilot, "What is the capital of France?")
+        (first,) = tmp_path.glob("chat-*.json")
+        kept = json.loads(first.read_text())
+        assert kept["policy"]["window"] == 64 and kept["model"] == "fake-135m"
+        assert [m["role"] for m in kept["messages"]] == ["user", "assistant"]
+        await pilot.press("ctrl+l")
+        await wait_idle(app, pilot)
+        await send(app, pilot, "/policy full")
+        await send(app, pilot, "Show me some code")
+        assert len(list(tmp_path.glob("chat-*.json"))) == 2
+        await send(app, pilot, "/history")
+        listing = notes(app)[-1]
+        assert "1. " in listing and "Show me some code (this one)" in listing
+        assert "2. " in listing and "What is the capital of France?" in listing
+        await send(app, pilot, "/history 2")
+        assert views(app) == [(m["role"], m["content"]) for m in kept["messages"]]
+        assert app.engine.policy == KVPolicy(window=64, sinks=4)
+        await send(app, pilot, "And of Germany?")  # goes on in the reopened file
+        assert len(json.loads(first.read_text())["messages"]) == 4
+        await send(app, pilot, "/history 9")
+        assert "give a number from 1 to 2" in notes(app)[-1]
+
+
+@sync
+async def test_resume_at_start(tmp_path):
+    store = ConversationStore(tmp_path)
+    saved = {
+        "model": "fake-135m",
+        "policy": {"window": 32, "sinks": 4, "bits": None, "group_size": 64},
+        "system": "be brief",
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi there"},
+        ],
+    }
+    path = store.save(saved)
+    store.start()
+    app = fake_app(store=store, resume=store.resume(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        assert views(app) == [("user", "hello"), ("assistant", "hi there")]
+        assert app.engine.system == "be brief" and app.engine.policy == KVPolicy(32, 4)
+        assert "resumed" in notes(app)[-1]
+        await send(app, pilot, "What is the capital of France?")
+        assert len(json.loads(path.read_text())["messages"]) == 4
+
+
+@sync
+async def test_messages_out_of_the_window_are_dimmed():
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, "/policy window=16 sinks=4")
+        await send(app, pilot, "What is the capital of France?")
+        await send(app, pilot, "Show me some code " * 10)
+        first, *_, last = app.chat.messages()
+        assert first.has_class("evicted") and "no longer sees" in str(
+            first.query_one(".gone").render()
+        )
+        assert not last.has_class("evicted")
+
+
+@sync
+async def test_failed_load_shows_at_once_and_esc_leaves_a_trace():
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, "/model /tmp/no-such-model")
+        screen = app.screen
+        assert isinstance(screen, LoadingScreen)
+        error = screen.query_one("#error")
+        assert error.display and error.region.height > 0  # laid out, not waiting for a resize
+        assert "unknown model" in str(error.render())
+        await pilot.press("escape")
+        assert not isinstance(app.screen, LoadingScreen)
+        assert "could not load the model" in notes(app)[-1] and "still using" in notes(app)[-1]

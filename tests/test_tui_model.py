@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 
 from mlxkv.engine.session import GenerationSettings
+from tests.tui_pilot import send, sync, wait_for, wait_idle
 from tui.app import ChatApp
-from tui.chat_view import MessageView
+from tui.chat_view import MessageView, Note
 from tui.engine import ChatEngine, real_opener
-from tui.testing import send, sync, wait_for, wait_idle
 
 pytestmark = pytest.mark.model
+GREEDY = {"temperature", "top_p", "repetition_penalty"}  # as if given on the command line
 
 
 @sync
 async def test_real_model_streams_and_panel_matches_under_three_policies(default_model_path):
-    engine = ChatEngine(real_opener(), GenerationSettings(max_tokens=24))
+    engine = ChatEngine(real_opener(), GenerationSettings(max_tokens=24), given=GREEDY)
     app = ChatApp(engine, model=str(default_model_path))
     async with app.run_test(size=(130, 40)) as pilot:
         await wait_idle(app, pilot, timeout=300)
@@ -27,7 +28,9 @@ async def test_real_model_streams_and_panel_matches_under_three_policies(default
         ]
         for policy, question, expected in turns:
             if policy:
-                await send(app, pilot, f"/policy {policy}", timeout=120)
+                await send(app, pilot, f"/policy {policy}", timeout=120)  # says the cost
+                assert "re-reads the conversation" in str(app.query(Note).last().render())
+                await send(app, pilot, f"/policy {policy}", timeout=120)  # applies it
             await send(app, pilot, question, wait=False, timeout=120)
             view = app.chat.last_message("assistant")
             await wait_for(pilot, lambda v=view: len(v.text) > 0, timeout=300)

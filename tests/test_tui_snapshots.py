@@ -6,7 +6,7 @@ Regenerate after an intended change: pytest tests/test_tui_snapshots.py --snapsh
 
 from __future__ import annotations
 
-from tui.testing import fake_app, send, settle, wait_idle
+from tests.tui_pilot import fake_app, send, settle, wait_idle
 
 SIZE = (120, 36)
 
@@ -27,7 +27,8 @@ def test_layout_window_policy_and_error(snap_compare):
         await wait_idle(app, pilot)
         await send(app, pilot, "/policy window=32 sinks=4 bits=4")
         await send(app, pilot, "Show me some code " * 10)
-        await send(app, pilot, "/policy window=8")  # refused: an error note
+        await send(app, pilot, "/policy window=8")  # first the cost of re-reading
+        await send(app, pilot, "/policy window=8")  # then refused: an error note
         await settle(pilot)
 
     assert snap_compare(fake_app(), terminal_size=SIZE, run_before=run_before)

@@ -1,12 +1,23 @@
-"""The TUI's pure parts: plot, slash commands, number formatting, the event pipe."""
+"""The TUI's pure parts: plot, slash commands, number formatting, the event pipe, the
+engine protocol, sampling defaults, kept conversations."""
 
 from __future__ import annotations
 
+import inspect
+import json
+
 import pytest
 
+from mlxkv.engine.events import Stats
+from mlxkv.engine.sampling import chat_sampling
+from mlxkv.engine.session import GenerationSettings
+from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy, PolicyError
 from tui import plot, slash
+from tui.conversations import ConversationStore, read_conversation
+from tui.engine import ChatGenerator
 from tui.fmt import human_bytes, versus
+from tui.panel import memory_bar
 from tui.pipe import EventPipe
 
 
@@ -46,6 +57,7 @@ def test_series_is_bounded():
     "arg,current,expected",
     [
         ("full", KVPolicy(window=64, sinks=4), KVPolicy()),
+        ("full", KVPolicy(window=64, sinks=4, bits=4), KVPolicy()),  # full precision too
         ("window=256", KVPolicy(), KVPolicy(window=256, sinks=4)),
         ("window=256 sinks=0", KVPolicy(), KVPolicy(window=256)),
         ("w=128 s=2 bits=4", KVPolicy(), KVPolicy(window=128, sinks=2, bits=4)),
@@ -89,3 +101,98 @@ def test_pipe_wakes_once_per_batch():
     assert wakes == [1] and pipe.drain() == [0, 1, 2, 3, 4]
     pipe.put(5)
     assert wakes == [1, 1] and pipe.drain() == [5] and pipe.drain() == []
+
+
+def _members(proto) -> list[str]:
+    return [n for n in vars(proto) if not n.startswith("_")] + list(proto.__annotations__)
+
+
+@pytest.mark.parametrize("member", _members(ChatGenerator))
+def test_fake_and_real_generator_share_the_protocol(member):
+    """The scripted generator the UI tests use has every member of ChatGenerator that the
+    real Generator has, with the same parameters: a UI test cannot pass against an
+    interface the engine does not have."""
+    from mlxkv.engine.session import Generator
+    from tests.tui_fake import FakeGenerator
+
+    if member in ChatGenerator.__annotations__:  # a data attribute
+        assert member in Generator.__dataclass_fields__
+        assert hasattr(FakeGenerator(), member)
+        return
+    want = list(inspect.signature(getattr(ChatGenerator, member)).parameters)
+    for cls in (Generator, FakeGenerator):
+        assert callable(getattr(cls, member, None)), f"{cls.__name__} lacks {member}()"
+        assert list(inspect.signature(getattr(cls, member)).parameters) == want, (cls, member)
+
+
+def test_parse_set():
+    assert slash.parse_set("temp 0.2") == {"temperature": 0.2}
+    assert slash.parse_set("top_p=0.5 max_tokens 64") == {"top_p": 0.5, "max_tokens": 64}
+    for bad in ("", "temp", "colour 3", "max_tokens 1.5"):
+        with pytest.raises(UserError):
+            slash.parse_set(bad)
+
+
+def test_sampling_defaults(tmp_path):
+    base = GenerationSettings()
+    s, source = chat_sampling(base, set(), tmp_path)  # no generation_config.json
+    assert (s.temperature, s.top_p, s.repetition_penalty) == (0.7, 0.9, 1.1)
+    assert source == "mlxkv defaults"
+    greedy, _ = chat_sampling(base, {"temperature"}, tmp_path)  # --temp 0 stays greedy
+    assert greedy.temperature == 0.0 and greedy.top_p == 0.9
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    )
+    s, source = chat_sampling(base, set(), tmp_path)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+    assert source == "generation_config.json"
+
+
+def test_memory_bar_shows_a_small_kv_cache():
+    s = Stats(kv_bytes_actual=1 << 20, weights_bytes=500 << 20, active_memory=520 << 20)
+    bar = memory_bar(s, budget=16 << 30, width=40)  # 1 MiB of 16 GiB: under half a cell
+    first = bar.plain.split("\n")
+    cyan = [span for span in bar.spans if str(span.style) == "cyan"]
+    assert cyan and cyan[0].end - cyan[0].start == 1  # one visible cell
+    assert "KV 1.0 MiB" in first[1]
+
+
+def test_conversation_store(tmp_path):
+    store = ConversationStore(tmp_path)
+    assert store.save({"messages": []}) is None and store.list() == []
+    data = {"model": "m", "policy": {"window": 64, "sinks": 4}, "system": "", "messages": []}
+    data["messages"] = [{"role": "user", "content": "hello there"}]
+    path = store.save(data)
+    data["messages"].append({"role": "assistant", "content": "hi"})
+    assert store.save(data) == path  # the same file, rewritten whole
+    assert json.loads(path.read_text())["messages"][-1]["content"] == "hi"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    (saved,) = store.list()
+    assert (saved.messages, saved.policy, saved.title) == (2, "sink 4 + window 64", "hello there")
+    assert store.last() == path
+    store.start()
+    other = store.save({**data, "messages": data["messages"][:1]})
+    assert other != path and len(store.list()) == 2
+
+
+def test_markdown_export_is_not_a_conversation(tmp_path):
+    md = tmp_path / "chat.md"
+    md.write_text("# Chat with x\n")
+    with pytest.raises(UserError, match="Markdown export"):
+        read_conversation(md)
+    renamed = tmp_path / "chat.txt"
+    renamed.write_text("# Chat with x\n")
+    with pytest.raises(UserError, match="Markdown export"):
+        read_conversation(renamed)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(UserError, match="not a conversation file"):
+        read_conversation(bad)
+
+
+def test_chat_is_an_entry_point_not_an_import():
+    """mlxkv/ never imports tui/: the chat subcommand comes from pyproject.toml."""
+    from mlxkv import cli
+
+    assert cli.commands()["chat"] == "tui.command"
+    assert "chat" not in cli.COMMANDS

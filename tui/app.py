@@ -24,18 +24,20 @@ from textual.widgets import Footer, Header, Static
 from mlxkv.engine.events import Finished, Notice, PrefillProgress, TokenDelta
 from mlxkv.errors import UserError
 from mlxkv.paths import home
+from mlxkv.policy import KVPolicy
 from tui import slash
 from tui.chat_view import ChatLog, MessageView, Note
+from tui.conversations import ConversationStore, policy_from_dict, read_conversation
 from tui.cpu import split_cpu
 from tui.engine import ChatEngine
 from tui.loading import LoadingScreen
 from tui.panel import KVPanel
-from tui.pipe import Done, EventPipe, Failed, Status
+from tui.pipe import Done, EventPipe, Failed, Progress, Status
 from tui.prompt_input import PromptInput
 from tui.worker import MLXWorker
 
-ANSWERING = "answering ... Esc stops · you can keep typing"
-READY = "Enter send · Shift+Enter newline · ↑ history · Esc stop · /help"
+ANSWERING = "answering ... Esc or Ctrl+C stops · you can keep typing"
+READY = "Enter send · Shift+Enter newline · Esc stop · /help · Ctrl+Q quit"
 
 
 def _log_crash(job: str) -> str:
@@ -60,10 +62,13 @@ class ChatApp(App):
     """
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
+        # Priority: the input box binds Ctrl+C (copy) and Ctrl+Y (redo) itself.
+        Binding("ctrl+c", "interrupt", "Stop", show=False, priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate"),
         Binding("ctrl+l", "clear", "Clear"),
-        Binding("ctrl+y", "copy_last", "Copy answer"),
+        Binding("ctrl+y", "copy_last", "Copy answer", priority=True),
         Binding("f1", "help", "Help"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
     class Wake(Message):
@@ -75,8 +80,21 @@ class ChatApp(App):
         model: str | None = None,
         metrics_path=None,
         cursor_blink: bool = True,  # off in snapshots: a blink phase makes two pictures
+        store: ConversationStore | None = None,  # None: conversations are not kept
+        resume: dict | None = None,  # a saved conversation to reopen once the model loads
     ):
         super().__init__()
+        self.store = store
+        self._resume = resume
+        self._pending_policy: KVPolicy | None = None  # shown with its cost, not yet applied
+        self._prefill_tps = 0.0  # the last measured prefill speed, for cost estimates
+        self._after = {  # job name -> what to do with its result on the UI thread
+            "load": self._after_load,
+            "turn": self._after_turn,
+            "policy": self._after_policy,
+            "clear": self._after_clear,
+            "restore": self._after_restore,
+        }
         self.cursor_blink = cursor_blink
         self.engine = engine
         self.model = model
@@ -159,17 +177,32 @@ class ChatApp(App):
             return True
         return False
 
-    def load_model(self, model: str | None) -> None:
+    def load_model(self, model: str | None, policy: KVPolicy | None = None) -> None:
         self.metrics["load_started"] = time.perf_counter()
         screen = LoadingScreen(model, can_go_back=self.engine.loaded)
-        self.push_screen(screen)
+        self.push_screen(screen, callback=self._loading_closed)
+        self._load(model, policy)
+
+    def _load(self, model: str | None, policy: KVPolicy | None = None) -> None:
         engine, pipe = self.engine, self.pipe
 
         def load():
-            engine.open(model, on_status=lambda m: pipe.put(Status("load", m)))
+            engine.open(
+                model,
+                on_status=lambda m: pipe.put(Status("load", m)),
+                on_progress=lambda done, total: pipe.put(Progress("load", done, total)),
+                policy=policy,
+            )
             return engine.idle_stats()
 
         self._run_job("load", load)
+
+    async def _loading_closed(self, failure: str | None) -> None:
+        if failure:  # back to the chat after a failed load: say what happened
+            await self.note(
+                f"could not load the model: {failure}; still using {self.engine.model_name}",
+                "error",
+            )
 
     def _turn(self, kind: str, text: str = "") -> None:
         self._stop = threading.Event()
@@ -177,8 +210,12 @@ class ChatApp(App):
 
         def turn():
             events = engine.send(text, stop) if kind == "send" else engine.regenerate(stop)
+            last = None
             for ev in events:
                 pipe.put(ev)
+                if isinstance(ev, Finished):
+                    last = ev.stats
+            return engine.evicted(last) if last is not None else None
 
         self._turn_cpu = split_cpu(self.worker.native_id)
         self._run_job("turn", turn)
@@ -211,25 +248,31 @@ class ChatApp(App):
     async def _apply(self, item) -> None:
         if isinstance(item, PrefillProgress):
             self._prefilling = True
-            self.set_status(f"reading the prompt: {item.done}/{item.total} tokens · Esc stops")
+            if item.stats is not None:
+                self.panel.show(item.stats)  # the cache grows chunk by chunk
+            if not self._stop.is_set():
+                self.set_status(
+                    f"reading the prompt: {item.done}/{item.total} tokens · Esc or Ctrl+C stops"
+                )
         elif isinstance(item, Notice):
             await self.note(item.message, "notice")
         elif isinstance(item, Finished):
             await self._finished(item)
-        elif isinstance(item, Status):
+        elif isinstance(item, Status | Progress):
             if isinstance(self.screen, LoadingScreen):
-                self.screen.status(item.message)
+                self.screen.show(item)
         elif isinstance(item, Done | Failed):
             self.busy = None
-            handler = getattr(self, f"_after_{item.job}")
-            await handler(item)
+            await self._after[item.job](item)
             if not self.busy:
                 self.set_status()
 
     async def _finished(self, ev: Finished) -> None:
         s = ev.stats
         self.panel.show(s)
-        reason = {"cancelled": "stopped (Esc)", "stop": "done"}.get(ev.finish_reason)
+        if s.prompt_tps > 0:
+            self._prefill_tps = s.prompt_tps
+        reason = {"cancelled": "stopped", "stop": "done"}.get(ev.finish_reason)
         meta = (
             f"{reason or ev.finish_reason} · {s.generation_tokens} tokens · "
             f"{s.generation_tps:.1f} tok/s"
@@ -256,6 +299,24 @@ class ChatApp(App):
         )
         self.write_metrics()
 
+    # -- conversations kept on disk ----------------------------------------------------------
+    async def keep(self) -> None:
+        """Save the conversation as it is now (atomically) to its file under the home."""
+        if self.store is None or not self.engine.loaded:
+            return
+        try:
+            self.store.save(self.engine.to_dict())
+        except OSError as e:
+            await self.note(f"could not keep the conversation: {e.strerror or e}", "error")
+
+    def _mark_evicted(self, shares: list[float] | None) -> None:
+        """Dim what the cache has dropped: the model no longer sees those tokens."""
+        views = self.chat.messages()
+        if shares is None or len(shares) != len(views):
+            return
+        for view, share in zip(views, shares, strict=True):
+            view.set_evicted(share)
+
     # -- job results -----------------------------------------------------------------------
     async def _after_load(self, item) -> None:
         screen = self.screen if isinstance(self.screen, LoadingScreen) else None
@@ -268,17 +329,21 @@ class ChatApp(App):
         loaded_at = time.perf_counter()
         self.metrics["load_seconds"] = loaded_at - self.metrics["load_started"]
         if screen is not None:
-            self.pop_screen()
-        self.sub_title = f"{self.engine.model_name} · {self.engine.policy.describe()}"
+            screen.dismiss(None)
+        self._show_policy()
         self.panel.budget = self.engine.budget
         self.panel.reset_plot()
         self.panel.show(item.result)
+        self._show_sampling()
         self.prompt.focus()
         carried = len(self.engine.messages)
         text = f"loaded {self.engine.model_name} (KV policy: {self.engine.policy.describe()})"
         if carried:
             text += f"; the {carried} messages so far are read again on the next turn"
         await self.note(text)
+        if self._resume is not None:
+            data, self._resume = self._resume, None
+            self.restore(data, "resumed the last conversation")
 
         def painted():
             self.metrics["first_paint_after_load"] = time.perf_counter() - loaded_at
@@ -290,15 +355,16 @@ class ChatApp(App):
         question, self._question = self._question, None
         view, self._streaming = self._streaming, None
         if isinstance(item, Done):
+            self._mark_evicted(item.result)
+            await self.keep()
             return
-        # The engine recorded no answer (and took back an unanswered message): the view
-        # follows, the error stays visible, and the typed text returns to the input box.
+        # The engine recorded no answer and took the message back: the view follows, the
+        # error stays visible, and the typed text returns to the input box.
         await self.note(item.message, "error")
         if view is not None:
             await view.remove()
         sent = self._pending_text
-        kept = any(m["role"] == "user" and m["content"] == sent for m in self.engine.messages[-1:])
-        if question is not None and not kept:
+        if question is not None:
             await question.remove()
         if sent and not self.prompt.text:
             self.prompt.load_text(sent)
@@ -308,14 +374,18 @@ class ChatApp(App):
         if isinstance(item, Failed):
             await self.note(f"policy unchanged: {item.message}", "error")
             return
-        self.sub_title = f"{self.engine.model_name} · {self.engine.policy.describe()}"
+        stats, changed, tokens = item.result
+        self._show_policy()
+        self.panel.show(stats, point=False)
+        if not changed:
+            await self.note(f"KV policy is already {self.engine.policy.describe()}; cache kept")
+            return
         self.panel.reset_plot()
-        self.panel.show(item.result)
-        n = len(self.engine.messages)
-        await self.note(
-            f"KV policy is now {self.engine.policy.describe()}. The old cache was dropped"
-            + (f"; the {n} messages so far are read again on the next turn." if n else ".")
-        )
+        self._mark_evicted([0.0] * len(self.engine.messages))
+        text = f"KV policy is now {self.engine.policy.describe()}. The old cache was dropped"
+        text += f"; the next turn re-reads {tokens} tokens." if tokens else "."
+        await self.note(text)
+        await self.keep()
 
     async def _after_clear(self, item) -> None:
         if isinstance(item, Failed):
@@ -324,17 +394,24 @@ class ChatApp(App):
         await self.chat.remove_children()
         self.panel.reset_plot()
         self.panel.show(item.result)
+        if self.store is not None:
+            self.store.start()  # the next message starts a new kept conversation
         await self.note("cleared: conversation and KV cache dropped")
 
-    async def _after_load_transcript(self, item) -> None:
+    async def _after_restore(self, item) -> None:
         if isinstance(item, Failed):
             await self.note(item.message, "error")
             return
-        path = item.result[1]
+        stats, what = item.result
         await self._show_transcript()
+        self._show_policy()
         self.panel.reset_plot()
-        self.panel.show(item.result[0])
-        await self.note(f"loaded {path}; the cache is rebuilt on the next turn")
+        self.panel.show(stats)
+        n = len(self.engine.messages)
+        await self.note(
+            f"{what} ({n} messages, KV policy {self.engine.policy.describe()}); "
+            "the cache is rebuilt on the next turn"
+        )
 
     async def _show_transcript(self) -> None:
         await self.chat.remove_children()
@@ -343,14 +420,25 @@ class ChatApp(App):
         for m in self.engine.messages:
             await self.chat.add(MessageView(m["role"], m["content"]))
 
+    def _show_policy(self) -> None:
+        self.sub_title = f"{self.engine.model_name} · {self.engine.policy.describe()}"
+
+    def _show_sampling(self) -> None:
+        s = self.engine.settings
+        self.panel.show_sampling(s, self.engine.sampling_source)
+
     # -- input -----------------------------------------------------------------------------
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         text = event.text
         command = slash.parse(text)
         if command is not None:
             self.prompt.remember(text)
-            if await self.run_command(command):
-                self.prompt.clear()
+            self.prompt.clear()
+            if not await self.run_command(command) and not self.prompt.text:
+                # Refused: the command comes back selected, so typing replaces it and the
+                # arrows edit it (never a garbled mix of two commands).
+                self.prompt.load_text(text)
+                self.prompt.select_all()
             return
         if not text.strip():
             self.notify("the message is empty: type something to send", severity="warning")
@@ -373,54 +461,143 @@ class ChatApp(App):
         self._turn("send", text)
 
     async def run_command(self, cmd: slash.Command) -> bool:
-        """Run a slash command; False keeps the text in the input (e.g. it was refused)."""
+        """Run a slash command; False when it was refused (the app puts it back)."""
         name, arg = cmd.name, cmd.arg
         if name in ("/help", "/?"):
             await self.action_help()
-        elif name == "/copy":
+            return True
+        if name == "/copy":
             self.action_copy_last()
-        elif name not in slash.COMMANDS:
+            return True
+        if name not in slash.COMMANDS:
             await self.note(f"unknown command {name}; /help lists them", "error")
             return False
-        elif self._refuse_if_busy():
+        if name == "/history" and not arg:
+            await self.show_history()
+            return True
+        if name == "/set" and not arg:
+            await self.note(slash.describe_settings(self.engine.settings))
+            return True
+        if name == "/system" and not arg:
+            await self.note(f"system prompt: {self.engine.system or '(none)'}")
+            return True
+        if self._refuse_if_busy():
             return False
-        elif name == "/policy":
-            try:
-                policy = slash.parse_policy(arg, self.engine.policy)
-            except UserError as e:
-                await self.note(str(e), "error")
-                return False
-            self.set_policy(policy)
-        elif name == "/system":
-            if not arg:
-                await self.note(f"system prompt: {self.engine.system or '(none)'}")
-            else:
-                self.engine.set_system("" if arg == "-" else arg)
-                await self.note(f"system prompt set to: {self.engine.system or '(none)'}")
-        elif name == "/clear":
+        try:
+            return await self._command(name, arg)
+        except UserError as e:
+            await self.note(str(e), "error")
+            return False
+
+    async def _command(self, name: str, arg: str) -> bool:
+        if name == "/policy":
+            return await self.ask_policy(slash.parse_policy(arg, self.engine.policy), arg)
+        if name == "/set":
+            values = slash.parse_set(arg)
+            settings = self.engine.set_sampling(**values)
+            self._show_sampling()
+            await self.note(f"sampling for the next answers: {slash.describe_settings(settings)}")
+            return True
+        if name == "/system":
+            self.engine.set_system("" if arg == "-" else arg)
+            await self.note(f"system prompt set to: {self.engine.system or '(none)'}")
+            await self.keep()
+            return True
+        if name == "/clear":
             await self.action_clear()
-        elif name == "/regen":
+            return True
+        if name == "/regen":
             await self.action_regenerate()
-        elif name == "/save":
-            return await self.save(arg)
-        elif name == "/load":
+            return True
+        if name == "/save":
+            await self.save(arg)
+            return True
+        if name == "/load":
             if not arg:
-                await self.note("usage: /load PATH.json", "error")
-                return False
-            self.load_transcript(arg)
-        elif name == "/model":
+                raise UserError("usage: /load PATH.json (a conversation saved with /save)")
+            path = Path(arg).expanduser()
+            data = read_conversation(path)
+            if self.store is not None:
+                self.store.start()  # a loaded file is never rewritten: keep a copy instead
+            self.restore(data, f"loaded {path}")
+            return True
+        if name == "/history":
+            saved = self._history()
+            try:
+                chosen = saved[int(arg) - 1]
+            except (ValueError, IndexError):
+                raise UserError(
+                    f"/history {arg}: give a number from 1 to {len(saved)} (/history lists them)"
+                ) from None
+            data = read_conversation(chosen.path)
+            self.store.current = chosen.path  # it goes on in its own file
+            self.restore(data, f"reopened {chosen.path.name}")
+            return True
+        if name == "/model":
             if not arg:
-                await self.note(f"model: {self.engine.model_name}; usage: /model NAME", "error")
-                return False
+                raise UserError(f"model: {self.engine.model_name}; usage: /model NAME")
             self.load_model(arg)
+            return True
+        raise UserError(f"{name} is not available here")  # every command is handled above
+
+    def _history(self):
+        if self.store is None:
+            raise UserError("conversations are not kept in this session")
+        return self.store.list()
+
+    async def show_history(self) -> None:
+        saved = self._history()
+        if not saved:
+            await self.note(f"no kept conversations yet (they go to {self.store.folder})")
+            return
+        lines = [f"kept conversations in {self.store.folder} (/history N reopens one):"]
+        for i, c in enumerate(saved[:20], 1):
+            here = " (this one)" if c.path == self.store.current else ""
+            lines.append(
+                f"{i:>3}. {c.updated.replace('T', ' ')} · {c.model} · {c.policy} · "
+                f"{c.messages} messages · {c.title}{here}"
+            )
+        await self.note("\n".join(lines))
+
+    async def ask_policy(self, policy: KVPolicy, spec: str) -> bool:
+        """Say what a policy change costs before doing it: a conversation in the cache is
+        re-read on the next turn. The first /policy shows the cost and puts the command
+        back in the input; Enter again applies it."""
+        if policy == self.engine.policy:
+            await self.note(f"KV policy is already {policy.describe()}; cache kept")
+            return True
+        tokens = self.engine.reread_tokens()
+        if tokens and self._pending_policy != policy:
+            self._pending_policy = policy
+            speed = self._prefill_tps
+            cost = f" (about {tokens / speed:.0f} s at {speed:.0f} tok/s)" if speed else ""
+            await self.note(
+                f"/policy {spec} → {policy.describe()} drops the cache: the next turn re-reads "
+                f"the conversation, {tokens} tokens{cost}. Press Enter to apply it "
+                "(the command is in the input box), or edit it."
+            )
+            self.prompt.load_text(f"/policy {spec}")
+            self.prompt.move_cursor(self.prompt.document.end)
+            return True
+        self._pending_policy = None
+        self.set_policy(policy, tokens)
         return True
 
     # -- actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
         if self.busy == "turn":
             self._stop.set()
-            self.engine.cancel()  # thread-safe: the loop stops after its current token
+            self.engine.cancel()  # thread-safe: the loop stops at its next step
             self.set_status("stopping ...")
+
+    def action_interrupt(self) -> None:
+        """Ctrl+C: stop the answer; copy a selection in the input; else say how to quit."""
+        if self.busy == "turn":
+            self.action_stop()
+        elif self.focused is self.prompt and self.prompt.selected_text:
+            self.copy_to_clipboard(self.prompt.selected_text)
+        else:
+            self.notify("Ctrl+Q quits · Ctrl+C stops an answer", title="Quit?", timeout=3)
 
     async def action_regenerate(self) -> None:
         if self._refuse_if_busy():
@@ -448,33 +625,34 @@ class ChatApp(App):
 
         self._run_job("clear", clear)
 
-    def set_policy(self, policy) -> None:
+    def set_policy(self, policy: KVPolicy, tokens: int = 0) -> None:
         engine = self.engine
 
         def change():
-            engine.set_policy(policy)
-            return engine.idle_stats()
+            changed = engine.set_policy(policy)
+            return engine.idle_stats(), changed, tokens
 
         self._run_job("policy", change)
 
-    async def save(self, arg: str) -> bool:
+    def restore(self, data: dict, what: str) -> None:
+        """Show a saved conversation and continue it (its policy too, if it has one)."""
+        engine = self.engine
+        policy = None
+        if data.get("policy"):
+            policy = policy_from_dict(data["policy"])
+
+        def restore():
+            if policy is not None:
+                engine.set_policy(policy)  # a policy the model refuses: nothing changed
+            engine.restore(data)
+            return engine.idle_stats(), what
+
+        self._run_job("restore", restore)
+
+    async def save(self, arg: str) -> None:
         path = Path(arg or f"mlxkv-chat-{datetime.now():%Y%m%d-%H%M%S}.json").expanduser()
-        try:
-            self.engine.save(path)
-        except UserError as e:
-            await self.note(str(e), "error")
-            return False
+        self.engine.save(path)
         await self.note(f"saved the transcript to {path}")
-        return True
-
-    def load_transcript(self, arg: str) -> None:
-        engine, path = self.engine, Path(arg).expanduser()
-
-        def load():
-            engine.load(path)
-            return engine.idle_stats(), path
-
-        self._run_job("load_transcript", load)
 
     def action_copy_last(self) -> None:
         last = self.chat.last_message("assistant")
@@ -487,25 +665,20 @@ class ChatApp(App):
         await self.note(slash.help_text())
 
     def on_loading_screen_retry(self, msg: LoadingScreen.Retry) -> None:
-        engine, pipe = self.engine, self.pipe
         self.metrics["load_started"] = time.perf_counter()
-
-        def load():
-            engine.open(msg.model, on_status=lambda m: pipe.put(Status("load", m)))
-            return engine.idle_stats()
-
-        self._run_job("load", load)
+        self._load(msg.model)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Stop the answer", "Esc", self.action_stop)
+        yield SystemCommand("Stop the answer", "Esc or Ctrl+C", self.action_stop)
         yield SystemCommand("Regenerate", "answer the last message again", self.action_regenerate)
         yield SystemCommand("Clear the chat", "drop conversation and KV cache", self.action_clear)
         yield SystemCommand("Copy the last answer", "to the clipboard", self.action_copy_last)
         yield SystemCommand("Save the transcript", "as JSON in this folder", lambda: self.save(""))
+        yield SystemCommand("Kept conversations", "/history", self.show_history)
         yield SystemCommand("Keys and commands", "help", self.action_help)
         presets = {
-            "full cache": "full bits=none",
+            "full cache": "full",
             "sink 4 + window 256": "window=256 sinks=4 bits=none",
             "4-bit quantized": "bits=4",
             "8-bit quantized": "bits=8",
@@ -513,7 +686,7 @@ class ChatApp(App):
         for label, spec in presets.items():
             yield SystemCommand(
                 f"KV policy: {label}",
-                "drops the current cache; the conversation is read again",
+                "says what re-reading the conversation costs first",
                 lambda spec=spec: self.run_command(slash.Command("/policy", spec)),
             )
 

@@ -22,6 +22,10 @@ class MessageView(Vertical, can_focus=True):
     MessageView.user .role { color: $success; }
     MessageView .meta { color: $text-muted; }
     MessageView Markdown { margin: 0; padding: 0; }
+    MessageView.evicted { opacity: 45%; }
+    MessageView.evicted .role { color: $text-muted; }
+    MessageView .gone { color: $warning; display: none; }
+    MessageView.evicted .gone, MessageView.part-evicted .gone { display: block; }
     """
     BINDINGS = [("c", "copy", "Copy message")]
 
@@ -30,9 +34,11 @@ class MessageView(Vertical, can_focus=True):
         self.role = role
         self.text = text
         self._stream: MarkdownStream | None = None
+        self.evicted_share = 0.0  # how much of it the KV cache has dropped
 
     def compose(self) -> ComposeResult:
         yield Static(ROLE_LABEL.get(self.role, self.role), classes="role")
+        yield Static("", classes="gone")
         yield Markdown(self.text)
         yield Static("", classes="meta")
 
@@ -58,6 +64,17 @@ class MessageView(Vertical, can_focus=True):
             self.text = text
             await self.body.update(text or "*(no text)*")
         self.set_meta(meta)
+
+    def set_evicted(self, share: float) -> None:
+        """Dim the message by how much of it the KV cache has dropped (0 to 1)."""
+        self.evicted_share = share
+        self.set_class(share >= 0.999, "evicted")
+        self.set_class(0 < share < 0.999, "part-evicted")
+        if share >= 0.999:
+            text = "out of the KV window: the model no longer sees this message"
+        else:
+            text = f"{share:.0%} of this message is out of the KV window" if share else ""
+        self.query_one(".gone", Static).update(text)
 
     def set_meta(self, meta: str) -> None:
         self.query_one(".meta", Static).update(meta)

@@ -1,5 +1,6 @@
 """``mlxkv chat [MODEL]``: the Textual chat UI. Kept light: Textual and MLX are imported
-only when the command runs, so ``mlxkv --help`` stays fast."""
+only when the command runs, so ``mlxkv --help`` stays fast. Registered with the CLI as
+an ``mlxkv.commands`` entry point (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_overflow_flag,
+    given_sampling,
     policy_from_args,
     settings_from_args,
 )
 from mlxkv.errors import UserError
 
 HELP = "chat in the terminal, with a live KV memory panel (actual vs predicted)"
+# Prompt tokens per model call: small, so Esc / Ctrl+C stop a long prefill within a step.
+PREFILL_STEP = 64
 
 
 def add_arguments(p) -> None:
@@ -23,6 +27,12 @@ def add_arguments(p) -> None:
         "model_name", nargs="?", default=None, metavar="MODEL", help="model (same as --model)"
     )
     p.add_argument("--system", default="", help="system prompt")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reopen the last conversation (its model, KV policy and messages); "
+        "conversations are kept in MLXKV_HOME/chats (default ~/.cache/mlxkv/chats)",
+    )
     p.add_argument(
         "--metrics",
         default=os.environ.get("MLXKV_TUI_METRICS"),
@@ -32,11 +42,12 @@ def add_arguments(p) -> None:
     add_model_flags(p)
     add_overflow_flag(p)
     add_cache_flags(p)
-    add_generation_flags(p, max_tokens=512)
+    add_generation_flags(p, max_tokens=512, prefill_step=PREFILL_STEP, model_sampling=True)
 
 
 def run(args) -> int:
     from tui.app import ChatApp
+    from tui.conversations import ConversationStore, policy_from_dict
     from tui.engine import ChatEngine, real_opener
 
     if args.model_name and args.model and args.model_name != args.model:
@@ -44,7 +55,19 @@ def run(args) -> int:
     model = args.model_name or args.model
     policy = policy_from_args(args)  # bad flags fail here, before the screen opens
     settings = settings_from_args(args)
+    store, resume = ConversationStore(), None
+    if args.resume:
+        last = store.last()
+        if last is None:
+            raise UserError(f"no saved conversation in {store.folder} to resume")
+        resume = store.resume(last)
+        model = model or resume.get("model_arg") or resume.get("model")
+        if resume.get("policy"):
+            policy = policy_from_dict(resume["policy"])
     opener = real_opener(dtype=args.dtype, force=args.force, overflow=args.on_overflow)
-    engine = ChatEngine(opener, settings, policy=policy, system=args.system)
-    ChatApp(engine, model=model, metrics_path=args.metrics).run()
+    engine = ChatEngine(
+        opener, settings, policy=policy, system=args.system, given=given_sampling(args)
+    )
+    app = ChatApp(engine, model=model, metrics_path=args.metrics, store=store, resume=resume)
+    app.run()
     return 0

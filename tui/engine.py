@@ -1,31 +1,58 @@
-"""The engine as the chat UI sees it: one object over ChatSession + Generator.
+"""The engine as the chat UI sees it: one object over ChatSession + a generator.
 
 Every method except ``cancel`` is called on the MLX worker thread (see tui.worker).
-The generator comes from an *opener* so tests can swap in a scripted one (tui.fake)
-while the conversation logic (ChatSession) stays the real one.
+The generator comes from an *opener*, so tests can swap in a scripted one that satisfies
+the same ``ChatGenerator`` protocol while the conversation logic (ChatSession) stays real.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from mlxkv.engine.chat import ChatSession
 from mlxkv.engine.events import Event, Stats
+from mlxkv.engine.sampling import chat_sampling
+from mlxkv.engine.session import GenerationSettings
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
 
-# opener(model, policy, on_status) -> a Generator (or anything with its interface)
-Opener = Callable[[str | None, KVPolicy, Callable[[str], None]], object]
+
+class ChatGenerator(Protocol):
+    """What the chat needs of a generator: the real ``mlxkv.engine.session.Generator``
+    and the tests' scripted one both satisfy it (tests/test_tui_units.py checks)."""
+
+    loaded: object  # .name, .tokenizer, .context_length, .path
+    policy: KVPolicy
+
+    def run(self, prompt_text: str, settings: GenerationSettings) -> Iterator[Event]: ...
+
+    def cancel(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def set_policy(self, policy: KVPolicy) -> None: ...
+
+    def stats(self) -> Stats: ...
+
+
+# opener(model, policy, on_status, on_progress) -> a ChatGenerator
+Opener = Callable[
+    [str | None, KVPolicy, Callable[[str], None], Callable[[int, int], None]], ChatGenerator
+]
 
 
 def real_opener(dtype: str = "auto", force: bool = False, overflow: str = "stop") -> Opener:
-    def open_generator(model, policy, on_status):
+    def open_generator(model, policy, on_status, on_progress):
         from mlxkv.engine.loading import open_model
         from mlxkv.engine.session import Generator
 
-        loaded = open_model(model, dtype, policy, force, on_status=on_status)
+        loaded = open_model(
+            model, dtype, policy, force, on_status=on_status, on_progress=on_progress
+        )
         return Generator(loaded, policy, overflow=overflow)
 
     return open_generator
@@ -35,38 +62,52 @@ class ChatEngine:
     def __init__(
         self,
         opener: Opener,
-        settings,
+        settings: GenerationSettings,
         policy: KVPolicy | None = None,
         system: str = "",
         budget: int | None = None,  # memory budget in bytes; None: ask the machine
+        given: set[str] | frozenset = frozenset(),  # sampling fields set on the command line
     ):
         self._open = opener
-        self.settings = settings
+        self._settings = settings
+        self._given = set(given)
+        self.sampling_source = "command line"
         self._policy = policy or KVPolicy()
         self._system = system
         self.chat: ChatSession | None = None
         self.threads: set[int] = set()  # threads that ran engine work (the tests check: one)
         self._budget = budget
+        self.model_arg: str | None = None  # the MODEL the chat was opened with
 
     def _mark(self) -> None:
         self.threads.add(threading.get_ident())
 
     # -- model -----------------------------------------------------------------------------
-    def open(self, model: str | None, on_status: Callable[[str], None]) -> None:
-        """Load ``model``; the conversation and system prompt carry over to it. If loading
-        fails the previous model stays in use."""
+    def open(
+        self,
+        model: str | None,
+        on_status: Callable[[str], None],
+        on_progress: Callable[[int, int], None] = lambda _d, _t: None,
+        policy: KVPolicy | None = None,
+    ) -> None:
+        """Load ``model`` (under ``policy``, default the current one); the conversation and
+        system prompt carry over to it. If loading fails the previous model stays."""
         from mlxkv.memory import system_memory
 
         self._mark()
         if self._budget is None:
             # What MLX may use, read before the weights take their share (as plan does).
             self._budget = system_memory().available
-        generator = self._open(model, self.policy, on_status)
+        generator = self._open(model, policy or self.policy, on_status, on_progress)
+        self.model_arg = model
         old = self.chat
         system = old.system if old else self._system
-        self.chat = ChatSession(generator, self.settings, system=system)
+        path = getattr(generator.loaded, "path", None)
+        settings, self.sampling_source = chat_sampling(self._settings, self._given, path)
+        self.chat = ChatSession(generator, settings, system=system)
         if old is not None:
             self.chat.messages = list(old.messages)
+        self._policy = generator.policy
 
     @property
     def loaded(self) -> bool:
@@ -84,13 +125,23 @@ class ChatEngine:
     def budget(self) -> int | None:
         return self._budget
 
+    @property
+    def settings(self) -> GenerationSettings:
+        return self.chat.settings if self.chat else self._settings
+
+    def set_sampling(self, **values) -> GenerationSettings:
+        """Change sampling for the next turns (UserError if a value is out of range)."""
+        settings = replace(self.settings, **values)
+        self._settings = replace(self._settings, **values)
+        self._given |= set(values)
+        if self.chat:
+            self.chat.settings = settings
+        return settings
+
     def idle_stats(self) -> Stats:
         """Panel figures between turns (what the cache holds now)."""
         self._mark()
-        g = self.chat.generator
-        return g.kv.snapshot(
-            Stats(context_limit=g.loaded.context_length, policy=g.policy.describe())
-        )
+        return self.chat.generator.stats()
 
     # -- turns -----------------------------------------------------------------------------
     def _stream(self, events: Iterator[Event], stop: threading.Event) -> Iterator[Event]:
@@ -100,38 +151,54 @@ class ChatEngine:
             yield ev
 
     def send(self, text: str, stop: threading.Event) -> Iterator[Event]:
+        """One turn; if it fails, ChatSession takes the message back and the generator
+        drops what the cache half-held, so the caller only shows the error."""
         self._mark()
-        before = len(self.chat.messages)
-        try:
-            yield from self._stream(self.chat.send(text), stop)
-        except Exception:
-            # Unanswered: drop the user message so the UI can give the text back.
-            msgs = self.chat.messages
-            if len(msgs) == before + 1 and msgs[-1]["role"] == "user":
-                msgs.pop()
-            self._after_failure()
-            raise
+        yield from self._stream(self.chat.send(text), stop)
 
     def regenerate(self, stop: threading.Event) -> Iterator[Event]:
         self._mark()
-        try:
-            yield from self._stream(self.chat.regenerate(), stop)
-        except Exception:
-            self._after_failure()
-            raise
-
-    def _after_failure(self) -> None:
-        """A turn that broke off may leave tokens in the cache that its bookkeeping does not
-        list; dropping the cache costs one prefill and keeps the next turn correct."""
-        try:
-            self.chat.generator.reset()
-        except Exception:  # noqa: BLE001 - the original error is the one to report
-            pass
+        yield from self._stream(self.chat.regenerate(), stop)
 
     def cancel(self) -> None:
-        """Thread-safe: stops the running generation after its current token."""
+        """Thread-safe: stops the running generation at its next step."""
         if self.chat is not None:
             self.chat.cancel()
+
+    # -- what the cache no longer holds ------------------------------------------------------
+    def message_spans(self) -> list[tuple[int, int]]:
+        """Token positions [start, end) of each message in the conversation as the model
+        reads it (system prompt and template included)."""
+        self._mark()
+        tok = self.chat.generator.loaded.tokenizer
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        spans, start, msgs = [], 0, self.chat.messages
+        if head:
+            start = len(_encode(tok, head))
+        for i in range(len(msgs)):
+            end = len(_encode(tok, head + msgs[: i + 1]))
+            spans.append((start, max(end, start)))
+            start = end
+        return spans
+
+    def evicted(self, stats: Stats) -> list[float]:
+        """Per message, the share of its tokens the cache has dropped (0: all kept)."""
+        if not stats.kv_evicted or self.policy.window is None:
+            return [0.0] * len(self.messages)
+        lo = self.policy.sinks
+        hi = lo + stats.kv_evicted  # the tokens after the sinks went first
+        out = []
+        for start, end in self.message_spans():
+            start = max(start, lo)  # the sink tokens stay: they are the template's first
+            gone = max(0, min(end, hi) - start)
+            out.append(gone / (end - start) if end > start else 0.0)
+        return out
+
+    def reread_tokens(self) -> int:
+        """Tokens the next turn reads if the cache is dropped now (the conversation)."""
+        if not self.chat or not self.chat.messages:
+            return 0
+        return len(_encode(self.chat.generator.loaded.tokenizer, self.chat._all_messages()))
 
     # -- conversation state ----------------------------------------------------------------
     @property
@@ -151,19 +218,47 @@ class ChatEngine:
         self._mark()
         self.chat.clear()
 
-    def set_policy(self, policy: KVPolicy) -> None:
+    def set_policy(self, policy: KVPolicy) -> bool:
         """Raises UserError (PolicyError) if the model cannot use ``policy``; the old
-        policy and cache then stay."""
+        policy and cache then stay. The same policy keeps the cache (returns False)."""
         self._mark()
+        if policy == self.chat.generator.policy:
+            return False
         self.chat.generator.set_policy(policy)
         self._policy = policy
+        return True
+
+    def to_dict(self) -> dict:
+        data = self.chat.to_dict()
+        data["model_arg"] = self.model_arg  # what to open again on resume
+        s = self.settings
+        data["sampling"] = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "repetition_penalty": s.repetition_penalty,
+            "max_tokens": s.max_tokens,
+        }
+        return data
 
     def save(self, path: Path) -> None:
+        path = Path(path)
+        if path.exists():
+            raise UserError(f"{path} exists; give a new file name (nothing was overwritten)")
         try:
-            self.chat.save(Path(path))
+            self.chat.save(path)
         except OSError as e:
             raise UserError(f"cannot save to {path}: {e.strerror or e}") from None
 
-    def load(self, path: Path) -> None:
+    def restore(self, data: dict) -> None:
+        """Take the messages and system prompt of a conversation (read_conversation's
+        result); the cache is rebuilt on the next turn."""
         self._mark()
-        self.chat.load(Path(path))
+        self.chat.system = data.get("system", "") or ""
+        self._system = self.chat.system
+        self.chat.messages = list(data["messages"])
+        self.chat.generator.reset()
+
+
+def _encode(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    return tokenizer.encode(text, add_special_tokens=False)

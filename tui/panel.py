@@ -51,14 +51,15 @@ def policy_line(s: Stats) -> Text:
 
 
 def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
-    """weights | KV | rest of MLX's active memory, against the budget; ┃ marks the peak."""
+    """weights | KV | rest of MLX's active memory, against the budget; ┃ marks the peak.
+    A part that holds anything gets at least one cell, so a small KV cache stays visible."""
     scale = budget or max(s.peak_memory, s.active_memory, 1) * 5 // 4
     kv = s.kv_bytes_actual
     rest = max(s.active_memory - s.weights_bytes - kv, 0)
     width = max(width, 10)
     cells = []
     for size, style in ((s.weights_bytes, "blue"), (kv, "cyan"), (rest, "yellow")):
-        cells += [style] * round(size / scale * width)
+        cells += [style] * max(round(size / scale * width), 1 if size > 0 else 0)
     cells = cells[:width] + ["grey23"] * max(width - len(cells), 0)
     peak = min(width - 1, round(s.peak_memory / scale * width))
     if s.peak_memory:
@@ -73,10 +74,11 @@ def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
         bar.append(char * (j - i), style)
         i = j
     bar.append("\n")
-    bar.append("weights ", "blue").append("KV ", "cyan").append("rest ", "yellow")
+    bar.append(f"weights {human_bytes(s.weights_bytes)} ", "blue")
+    bar.append(f"KV {human_bytes(kv)} ", "bold cyan").append("rest ", "yellow")
     bar.append("peak┃", "bold red").append("\n")
     bar.append(f"active {human_bytes(s.active_memory)} · peak {human_bytes(s.peak_memory)}\n")
-    bar.append(f"budget {human_bytes(budget) if budget else 'unknown'}", "dim")
+    bar.append(f"budget {human_bytes(budget) if budget else 'unknown'} (available at start)", "dim")
     return bar
 
 
@@ -115,10 +117,12 @@ class KVPanel(Vertical):
         self.renders = 0  # redraw count (tests check the throttle)
         self._last = 0.0
         self._pending = False
+        self.sampling = Text("")
 
     def compose(self) -> ComposeResult:
         yield Static("KV cache", classes="title")
         yield Figure(1, id="kv-policy")
+        yield Figure(1, id="kv-sampling")
         yield Figure(8, id="kv-figures")
         yield Static("Memory (MLX)", classes="title")
         yield Figure(4, id="kv-mem")
@@ -144,6 +148,14 @@ class KVPanel(Vertical):
             self._pending = True
             self.set_timer(wait, self._redraw)
 
+    def show_sampling(self, settings, source: str) -> None:
+        from tui.slash import describe_settings
+
+        self.sampling = Text.assemble(("sample ", "bold"), describe_settings(settings))
+        self.sampling.no_wrap, self.sampling.overflow = True, "ellipsis"
+        self.sampling_source = source
+        self._redraw()
+
     def reset_plot(self) -> None:
         self.series.clear()
 
@@ -157,6 +169,7 @@ class KVPanel(Vertical):
         s = self.stats
         width = max(self.content_size.width, 20)
         self.query_one("#kv-policy", Figure).set(policy_line(s))
+        self.query_one("#kv-sampling", Figure).set(self.sampling)
         self.query_one("#kv-figures", Figure).set(figures(s))
         self.query_one("#kv-mem", Figure).set(memory_bar(s, self.budget, width))
         pts = self.series.points

@@ -23,6 +23,15 @@ class Status:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """How far a job's current step is (e.g. bytes of weights loaded)."""
+
+    job: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Done:
     job: str
     result: object = None

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy, PolicyError
 
 COMMANDS = {
-    "/policy": "window=W sinks=S bits=B group=G | full  change the KV cache policy",
+    "/policy": "window=W sinks=S bits=B group=G | full  change the KV cache policy "
+    "(says what re-reading costs first)",
+    "/set": "temp T | top_p P | rep R | max_tokens N  sampling (no argument: show it)",
     "/system": "[TEXT]  set the system prompt (no text: show it; '-' clears it)",
     "/clear": "drop the conversation and the cache",
     "/regen": "answer the last message again",
     "/save": "[PATH.md|PATH.json]  save the transcript",
-    "/load": "PATH.json  load a transcript",
+    "/load": "PATH.json  load a conversation saved with /save",
+    "/history": "[N]  list the kept conversations (N: reopen one)",
     "/model": "NAME  switch model (memory check first)",
     "/copy": "copy the last answer",
     "/help": "this help",
@@ -22,7 +26,7 @@ KEYS = {
     "Enter": "send",
     "Shift+Enter / Ctrl+J": "new line",
     "Up / Down": "previous / next prompt",
-    "Esc": "stop the answer",
+    "Esc / Ctrl+C": "stop the answer (Ctrl+C when idle: how to quit)",
     "Ctrl+R": "regenerate",
     "Ctrl+L": "clear",
     "Ctrl+Y": "copy the last answer (c on a focused message)",
@@ -34,7 +38,7 @@ KEYS = {
 
 def help_text() -> str:
     keys = "\n".join(f"  {k:<22} {v}" for k, v in KEYS.items())
-    cmds = "\n".join(f"  {k:<8} {v}" for k, v in COMMANDS.items())
+    cmds = "\n".join(f"  {k:<9} {v}" for k, v in COMMANDS.items())
     return f"Keys\n{keys}\nCommands\n{cmds}"
 
 
@@ -65,9 +69,9 @@ def parse_policy(arg: str, current: KVPolicy) -> KVPolicy:
     window, sinks, bits, group = current.window, current.sinks, current.bits, current.group_size
     given = set()
     for item in arg.replace(",", " ").split():
-        if item.lower() == "full":
-            window, sinks = None, 0
-            given |= {"window", "sinks"}
+        if item.lower() == "full":  # every token, full precision
+            window, sinks, bits = None, 0, None
+            given |= {"window", "sinks", "bits"}
             continue
         key, eq, raw = item.partition("=")
         if not eq or key.lower() not in _KEYS:
@@ -94,3 +98,39 @@ def parse_policy(arg: str, current: KVPolicy) -> KVPolicy:
     elif current.window is None and "sinks" not in given:
         sinks = None  # a new window gets the default sinks
     return KVPolicy.from_flags(window=window, sinks=sinks, bits=bits, group_size=group)
+
+
+# /set NAME VALUE: names as typed -> GenerationSettings field, value type
+_SETTINGS = {
+    "temp": ("temperature", float),
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top-p": ("top_p", float),
+    "rep": ("repetition_penalty", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "max_tokens": ("max_tokens", int),
+    "max-tokens": ("max_tokens", int),
+}
+
+
+def parse_set(arg: str) -> dict:
+    """``temp 0.2`` (or ``temp=0.2``, several at once) -> {"temperature": 0.2}."""
+    words = arg.replace("=", " ").split()
+    if not words or len(words) % 2:
+        raise UserError("usage: /set temp 0.7 | top_p 0.9 | rep 1.1 | max_tokens 512")
+    out = {}
+    for name, raw in zip(words[::2], words[1::2], strict=True):
+        if name.lower() not in _SETTINGS:
+            raise UserError(f"/set: unknown setting {name!r}; use temp, top_p, rep or max_tokens")
+        field, kind = _SETTINGS[name.lower()]
+        try:
+            out[field] = kind(raw)
+        except ValueError:
+            raise UserError(f"/set {name}: {raw!r} is not a {kind.__name__}") from None
+    return out
+
+
+def describe_settings(s) -> str:
+    temp = "greedy" if s.temperature == 0 else f"temp {s.temperature:g}"
+    rep = f"rep {s.repetition_penalty:g}" if s.repetition_penalty else "rep off"
+    return f"{temp} top-p {s.top_p:g} {rep} max {s.max_tokens}"

@@ -105,15 +105,15 @@ def run(args) -> int:
     from mlxkv.bench.scale import FULL, QUICK
 
     scale = QUICK if args.quick else FULL
-    if args.repeats:
-        if args.repeats < 1:
-            raise UserError("--repeats must be at least 1")
+    for flag in ("repeats", "workers", "kept", "stream_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.repeats is not None:
         scale = replace(scale, engine_repeats=args.repeats, speed_repeats=args.repeats)
-    if args.workers is not None and args.workers < 1:
-        raise UserError("--workers must be at least 1")
-    if args.kept:
+    if args.kept is not None:
         scale = replace(scale, kept=args.kept)
-    if args.stream_tokens:
+    if args.stream_tokens is not None:
         if args.stream_tokens < 2 * scale.chunk:
             raise UserError(f"--stream-tokens must be at least {2 * scale.chunk}")
         marks = tuple(c for c in scale.checkpoints if c < args.stream_tokens)
@@ -135,7 +135,9 @@ def run(args) -> int:
         if sys.argv[1:2] == ["bench"]
         else ("mlxkv bench " + shlex.join(a for a in _argv(args)))
     )
+    _check_text(Path(args.text))
     out = Path(args.out)
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
 
     from mlxkv.bench import run as bench_run
@@ -145,6 +147,30 @@ def run(args) -> int:
     bench_run.log(f"report written to {path} ({res['total_seconds'] / 60:.1f} min)")
     print(path)
     return 0
+
+
+def _check_text(path: Path) -> None:
+    """--text is read by worker processes much later: fail now, before --out is made."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--text {path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"--text {path} is a directory; give a UTF-8 text file") from None
+    except OSError as e:
+        raise UserError(f"cannot read --text {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--text {path} is not UTF-8 text (byte {e.start})") from None
+
+
+def _check_out(out: Path) -> None:
+    """The report goes into a new folder, or one holding an earlier report (replaced)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder for the report")
+    if out.is_dir() and any(out.iterdir()) and not (out / "bench-results.json").is_file():
+        raise UserError(
+            f"--out {out} holds files that are not a bench report; give a new or empty folder"
+        )
 
 
 def _argv(args):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlxkv.errors import UserError
 from mlxkv.policy import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVPolicy
 
 
@@ -78,21 +79,42 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_generation_flags(p: argparse.ArgumentParser, max_tokens: int = 512) -> None:
+def add_generation_flags(
+    p: argparse.ArgumentParser,
+    max_tokens: int = 512,
+    prefill_step: int = 512,
+    model_sampling: bool = False,
+) -> None:
+    """Sampling flags. With ``model_sampling`` the temperature, top-p and repetition
+    penalty default to None: the caller takes them from the model (see
+    mlxkv.engine.sampling) and only what the user typed overrides that."""
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    if model_sampling:
+        where = "default: the model's generation_config.json, else "
+        g.add_argument(
+            "--temp", type=float, default=None, help=f"temperature, 0 = greedy ({where}0.7)"
+        )
+        g.add_argument("--top-p", type=float, default=None, help=f"nucleus ({where}0.9)")
+        g.add_argument(
+            "--repetition-penalty",
+            type=float,
+            default=None,
+            help=f"penalty on the last 20 tokens ({where}1.1)",
+        )
+    else:
+        g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
         "--prefill-step",
         type=int,
-        default=512,
-        help="prompt tokens per model call (prefill)",
+        default=prefill_step,
+        help=f"prompt tokens per model call (prefill; default {prefill_step})",
     )
 
 
@@ -106,13 +128,47 @@ def policy_from_args(args) -> KVPolicy:
     )
 
 
+SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
+
+
+def _number(flag: str, value, lo=None, hi=None, lo_open=False, hint: str = "") -> None:
+    """Refuse nan/inf and values outside [lo, hi] (or (lo, hi]) with one line naming the flag."""
+    if value is None:
+        return
+    bad = value != value or value in (float("inf"), float("-inf"))  # nan, inf
+    bad = bad or (lo is not None and (value <= lo if lo_open else value < lo))
+    bad = bad or (hi is not None and value > hi)
+    if bad:
+        if lo is not None and hi is not None:
+            want = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        elif lo is not None:
+            want = f"{'above' if lo_open else 'at least'} {lo}"
+        else:
+            want = f"at most {hi}"
+        raise UserError(f"{flag} must be {want}, got {value}" + (f"; {hint}" if hint else ""))
+
+
+def check_generation_flags(args) -> None:
+    """Every sampling flag checked at the edge: a one-line error instead of a deep failure."""
+    _number("--max-tokens", args.max_tokens, lo=1)
+    _number("--temp", args.temp, lo=0, hint="0 means greedy")
+    _number("--top-p", args.top_p, lo=0, hi=1, lo_open=True)
+    _number("--min-p", args.min_p, lo=0, hi=1)
+    _number("--top-k", args.top_k, lo=0, hint="0 keeps every token")
+    _number("--repetition-penalty", args.repetition_penalty, lo=0, lo_open=True, hint="1 = none")
+    _number("--seed", args.seed, lo=0, hi=SEED_MAX)
+    _number("--prefill-step", args.prefill_step, lo=1)
+
+
 def settings_from_args(args):
     from mlxkv.engine.session import GenerationSettings
 
+    check_generation_flags(args)
+
     return GenerationSettings(
         max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
+        temperature=0.0 if args.temp is None else args.temp,
+        top_p=1.0 if args.top_p is None else args.top_p,
         min_p=args.min_p,
         top_k=args.top_k,
         repetition_penalty=args.repetition_penalty,
@@ -120,6 +176,14 @@ def settings_from_args(args):
         stop=tuple(args.stop),
         prefill_step=args.prefill_step,
     )
+
+
+def given_sampling(args) -> set[str]:
+    """The GenerationSettings sampling fields the user set on the command line."""
+    flags = {"temperature": args.temp, "top_p": args.top_p}
+    flags["repetition_penalty"] = args.repetition_penalty
+    flags |= {"top_k": args.top_k or None, "min_p": args.min_p or None}  # 0 = not given
+    return {name for name, value in flags.items() if value is not None}
 
 
 def status(message: str) -> None:

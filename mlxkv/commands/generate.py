@@ -55,7 +55,7 @@ def add_arguments(p) -> None:
 
 
 def _read_prompt(arg: str) -> str:
-    text = sys.stdin.read() if arg == "-" else arg
+    text = _read_stdin() if arg == "-" else arg
     if not text.strip():
         raise UserError("the prompt is empty; pass --prompt TEXT or pipe text to --prompt -")
     return text
@@ -93,6 +93,22 @@ def _check_input(args) -> None:
         raise UserError("give the input as --prompt TEXT or --messages CONV.json (one of them)")
     if args.messages is not None and args.raw:
         raise UserError("--raw completes plain text; it does not apply to --messages")
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError("--prompt - reads stdin, but stdin is closed; pipe the prompt in")
+    try:
+        data = sys.stdin.buffer.read()
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the prompt from stdin: {e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"the prompt on stdin is not UTF-8 text (byte {e.start}); convert it, "
+            "e.g. iconv -f latin1 -t utf-8"
+        ) from None
 
 
 def run(args) -> int:

@@ -1,6 +1,8 @@
-"""``mlxkv plan MODEL``: will it fit? Weights + KV + runtime vs this machine's memory.
+"""``mlxkv plan MODEL``: will it fit? Weights + KV + runtime vs the memory of this machine
+or of the Mac you name (``--backend metal --memory 16GB``), and what would fit (``--fit``).
 
-Exit 0 fits, 1 does not fit, 2 bad input (one line on stderr, no traceback).
+Exit 0 fits, 1 does not fit (or the context is past the model's trained context without a
+window, which ``generate`` refuses), 2 bad input (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from mlxkv.errors import UserError
 
 HELP = "check whether a model fits in memory (weights, KV cache, runtime) before loading it"
 KV_DTYPES = ("float16", "bfloat16", "float32")
+BACKENDS = ("metal", "cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-dtype", metavar="DTYPE", help="KV dtype: float16, bfloat16 or float32 "
       "(default: what the engine uses on this backend)")  # fmt: skip
     a("--memory", metavar="SIZE", help="memory to plan against, e.g. 16GB, 16GiB, 512M "
-      "(default: what this machine reports)")  # fmt: skip
+      "(default: what this machine reports); with --backend metal, the Mac's RAM (16GB = a "
+      "16 GB Mac, planned against Metal's recommended working set: 2/3 of RAM up to 36 GB, "
+      "3/4 above)")  # fmt: skip
+    a("--backend", choices=BACKENDS, help="plan for Apple Silicon (metal: checkpoint dtype, "
+      "packed quantized weights, fused attention) or MLX's CPU backend (float32); "
+      "default: this machine's")  # fmt: skip
+    a("--weight-bits", metavar="b", help="plan the model as an MLX conversion with weights "
+      "quantized to b bits (mlx_lm.convert -q --q-bits b, group 64)")  # fmt: skip
+    a("--fit", action="store_true", help="when it does not fit, list settings that do, as "
+      "the flags to pass, cheapest in measured quality first")  # fmt: skip
+    a("--chart", nargs="?", const="-", metavar="FILE.png", help="chart total memory against "
+      "context for this policy and the alternatives, with the budget as a line: in the "
+      "terminal, or as a PNG (needs matplotlib)")  # fmt: skip
     a("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -73,20 +88,38 @@ def _estimate(args):
         args.kv_dtype,
         args.memory,
         search=True,
+        on=args.backend,
+        weight_bits=_int(args.weight_bits, "--weight-bits", None, 1),
     )
 
 
 def run(args) -> int:
     try:
         est = _estimate(args)
+        suggestions = None
+        if args.fit:
+            from mlxkv.memory.fit import suggest
+
+            suggestions = suggest(est)
+        chart = None
+        if args.chart is not None:
+            from mlxkv.commands.plan_chart import chart_file, chart_text, curves
+
+            data = curves(est)
+            chart = chart_text(data) if args.chart == "-" else chart_file(data, args.chart)
     except UserError as e:
         print(f"mlxkv plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(to_json(est), indent=2))
+        d = to_json(est, suggestions)
+        if chart is not None and args.chart != "-":
+            d["chart_file"] = args.chart
+        print(json.dumps(d, indent=2))
     else:
-        print(render(est))
-    return 0 if est.budget.fits else 1
+        print(render(est, suggestions))
+        if chart is not None:
+            print(chart)
+    return 0 if est.runnable else 1
 
 
 # --- reporting ---------------------------------------------------------------------------
@@ -126,7 +159,7 @@ def _layer_row(layer, s) -> dict:
     }
 
 
-def to_json(est) -> dict:
+def to_json(est, suggestions=None) -> dict:
     s, b = est.setting, est.budget
     rows = [_layer_row(li, s) for li in est.layout.layers]
     rt = b.runtime
@@ -162,7 +195,30 @@ def to_json(est) -> dict:
         "max_context": est.max_context,
         "max_batch": est.max_batch,
         "notes": est.notes,
+        "memory_total_bytes": est.memory.total,
+        "weight_bits": est.weight_bits,
+        "fused_attention": rt.fused_attention,
+        "trained_context": est.trained_context,
+        "past_trained_context": est.past_trained_context,
+        "window_instead": _window_instead(est),
+        "runnable": est.runnable,
+        "wired_limit": None
+        if est.wired is None
+        else {
+            "command": est.wired.command,
+            "limit_mb": est.wired.limit_mb,
+            "headroom_bytes": est.wired.headroom,
+        },
+        "load_wired_limit_bytes": est.load_wired_limit,
+        "suggestions": None if suggestions is None else [x.to_dict() for x in suggestions],
     }
+
+
+def _window_instead(est) -> dict | None:
+    """What ``--kv-window`` would give instead of a full cache past the trained context."""
+    from mlxkv.memory.fit import window_instead
+
+    return window_instead(est)
 
 
 def _gib(n: int) -> str:
@@ -179,14 +235,15 @@ def _groups(rows: list[dict]) -> list[tuple[int, dict]]:
     return [(n, r) for n, r in seen.values()]
 
 
-def render(est) -> str:
+def render(est, suggestions=None) -> str:
     d = to_json(est)
     s = est.setting
+    weights = f"{d['weight_bits']}-bit MLX conversion, " if d["weight_bits"] else ""
     out = [
         f"{d['model']}: model_type {d['model_type']} (mlx-lm module {d['mlx_lm_module']}, "
         f"{d['resolved_as']})",
         f"context {s.context:,} tokens, batch {s.batch}, prefill chunk {s.chunk}, "
-        f"KV policy {s.policy.describe()}, KV {s.kv_dtype} ({s.backend} backend)",
+        f"KV policy {s.policy.describe()}, KV {s.kv_dtype} ({weights}{s.backend} backend)",
         "",
         f"  {'layers':>6}  {'kind':<16} {'cache':<22} {'kv heads':>8} {'head dim':>9} "
         f"{'window':>7} {'bytes/token':>12} {'state bytes':>12}",
@@ -203,17 +260,23 @@ def render(est) -> str:
         if d["fits"]
         else f"DOES NOT FIT ({-spare / 2**30:.2f} GiB short)"
     )
+    attention = "fused attention, no score matrix" if d["fused_attention"] else "scores held"
+    available = d["available_source"]
+    if d["memory_total_bytes"] and s.backend == "metal":
+        available += f", of {d['memory_total_bytes'] / 2**30:.0f} GiB"
     out += [
         "",
         f"  KV bytes per token: {d['kv_bytes_per_token']:,} (all layers, batch 1)",
-        f"  weights          {_gib(d['weights_bytes'])}  {d['weights_source']}",
+        f"  weights          {_gib(d['weights_bytes'])}  {d['weights_bytes'] / 1e9:.2f} GB, "
+        f"{d['weights_source']}",
         f"  KV logical       {_gib(d['kv_bytes'])}  {d['kv_tokens_kept']:,} tokens kept per layer",
         f"  KV allocated     {_gib(d['kv_bytes_allocated'])}  held by MLX (peak while prefilling)",
-        f"  activations      {_gib(d['activation_bytes'])}  estimate: one {s.chunk}-token chunk",
+        f"  activations      {_gib(d['activation_bytes'])}  estimate: one {s.chunk}-token chunk, "
+        f"{attention}",
         f"  logits           {_gib(d['logits_bytes'])}  estimate: sampling step, float32",
         f"  overhead         {_gib(d['overhead_bytes'])}  estimate: runtime + allocator slack",
         f"  total            {_gib(d['total_bytes'])}",
-        f"  available        {_gib(d['available_bytes'])}  {d['available_source']}",
+        f"  available        {_gib(d['available_bytes'])}  {available}",
         f"  verdict          {verdict}",
         "",
     ]
@@ -223,6 +286,55 @@ def render(est) -> str:
         + ("any (every cache is bounded)" if mc is None else f"{mc:,} tokens")
     )
     out.append(f"  largest batch that fits at {s.context:,} tokens: {d['max_batch']:,}")
+    tc = d["trained_context"]
+    if d["past_trained_context"]:
+        out.append(
+            f"  PAST THE TRAINED CONTEXT: {s.context:,} tokens > {tc:,}; generate refuses a "
+            "full cache this long"
+        )
+        wi = d["window_instead"]
+        if wi:
+            verdict = "fits" if wi["fits"] else "does not fit"
+            out.append(
+                f"    {' '.join(wi['flags'])} keeps every distance in range: total "
+                f"{wi['total_bytes'] / 2**30:.2f} GiB, {verdict}"
+            )
+    elif tc:
+        out.append(f"  trained context: {tc:,} tokens")
+    if d["wired_limit"]:
+        w = d["wired_limit"]
+        out.append(
+            f"  raise the GPU wired limit to fit: {w['command']} "
+            f"(leaves {w['headroom_bytes'] / 2**30:.1f} GiB to macOS; resets at reboot)"
+        )
+    if d["load_wired_limit_bytes"]:
+        out.append(
+            f"  wired at load: {d['load_wired_limit_bytes'] / 2**30:.2f} GiB "
+            "(weights + margin, at most the working set)"
+        )
     for note in d["notes"]:
         out.append(f"  note: {note}")
+    if suggestions is not None:
+        out += _render_suggestions(est, suggestions)
+    elif not est.runnable:
+        out.append("  (--fit lists settings that fit, as the flags to pass)")
     return "\n".join(out)
+
+
+def _render_suggestions(est, suggestions) -> list[str]:
+    if est.runnable:
+        return ["", "  --fit: it already fits as asked"]
+    if not suggestions:
+        return ["", "  --fit: no setting mlxkv can change makes it fit"]
+    out = ["", "  --fit: these fit (add to the command; cheapest in measured quality first):"]
+    for x in suggestions:
+        cost = x.kv_cost if x.quality.cost is None else x.quality.cost
+        tail = "  (weights: unmeasured)" if x.weight_bits is not None else ""
+        out.append(
+            f"    total {x.budget.total / 2**30:6.2f} GiB, {x.spare / 2**30:5.2f} spare, "
+            f"quality {cost:+6.1%}  {' '.join(x.flags)}{tail}"
+        )
+    src = {x.quality.source for x in suggestions if x.quality.source}
+    if src:
+        out.append(f"    quality: {'; '.join(sorted(src))}")
+    return out

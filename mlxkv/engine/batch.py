@@ -62,8 +62,10 @@ def why_not_batched(loaded: LoadedModel, policy: KVPolicy) -> str | None:
 
 
 def _too_long(loaded: LoadedModel, policy: KVPolicy, n_prompt: int) -> str | None:
+    from mlxkv.memory.context import past_trained_context
+
     limit = loaded.context_length
-    if limit and policy.window is None and n_prompt >= limit:
+    if past_trained_context(limit, policy.window, n_prompt + 1):  # + the first reply token
         return (
             f"the prompt has {n_prompt} tokens but the model's context is {limit}; "
             "shorten it or use a window (--kv-window)"

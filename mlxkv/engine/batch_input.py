@@ -8,6 +8,7 @@ be a batch at all (missing, empty, not JSON on any line) raises :class:`UserErro
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,8 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite JSON number (Python's json reads NaN and Infinity too)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _check_messages(messages) -> str | None:
@@ -69,8 +71,8 @@ def _check_overrides(obj: dict) -> str | None:
         return f"'temperature' must be a number >= 0, got {obj['temperature']!r}"
     if "top_p" in obj and not (_is_number(obj["top_p"]) and 0 < obj["top_p"] <= 1):
         return f"'top_p' must be a number in (0, 1], got {obj['top_p']!r}"
-    if "seed" in obj and not _is_int(obj["seed"]):
-        return f"'seed' must be an integer, got {obj['seed']!r}"
+    if "seed" in obj and not (_is_int(obj["seed"]) and 0 <= obj["seed"] < 2**64):
+        return f"'seed' must be an integer in [0, 2**64), got {obj['seed']!r}"
     if "system" in obj and not isinstance(obj["system"], str):
         return "'system' must be a string"
     return None

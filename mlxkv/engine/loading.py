@@ -17,10 +17,11 @@ def open_model(
     context: int | None = None,
     batch: int = 1,
     on_status: Callable[[str], None] = lambda _m: None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
     """Resolve ``model``, refuse it (UserError) if the memory model says it won't fit at
     ``context`` tokens under ``policy`` (``batch`` sequences at once) unless ``force``,
-    then load it."""
+    then load it (``on_progress(bytes_done, bytes_total)`` follows the weights)."""
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
     if not force:
@@ -28,4 +29,5 @@ def open_model(
 
         check_fits(resolved.path, policy or KVPolicy(), context, batch)
     on_status("loading weights ...")
-    return load(resolved.path, dtype=dtype, name=resolved.alias or model or resolved.path.name)
+    name = resolved.alias or model or resolved.path.name
+    return load(resolved.path, dtype=dtype, name=name, on_progress=on_progress)

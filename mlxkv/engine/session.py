@@ -237,11 +237,11 @@ class Generator:
         yield from self._generate(ids, cached, settings)
 
     def _overflow_check(self, ids: list[int]) -> Iterator[Event]:
+        from mlxkv.memory.context import past_trained_context
+
         limit = self.loaded.context_length
-        if not limit or self.policy.window is not None:
-            return
         needed = len(ids)
-        if needed < limit:
+        if not past_trained_context(limit, self.policy.window, needed + 1):  # + 1 reply token
             return
         if self.overflow == "stop":
             raise UserError(

@@ -1,5 +1,7 @@
 """The budget: weights + KV + runtime vs available memory, and the largest context/batch.
 
+Every answer is closed-form in the context and the batch (``KVPredictor.prefill`` and
+binary searches over monotone totals), so ``plan`` answers at once for any context.
 ``mlxkv.memory.estimate.check_fits`` is what the engine calls before loading a model.
 """
 
@@ -8,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxkv.memory.layout import Layout
-from mlxkv.memory.predictor import KVBytes, KVPredictor, prefill_schedule
+from mlxkv.memory.predictor import KVBytes, KVPredictor
 from mlxkv.memory.runtime import Runtime, estimate
 from mlxkv.memory.weights import Weights
 from mlxkv.policy import KVPolicy
 
-MAX_CONTEXT_SEARCH = 1 << 24  # 16.7M tokens: beyond that we say "unbounded"
-MAX_BATCH_SEARCH = 1 << 20
+MAX_CONTEXT_SEARCH = 1 << 50  # past this, an unbounded cache is reported as this many tokens
+MAX_BATCH_SEARCH = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,13 @@ def _runtime(layout: Layout, s: Setting, weights: Weights, kv: KVBytes, tokens: 
         kv.peak_allocated,
         s.backend,
         None if s.policy.window is None else s.policy.window + s.policy.sinks,
+        quantized=s.policy.bits is not None,
+        sinks=s.policy.sinks,
     )
 
 
 def budget(layout: Layout, weights: Weights, s: Setting, available: int) -> Budget:
-    pred = KVPredictor(layout, s.policy, s.batch, s.kv_dtype)
-    kv = pred.snapshot()
-    for n in prefill_schedule(s.context, s.chunk):
-        kv = pred.advance(n)
+    kv = KVPredictor(layout, s.policy, s.batch, s.kv_dtype).prefill(s.context, s.chunk)
     rt = _runtime(layout, s, weights, kv, s.context)
     return Budget(kv, rt, weights, _total(weights, kv, rt), available)
 
@@ -82,61 +83,53 @@ def _bounded(layout: Layout, policy: KVPolicy) -> bool:
     )
 
 
-def max_context(layout: Layout, weights: Weights, s: Setting, available: int) -> int | None:
-    """Largest prompt (prefilled in ``s.chunk`` calls) that fits; None: any length fits."""
+def _largest(fits, lo: int, hi: int) -> int:
+    """Largest x in [lo, hi] with fits(x), given fits(lo) and fits monotone (true, then false)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
-    def fits_after(pred: KVPredictor, tokens: int) -> bool:
-        kv = pred.snapshot()
-        return _total(weights, kv, _runtime(layout, s, weights, kv, tokens)) <= available
+
+def max_context(layout: Layout, weights: Weights, s: Setting, available: int) -> int | None:
+    """Largest prompt (prefilled in ``s.chunk`` calls) that fits; None: any length fits.
+
+    The peak after k full chunks only grows with k (it is a peak over more calls), and a
+    larger last chunk costs more: two binary searches, on full chunks then the remainder.
+    """
+    from dataclasses import replace
+
+    def fits(tokens: int) -> bool:
+        return budget(layout, weights, replace(s, context=tokens), available).fits
 
     limit = MAX_CONTEXT_SEARCH
     if _bounded(layout, s.policy):
         windows = [p.window or 0 for p in layout.specs()]
         windows.append((s.policy.window or 0) + s.policy.sinks)
         limit = max(windows) + 4 * s.chunk + 512  # past this, nothing grows any more
-    pred = KVPredictor(layout, s.policy, s.batch, s.kv_dtype)
-    done = 0
-    while done < limit:
-        n = min(s.chunk, limit - done)
-        pred.advance(n)
-        if not fits_after(pred, done + n):
-            break
-        done += n
-    else:
-        return None if limit < MAX_CONTEXT_SEARCH else done
-    # The last full chunk did not fit: find the largest remainder that does.
-    base = KVPredictor(layout, s.policy, s.batch, s.kv_dtype)
-    for m in prefill_schedule(done, s.chunk):
-        base.advance(m)
-    lo, hi = 0, n - 1  # remainder tokens known to fit / upper bound to try
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        trial = base.copy()
-        trial.advance(mid)
-        if fits_after(trial, done + mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    if done == 0 and lo == 0:
+    if fits(limit):
+        return None if limit < MAX_CONTEXT_SEARCH else limit
+    if not fits(1):
         return 0
-    return done + lo
+    chunks = _largest(lambda k: k == 0 or fits(k * s.chunk), 0, limit // s.chunk)
+    done = chunks * s.chunk
+    first = 0 if done else 1  # fits(1) is known
+    return done + _largest(lambda r: r == first or fits(done + r), first, max(first, s.chunk - 1))
 
 
 def max_batch(layout: Layout, weights: Weights, s: Setting, available: int) -> int:
-    """Largest batch that fits at ``s.context`` (totals are linear in the batch)."""
+    """Largest batch that fits at ``s.context`` (totals grow with the batch)."""
     from dataclasses import replace
 
-    def total(b: int) -> int:
-        return budget(layout, weights, replace(s, batch=b), available).total
+    def fits(b: int) -> bool:
+        return budget(layout, weights, replace(s, batch=b), available).fits
 
-    t1 = total(1)
-    if t1 > available:
+    if not fits(1):
         return 0
-    slope = max(1, total(2) - t1)
-    b = min(MAX_BATCH_SEARCH, 1 + (available - t1) // slope)
-    while b > 1 and total(b) > available:
-        b -= 1
-    return b
+    return _largest(fits, 1, MAX_BATCH_SEARCH)
 
 
 def gib(n: int) -> str:

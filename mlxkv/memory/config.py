@@ -8,6 +8,7 @@ only *read* through the merged text view.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from mlxkv.errors import UserError
@@ -36,6 +37,8 @@ _POSITIVE_INTS = (
     "num_experts",
     "attention_chunk_size",
 )
+# Numbers that must be positive when present (json reads NaN and Infinity, so check finiteness).
+_POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "partial_rotary_factor")
 # Windows: null means "no window".
 _OPTIONAL_POSITIVE_INTS = ("sliding_window", "sliding_window_size", "attention_window_size")
 
@@ -74,8 +77,29 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _non_finite(value, where: str) -> str | None:
+    """The key path of the first NaN or infinity inside ``value``, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for k, v in items:
+        found = _non_finite(v, f"{where}.{k}" if where else str(k))
+        if found:
+            return found
+    return None
+
+
 def validate(config: dict) -> str:
     """Check the fields the memory model reads; return the model_type."""
+    bad = _non_finite(config, "")
+    if bad:
+        raise BadInput(f"'{bad}' is not a finite number; fix config.json")
     model_type = config.get("model_type")
     if model_type is None:
         raise BadInput("config.json has no 'model_type' field")
@@ -92,6 +116,14 @@ def validate(config: dict) -> str:
             continue
         if not _is_int(v):
             raise BadInput(f"'{key}' must be an integer, got {type(v).__name__} {v!r}")
+        if v <= 0:
+            raise BadInput(f"'{key}' must be positive, got {v}")
+    for key in _POSITIVE_NUMBERS:
+        v = view.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise BadInput(f"'{key}' must be a number, got {type(v).__name__} {v!r}")
         if v <= 0:
             raise BadInput(f"'{key}' must be positive, got {v}")
     heads, kv_heads = view.get("num_attention_heads"), view.get("num_key_value_heads")

@@ -7,15 +7,18 @@ from pathlib import Path
 
 from mlxkv.errors import UserError
 from mlxkv.memory.budget import Budget, Setting, budget, gib, max_batch, max_context
-from mlxkv.memory.config import validate
+from mlxkv.memory.config import BadInput, validate
+from mlxkv.memory.context import past_trained_context, trained_context
 from mlxkv.memory.dtypes import backend, default_kv_dtype, default_weight_dtype
 from mlxkv.memory.layout import Layout
 from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.memory.system import SystemMemory, system_memory
 from mlxkv.memory.weights import Weights, from_hub, from_layout, from_local
+from mlxkv.memory.working_set import WiredAdvice, load_wired_limit, wired_advice
 from mlxkv.policy import KVPolicy, PolicyError
 
 DEFAULT_CONTEXT = 4096
+BACKENDS = ("metal", "cpu")
 
 
 @dataclass
@@ -29,6 +32,20 @@ class Estimate:
     max_context: int | None = None  # None: any context fits (every cache bounded)
     max_batch: int = 0
     notes: list[str] = field(default_factory=list)
+    trained_context: int | None = None  # the model's, from config.json (mlxkv.memory.context)
+    weight_bits: int | None = None  # planned as an MLX conversion quantized to these bits
+    wired: WiredAdvice | None = None  # the sysctl that makes it fit on this Mac, if any
+    load_wired_limit: int | None = None  # what mlxkv wires at load on Metal
+
+    @property
+    def past_trained_context(self) -> bool:
+        s = self.setting
+        return past_trained_context(self.trained_context, s.policy.window, s.context)
+
+    @property
+    def runnable(self) -> bool:
+        """It fits, and the engine would run it (no context past the trained one)."""
+        return self.budget.fits and not self.past_trained_context
 
 
 def _weights(src: ModelSource, layout: Layout, wdtype: str, dequantize: bool, notes) -> Weights:
@@ -44,7 +61,7 @@ def _weights(src: ModelSource, layout: Layout, wdtype: str, dequantize: bool, no
     return from_layout(layout.facts, wdtype, dequantize)
 
 
-def _check_policy(layout: Layout, policy: KVPolicy) -> None:
+def check_policy(layout: Layout, policy: KVPolicy) -> None:
     """The refusals of mlxkv.caches.plan_policy that the layout alone can decide."""
     name = layout.model_type
     growing = [p for p in layout.specs() if p.grows]
@@ -100,19 +117,31 @@ def estimate_model(
     kv_dtype: str | None = None,
     memory: str | None = None,
     search: bool = True,
+    on: str | None = None,
+    weight_bits: int | None = None,
 ) -> Estimate:
+    """``on``: "metal" or "cpu" (default: this machine's backend); ``weight_bits``: plan
+    the model as ``mlx_lm.convert -q --q-bits b`` (group 64) would store it."""
     from mlxkv.memory.store import layout_for
 
     policy = policy or KVPolicy()
     validate(src.config)
-    layout = layout_for(src.config)
-    _check_policy(layout, policy)
-    on = backend()
-    wdtype = default_weight_dtype(src.config, on)
+    on = on or backend()
+    if on not in BACKENDS:
+        raise BadInput(f"--backend must be one of {', '.join(BACKENDS)}, got '{on}'")
+    config = src.config
+    if weight_bits is not None:
+        config = with_weight_bits(config, weight_bits)
+    layout = layout_for(config)
+    check_policy(layout, policy)
+    wdtype = default_weight_dtype(config, on)
     dequantize = on == "cpu"  # mlxkv.models.loader: float32, dequantized, on the CPU
     notes: list[str] = []
-    weights = _weights(src, layout, wdtype, dequantize, notes)
-    kv_dtype = kv_dtype or default_kv_dtype(src.config, on)
+    if weight_bits is None:
+        weights = _weights(src, layout, wdtype, dequantize, notes)
+    else:
+        weights = from_layout(layout.facts, wdtype, dequantize)
+    kv_dtype = kv_dtype or default_kv_dtype(config, on)
     setting = Setting(
         context=DEFAULT_CONTEXT if context is None else context,
         batch=batch,
@@ -121,9 +150,14 @@ def estimate_model(
         kv_dtype=kv_dtype,
         backend=on,
     )
-    mem = system_memory(memory)
+    mem = system_memory(memory, on)
     b = budget(layout, weights, setting, mem.available)
     est = Estimate(src.name, src, layout, setting, b, mem, notes=notes)
+    est.trained_context = trained_context(config)
+    est.weight_bits = weight_bits
+    if on == "metal" and mem.total:
+        est.wired = wired_advice(b.total, mem.total, mem.available)
+        est.load_wired_limit = load_wired_limit(weights.bytes, mem.available)
     if search:
         est.max_context = max_context(layout, weights, setting, mem.available)
         est.max_batch = max_batch(layout, weights, setting, mem.available)
@@ -135,6 +169,16 @@ def estimate_model(
     elif est.max_context == 0:
         notes.append(f"not even one prefill chunk fits at batch {batch}")
     return est
+
+
+def with_weight_bits(config: dict, bits: int) -> dict:
+    """The config of an MLX conversion quantized to ``bits`` (what ``mlx_lm.convert -q``
+    writes: group 64, affine), replacing any quantization the checkpoint has."""
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise BadInput(f"--weight-bits must be one of 2, 3, 4, 5, 6, 8, got {bits}")
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config["quantization"] = {"group_size": 64, "bits": bits}
+    return config
 
 
 def check_fits(

@@ -3,8 +3,15 @@
 Each tracker mirrors one cache class's buffer bookkeeping for a model call of ``n`` tokens
 (``update``), in tokens along the sequence axis; the predictor multiplies by bytes per
 token. ``logical`` is the tokens the cache semantically keeps, ``length`` the tokens the
-buffer spans (what ``nbytes`` counts). Keep these in lock-step with mlx-lm's source: the
-exactness tests fail the moment mlx-lm changes its steps or trims.
+buffer spans (what ``nbytes`` counts).
+
+``key()`` is the state up to a shift along the sequence: two states with equal keys evolve
+alike under equal calls, only translated. ``shift(d)`` applies such a translation of ``d``
+tokens (``d`` a multiple of the period the predictor found), which lets a prefill of any
+length be answered from one period of calls (``KVPredictor.prefill``).
+
+Keep these in lock-step with mlx-lm's source: the exactness tests fail the moment mlx-lm
+changes its steps or trims.
 """
 
 from __future__ import annotations
@@ -40,6 +47,13 @@ class KVTracker:
     @property
     def logical(self) -> int:
         return self.offset
+
+    def key(self) -> tuple:
+        return (self.length == 0, self.length - self.offset, self.offset % STEP)
+
+    def shift(self, d: int) -> None:
+        self.offset += d
+        self.length += d
 
 
 @dataclass
@@ -89,6 +103,14 @@ class RotatingTracker:
     def logical(self) -> int:
         return min(self.offset, self.max_size)
 
+    def key(self) -> tuple:
+        # offset only matters while it is compared with length/idx (both stay below this).
+        far = 2 * (self.max_size + self.length + STEP)
+        return (self.length, self.idx, self.offset if self.offset < far else -1)
+
+    def shift(self, d: int) -> None:
+        self.offset += d
+
 
 @dataclass
 class ChunkedTracker:
@@ -114,6 +136,14 @@ class ChunkedTracker:
         # What survives the next maybe_trim_front: the last chunk_size tokens.
         return min(self.offset, self.chunk_size)
 
+    def key(self) -> tuple:
+        far = self.offset > self.chunk_size
+        return (self.offset - self.start, self.length, far)
+
+    def shift(self, d: int) -> None:
+        self.offset += d
+        self.start += d
+
 
 @dataclass
 class StateTracker:
@@ -130,6 +160,12 @@ class StateTracker:
 
     logical = length
 
+    def key(self) -> tuple:
+        return (self.length,)
+
+    def shift(self, d: int) -> None:
+        self.offset += d
+
 
 @dataclass
 class NoneTracker:
@@ -141,3 +177,9 @@ class NoneTracker:
 
     def update(self, n: int) -> None:
         self.offset += n
+
+    def key(self) -> tuple:
+        return ()
+
+    def shift(self, d: int) -> None:
+        self.offset += d

@@ -1,10 +1,14 @@
 """Incremental KV prediction: the engine calls ``advance(n)`` once per model call.
 
 Layers with identical caches are grouped, so a step costs O(distinct cache kinds) (2-4
-for real models), never O(layers) or O(tokens). Growing layers (plain KVCache) follow the
-user's policy through ``mlxkv.memory.policy_bytes`` (the caches' own arithmetic); every
-cache the model builds for itself (sliding windows, chunked attention, SSM and
-linear-attention states) follows mlx-lm's growth rules in ``native``.
+for real models), never O(layers) or O(tokens). ``prefill(tokens, chunk)`` answers a whole
+chunked prefill without walking it: the caches mlx-lm builds reach a state that repeats up
+to a shift every few chunks, so one period is replayed and the rest is a translation.
+
+Growing layers (plain KVCache) follow the user's policy through
+``mlxkv.memory.policy_bytes`` (the caches' own arithmetic); every cache the model builds
+for itself (sliding windows, chunked attention, SSM and linear-attention states) follows
+mlx-lm's growth rules in ``native``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ class _NativeGroup:
         c.tracker = copy.copy(self.tracker)
         return c
 
+    def key(self) -> tuple:
+        return self.tracker.key()
+
+    def skip(self, tokens: int, n: int) -> None:
+        self.tracker.shift(tokens)
+
 
 class _PolicyGroup:
     """``count`` growing layers under a policy, sized by the caches' own policy_bytes."""
@@ -89,6 +99,13 @@ class _PolicyGroup:
 
     def clone(self) -> _PolicyGroup:
         return copy.copy(self)  # plain ints; policy and policy_bytes are shared read-only
+
+    def key(self) -> tuple:
+        return ()  # closed form in tokens seen: never part of a period
+
+    def skip(self, tokens: int, n: int) -> None:
+        self.seen += tokens
+        self.last = n
 
 
 def _tracker(spec: CacheSpec, policy: KVPolicy):
@@ -187,6 +204,40 @@ class KVPredictor:
             return self.tokens_seen
         return min(self.tokens_seen, p.window + p.sinks)
 
+    def prefill(self, tokens: int, chunk: int) -> KVBytes:
+        """Advance through a prefill of ``tokens`` in ``chunk``-sized calls (the remainder
+        last), exactly as ``advance`` per call would, in time independent of ``tokens``."""
+        if chunk < 1:
+            raise ValueError("chunk must be at least 1")
+        full, rest = divmod(tokens, chunk)
+        self._repeat(chunk, full)
+        if rest:
+            self.advance(rest)
+        return self.snapshot()
+
+    def _repeat(self, n: int, times: int) -> None:
+        """``times`` calls of ``n`` tokens. Once the joint state of the mlx-lm caches repeats
+        (equal ``key``), whole periods are skipped by translation, leaving one full period to
+        replay: every value there is at least the skipped one it translates (buffers only
+        grow with the shift, policy layers grow with tokens), so the peak stays exact."""
+        seen: dict[tuple, int] = {}
+        step, jumped = 0, False
+        while step < times:
+            if not jumped:
+                key = tuple(g.key() for g in self._groups)
+                first = seen.setdefault(key, step)
+                if first != step:
+                    jumped = True
+                    period = step - first
+                    skip = ((times - step) // period - 1) * period
+                    if skip > 0:
+                        for g in self._groups:
+                            g.skip(skip * n, n)
+                        self.tokens_seen += skip * n
+                        step += skip
+            self.advance(n)
+            step += 1
+
     def copy(self) -> KVPredictor:
         """An independent predictor at the same point (to look ahead without disturbing it)."""
         c = copy.copy(self)
@@ -213,7 +264,5 @@ def predict(
 ) -> KVBytes:
     """KV bytes after prefilling ``tokens`` in ``chunk``-sized model calls."""
     p = KVPredictor(layout, policy, batch, kv_dtype, runtime)
-    snap = p.snapshot()
-    for n in prefill_schedule(tokens, chunk):
-        snap = p.advance(n)
-    return snap
+    p.snapshot()
+    return p.prefill(tokens, chunk)

@@ -8,19 +8,18 @@ store (heads, head dims, MLA latent, SSM conv/state sizes...). Weights are swapp
 zero-stride broadcasts first, so even a model that forces an eval mid-forward (dbrx's
 router does) touches a few bytes, not the checkpoint's size.
 
-``mlx_lm/__init__`` imports transformers (about 2 s); the probe loads ``mlx_lm.models.*``
-without running it when mlx_lm is not imported yet, and leaves ``sys.modules`` as it found it.
+The probe imports ``mlx_lm.models.<name>`` the ordinary way. ``mlx_lm/__init__`` imports
+transformers (about 2 s on a Mac), paid once per config: ``mlxkv.memory.store`` keeps the
+layout on disk, so a repeated ``plan`` imports neither.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import fnmatch
 import importlib
 import importlib.util
 import sys
-import types
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -118,38 +117,26 @@ def module_name(config: dict) -> str:
     return name
 
 
-@contextlib.contextmanager
-def _mlx_lm_models():
-    """Yield an importer for ``mlx_lm.models.<name>`` that skips mlx_lm/__init__ if possible."""
-    if "mlx_lm" in sys.modules:
-        yield lambda name: importlib.import_module(f"mlx_lm.models.{name}")
-        return
-    before = set(sys.modules)
-    spec = importlib.util.find_spec("mlx_lm")
-    stub = types.ModuleType("mlx_lm")
-    stub.__path__ = list(spec.submodule_search_locations)
-    stub.__spec__ = spec
-    stub.__file__ = spec.origin
-    sys.modules["mlx_lm"] = stub
-    try:
-        yield lambda name: importlib.import_module(f"mlx_lm.models.{name}")
-    finally:
-        # A later real `import mlx_lm` must run its __init__ and load its own submodules.
-        for key in set(sys.modules) - before:
-            if key == "mlx_lm" or key.startswith("mlx_lm."):
-                del sys.modules[key]
-
-
 def _quantize(nn, model, config: dict) -> bool:
-    """Quantize the (lazy) model the way the checkpoint is, so parameter bytes are packed."""
+    """Quantize the (lazy) model the way the checkpoint is, so parameter bytes are packed.
+
+    The choices of ``mlx_lm.utils.quantize_model``, read back from what it writes: a layer
+    listed in ``quantization`` (a dict of bits/group size/mode, as mixed-bit recipes record
+    every layer, or false) is quantized so; any other layer is quantized with the global
+    bits when it can be (``to_quantized``, last dim divisible by the global group size) and
+    the model's own ``quant_predicate`` (which keeps e.g. MoE routers unquantized, unrecorded
+    in the config) does not decline it."""
     q = config.get("quantization")
     if isinstance(q, dict):
         per_path = {k: v for k, v in q.items() if isinstance(v, (dict, bool))}
+        own = getattr(model, "quant_predicate", None)
 
         def predicate(path, m):
             if path in per_path:
                 return per_path[path]
-            return hasattr(m, "to_quantized") and m.weight.shape[-1] % q["group_size"] == 0
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % q["group_size"]:
+                return False
+            return own(path, m) if own is not None else True
 
         nn.quantize(
             model,
@@ -259,63 +246,60 @@ def probe(config: dict) -> Layout:
     # As mlx_lm.utils.load_model does for multimodal configs.
     if "quantization_config" not in config and "quantization_config" in view:
         config["quantization_config"] = view["quantization_config"]
-    with _mlx_lm_models() as import_module:
-        import mlx.core as mx
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten, tree_map
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
 
-        try:
-            arch = import_module(module)
-            cache_mod = import_module("cache")
-        except (Exception, SystemExit) as e:  # olmo.py calls sys.exit without ai2-olmo
-            raise BadInput(f"mlx-lm cannot import model '{module}': {one_line(e)}") from None
-        try:
-            args = arch.ModelArgs.from_dict(config)
-            model = arch.Model(args)
-            dense_params = sum(p.size for _, p in tree_flatten(model.parameters()))
-            quantized = _quantize(nn, model, config)
-            model.eval()
-        except Exception as e:
-            raise BadInput(
-                f"config.json does not describe a valid '{module}' model for mlx-lm: {one_line(e)}"
-            ) from None
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{module}")
+        cache_mod = importlib.import_module("mlx_lm.models.cache")
+    except (Exception, SystemExit) as e:  # olmo.py calls sys.exit without ai2-olmo
+        raise BadInput(f"mlx-lm cannot import model '{module}': {one_line(e)}") from None
+    try:
+        args = arch.ModelArgs.from_dict(config)
+        model = arch.Model(args)
+        dense_params = sum(p.size for _, p in tree_flatten(model.parameters()))
+        quantized = _quantize(nn, model, config)
+        model.eval()
+    except Exception as e:
+        raise BadInput(
+            f"config.json does not describe a valid '{module}' model for mlx-lm: {one_line(e)}"
+        ) from None
 
-        float_params = fixed_bytes = 0
-        for _, p in tree_flatten(model.parameters()):
-            if mx.issubdtype(p.dtype, mx.floating):
-                float_params += p.size
-            else:
-                fixed_bytes += p.nbytes
+    float_params = fixed_bytes = 0
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            float_params += p.size
+        else:
+            fixed_bytes += p.nbytes
 
-        probe_dt = getattr(mx, PROBE_DTYPE)
+    probe_dt = getattr(mx, PROBE_DTYPE)
 
-        def zero(p):
-            dt = probe_dt if mx.issubdtype(p.dtype, mx.floating) else p.dtype
-            return mx.broadcast_to(mx.zeros((), dtype=dt), p.shape)
+    def zero(p):
+        dt = probe_dt if mx.issubdtype(p.dtype, mx.floating) else p.dtype
+        return mx.broadcast_to(mx.zeros((), dtype=dt), p.shape)
 
-        model.update(tree_map(zero, model.parameters()))
+    model.update(tree_map(zero, model.parameters()))
 
-        def dtype_name(dt) -> str:
-            return str(dt).rsplit(".", 1)[-1]
+    def dtype_name(dt) -> str:
+        return str(dt).rsplit(".", 1)[-1]
 
-        try:
-            caches = cache_mod.make_prompt_cache(model)
-            model(mx.array([[0, 0]]), cache=caches)
-            model(mx.array([[0]]), cache=caches)
-        except Exception as e:
-            raise BadInput(
-                f"mlx-lm's '{module}' model fails on this config: {one_line(e)}"
-            ) from None
+    try:
+        caches = cache_mod.make_prompt_cache(model)
+        model(mx.array([[0, 0]]), cache=caches)
+        model(mx.array([[0]]), cache=caches)
+    except Exception as e:
+        raise BadInput(f"mlx-lm's '{module}' model fails on this config: {one_line(e)}") from None
 
-        layers = []
-        for i, c in enumerate(caches):
-            if type(c).__name__ == "CacheList":
-                parts = tuple(
-                    replace(_describe(p, args, module, dtype_name), in_list=True) for p in c.caches
-                )
-            else:
-                parts = (_describe(c, args, module, dtype_name),)
-            layers.append(LayerSpec(i, parts))
+    layers = []
+    for i, c in enumerate(caches):
+        if type(c).__name__ == "CacheList":
+            parts = tuple(
+                replace(_describe(p, args, module, dtype_name), in_list=True) for p in c.caches
+            )
+        else:
+            parts = (_describe(c, args, module, dtype_name),)
+        layers.append(LayerSpec(i, parts))
 
     facts = ModelFacts(
         hidden_size=_int(view, "hidden_size", "d_model", "n_embd"),

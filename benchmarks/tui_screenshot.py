@@ -1,6 +1,6 @@
 """Save an SVG of the app streaming a real answer from the default model (for the README).
 
-    python -m tui.screenshot docs/chat.svg --kv-window 64 --after 90
+    python -m benchmarks.tui_screenshot docs/chat.svg --kv-window 64 --after 90
 
 The picture is taken mid-answer, once ``--after`` tokens have streamed.
 """
@@ -17,9 +17,9 @@ QUESTION = "Write a short story about a robot who learns to paint."
 async def _shoot(path: str, window: int | None, after: int, size: tuple[int, int]) -> None:
     from mlxkv.engine.session import GenerationSettings
     from mlxkv.policy import KVPolicy
+    from tests.tui_pilot import send, settle, wait_for, wait_idle
     from tui.app import ChatApp
     from tui.engine import ChatEngine, real_opener
-    from tui.testing import send, settle, wait_for, wait_idle
 
     policy = KVPolicy.from_flags(window=window)
     engine = ChatEngine(real_opener(), GenerationSettings(max_tokens=after + 40), policy=policy)

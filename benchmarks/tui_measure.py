@@ -1,7 +1,7 @@
 """Measure the chat UI: first paint after load, key latency while streaming, and what the
 UI costs decoding (engine tok/s with the UI in a real terminal vs ``mlxkv generate``).
 
-    python -m tui.measure --runs 3 --tokens 64
+    python -m benchmarks.tui_measure --runs 3 --tokens 64
 
 Runs ``mlxkv chat`` inside tmux (real terminal rendering) and ``mlxkv generate --json``
 alternately, with the same greedy prompt, and prints JSON with every figure.

@@ -1,7 +1,9 @@
-"""A scripted generator with the real Generator's interface, for tests and demos.
+"""A scripted generator for the chat UI's tests: it satisfies ``tui.engine.ChatGenerator``
+like the real ``Generator`` (tests/test_tui_units.py checks both).
 
-Deterministic text and KV figures, optional per-token delay; no MLX. Prompts containing
-``!fail`` raise mid-answer, so error handling can be exercised.
+Deterministic text and KV figures, optional per-token delay; no MLX. Its KV figures are
+made up (actual and predicted come from one formula): tests of the figures themselves run
+on the real engine. Prompts containing ``!fail`` raise mid-answer.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from mlxkv.engine.events import Finished, PrefillProgress, Stats, TokenDelta
 from mlxkv.errors import UserError
@@ -34,6 +37,9 @@ class FakeTokenizer:
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(range(len(text) // 4))  # one token per 4 characters, as in run()
+
 
 @dataclass
 class FakeLoaded:
@@ -43,6 +49,7 @@ class FakeLoaded:
     weights_bytes: int = 538_060_032
     dtype: str = "float32"
     config: dict = field(default_factory=dict)
+    path: Path = Path("/nonexistent/fake-135m")  # no generation_config.json
 
 
 class FakeKV:
@@ -93,6 +100,9 @@ class FakeGenerator:
     def cancel(self) -> None:
         self._cancel.set()
 
+    def stats(self) -> Stats:
+        return self._stats(0, 0)
+
     def _stats(self, n_prompt, n_gen, reason=None) -> Stats:
         return self.kv.snapshot(
             Stats(
@@ -107,6 +117,7 @@ class FakeGenerator:
         )
 
     def run(self, prompt_text: str, settings):
+        """Yields the same kinds of events as Generator.run."""
         if not prompt_text:
             raise UserError("the prompt is empty; type something to send")
         self._cancel.clear()
@@ -138,7 +149,7 @@ class FakeGenerator:
 def fake_opener(delay: float = 0.0, known=("fake-135m", None)):
     """An opener for tui.engine.ChatEngine; unknown model names fail like the real one."""
 
-    def open_generator(model, policy, on_status):
+    def open_generator(model, policy, on_status, on_progress):
         on_status(f"loading {model or 'fake-135m'} ...")
         if model not in known:
             raise UserError(f"unknown model {model!r}: not a folder, file or registry alias")

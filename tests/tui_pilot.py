@@ -7,16 +7,21 @@ import time
 GIB = 1 << 30
 
 
-def fake_app(delay: float = 0.0, model: str | None = None, max_tokens: int = 200, **kw):
-    """The real app over the scripted engine (tui.fake), with a fixed memory budget so
+def fake_app(
+    delay: float = 0.0, model: str | None = None, max_tokens: int = 200, given=frozenset(), **kw
+):
+    """The real app over the scripted engine (tests/tui_fake.py), with a fixed memory budget so
     screenshots are the same on every machine."""
     from mlxkv.engine.session import GenerationSettings
+    from tests.tui_fake import fake_opener
     from tui.app import ChatApp
     from tui.engine import ChatEngine
-    from tui.fake import fake_opener
 
     engine = ChatEngine(
-        fake_opener(delay=delay), GenerationSettings(max_tokens=max_tokens), budget=16 * GIB
+        fake_opener(delay=delay),
+        GenerationSettings(max_tokens=max_tokens),
+        budget=16 * GIB,
+        given=given,
     )
     kw.setdefault("cursor_blink", False)
     return ChatApp(engine, model=model, **kw)

@@ -1,0 +1,60 @@
+"""What each KV policy costs in quality, as measured: data for ``plan --fit``'s ordering.
+
+Perplexity ratios against the full unquantized cache, from docs/cache-quality.md (its
+"Results" table: SmolLM2-135M, 12,288 tokens of austen.txt, chunks of 256, bounded
+policies keeping 1,024 tokens; column "ppl 1-8192", inside the trained context, where the
+full cache is at its best). Past the trained context the order flips (the sink cache is
+27.49 there against 35.78 for the full cache), so these costs are the conservative ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SOURCE = "docs/cache-quality.md, perplexity on tokens 1-8192 (SmolLM2-135M)"
+FULL_PPL = 25.71
+# policy -> perplexity on tokens 1-8192, as the table reports it
+PERPLEXITY = {
+    "full": 25.71,
+    "full-q8": 25.71,
+    "full-q4": 29.19,
+    "sink": 26.53,
+    "sink-q8": 26.53,
+    "sink-q4": 29.88,
+    "window": 40.99,
+}
+
+
+@dataclass(frozen=True)
+class Quality:
+    cost: float | None  # perplexity ratio - 1 (0.032 = +3.2%); None: not measured
+    note: str
+    source: str | None  # where the number comes from
+
+
+def kv_quality(window: int | None, sinks: int, bits: int | None) -> Quality:
+    """The measured cost of a KV policy (bits other than 8/4 and windows without sinks
+    are matched to the nearest measured row, and the note says which)."""
+    kind = "full" if window is None else ("sink" if sinks else "window")
+    if bits is not None:
+        kind += "-q8" if bits >= 8 else "-q4"
+    ppl = PERPLEXITY.get(kind)
+    if ppl is None:  # no quantized plain-window row: the plain window is the bound
+        kind = "window"
+        ppl = PERPLEXITY[kind]
+    cost = ppl / FULL_PPL - 1
+    note = f"perplexity {ppl:.2f} vs {FULL_PPL:.2f} for the full cache ({cost:+.1%}, '{kind}'"
+    if window is not None:
+        note += ", measured with 1,024 tokens kept"
+    if bits is not None and bits not in (4, 8):
+        note += f", measured at {8 if bits >= 8 else 4} bits"
+    note += ")"
+    if window is not None and sinks:
+        note += "; past the trained context it beats the full cache"
+    return Quality(cost, note, SOURCE)
+
+
+def lossless(note: str) -> Quality:
+    """A change that leaves every token's output as it was (batch) or only drops tokens the
+    request would have held (context)."""
+    return Quality(0.0, note, None)

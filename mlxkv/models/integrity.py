@@ -1,0 +1,44 @@
+"""Weight files checked before anything reads them: a cut-off download is one clear line.
+
+A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
+range, then the data. An interrupted download leaves a file shorter than its header says;
+MLX and the memory model would fail deep inside with a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from mlxkv.errors import UserError
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise UserError if ``path`` is not a whole safetensors file (reads the header only)."""
+    size = path.stat().st_size
+    hint = "an interrupted download? delete it and download the model again"
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if 8 + n > size:
+                raise ValueError
+            header = json.loads(f.read(n))
+        end = max(
+            (info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise UserError(f"{path} is not a complete safetensors file ({hint})") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if 8 + n + end > size:
+        raise UserError(
+            f"{path} is truncated: {size} bytes, its header needs {8 + n + end} ({hint})"
+        )
+
+
+def check_model_folder(folder: Path) -> None:
+    """Every safetensors file of a model folder is whole."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        check_safetensors(path)

@@ -1,0 +1,49 @@
+"""``mlxkv bench`` with bad input: refused before any work, nothing created or changed."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bad_input import refused, snapshot
+
+
+@pytest.fixture
+def text(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("some text\n")
+    return p
+
+
+@pytest.mark.parametrize("flag", ["--kept", "--repeats", "--stream-tokens", "--workers"])
+def test_zero_counts_are_refused(capsys, tmp_path, text, flag):
+    out = tmp_path / "new"
+    err = refused(capsys, "bench", "--quick", "--text", str(text), "--out", str(out), flag, "0")
+    assert f"{flag} must be at least 1, got 0" in err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file(capsys, tmp_path, text):
+    out = tmp_path / "existing"
+    out.write_text("keep me")
+    assert "is a file" in refused(capsys, "bench", "--text", str(text), "--out", str(out))
+    assert out.read_text() == "keep me"
+
+
+def test_out_folder_with_other_files(capsys, tmp_path, text):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "benchmarks.md").write_text("my notes")
+    before = snapshot(out)
+    assert "not a bench report" in refused(capsys, "bench", "--text", str(text), "--out", str(out))
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
+def test_bad_text_is_checked_before_out_is_made(capsys, tmp_path, kind):
+    text = {"missing": tmp_path / "nope.txt", "directory": tmp_path}.get(kind)
+    if kind == "binary":
+        text = tmp_path / "b.bin"
+        text.write_bytes(b"\xff\xfe\x00")
+    out = tmp_path / "fresh"
+    assert "--text" in refused(capsys, "bench", "--text", str(text), "--out", str(out))
+    assert not out.exists()

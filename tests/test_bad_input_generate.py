@@ -1,0 +1,95 @@
+"""``mlxkv generate`` with bad input: exit 2, one line, no traceback, files untouched."""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import pytest
+
+from mlxkv.models.registry import load_registry
+from tests.bad_input import refused, snapshot
+
+
+@pytest.fixture(autouse=True)
+def _no_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("mlxkv.models.loader.load", refuse)
+    monkeypatch.setattr("mlxkv.engine.loading.load", refuse)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--repetition-penalty", "-1"], "--repetition-penalty must be above 0"),
+        (["--seed", "-1"], "--seed must be in [0,"),
+        (["--seed", str(2**70)], "--seed must be in [0,"),
+        (["--temp", "nan"], "--temp must be at least 0, got nan"),
+        (["--temp", "inf"], "--temp must be at least 0, got inf"),
+        (["--top-k", "-1"], "--top-k must be at least 0"),
+        (["--min-p", "5"], "--min-p must be in [0, 1]"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--prefill-step", "0"], "--prefill-step must be at least 1"),
+        (["--kv-window", "-3"], "--kv-window"),
+        (["--kv-bits", "7"], "--kv-bits"),
+    ],
+)
+def test_bad_flags(capsys, flags, words):
+    assert words in refused(capsys, "generate", "-p", "hi", *flags)
+
+
+def test_closed_stdin(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", None)
+    assert "stdin is closed" in refused(capsys, "generate", "-p", "-")
+
+
+def test_non_utf8_prompt(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9")))
+    assert "not UTF-8 text (byte 3)" in refused(capsys, "generate", "-p", "-")
+
+
+@pytest.fixture
+def fresh_registry():
+    load_registry.cache_clear()
+    yield
+    load_registry.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
+def test_bad_models_registry_is_named(capsys, monkeypatch, tmp_path, fresh_registry, kind):
+    target = {"missing": tmp_path / "nope.toml", "directory": tmp_path}.get(kind)
+    if kind == "binary":
+        target = tmp_path / "bin.toml"
+        target.write_bytes(b"\x7fELF\x02\x01\x01\xff\xfe")
+    monkeypatch.setenv("MLXKV_MODELS", str(target))
+    before = snapshot(tmp_path)
+    assert "MLXKV_MODELS=" in refused(capsys, "generate", "-p", "hi")
+    assert snapshot(tmp_path) == before
+
+
+def test_home_that_is_a_file(capsys, monkeypatch, tmp_path):
+    home = tmp_path / "home"
+    home.write_text("mine")
+    monkeypatch.setenv("MLXKV_HOME", str(home))
+    assert "MLXKV_HOME=" in refused(capsys, "generate", "-p", "hi", "-m", "smollm2-135m")
+    assert home.read_text() == "mine"
+
+
+def test_truncated_weights(capsys, tmp_path, default_model_path):
+    """An interrupted download: the file is shorter than its header says."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in default_model_path.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, folder / f.name)
+    with open(default_model_path / "model.safetensors", "rb") as src:
+        (folder / "model.safetensors").write_bytes(src.read(1 << 20))
+    before = snapshot(folder)
+    err = refused(capsys, "generate", "-p", "hi", "-m", str(folder))
+    assert "truncated" in err and "download" in err
+    assert snapshot(folder) == before
+    (folder / "model.safetensors").write_bytes(b"\x01")
+    assert "not a complete safetensors file" in refused(capsys, "plan", str(folder))

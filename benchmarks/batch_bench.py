@@ -1,8 +1,14 @@
 """Throughput of ``mlxkv batch`` vs one-by-one generation vs mlx-lm ``batch_generate``.
 
     python benchmarks/batch_bench.py [--prompts 16] [--max-tokens 128] [--rounds 3]
+        [--kv-window W --kv-sinks S --kv-bits B] [--document 2000]
 
-Same prompts (chat template applied, same token ids), same model, greedy, full cache.
+Same prompts (chat template applied, same token ids), same model, greedy, same cache
+policy on the mlxkv sides. mlx-lm gets ``max_kv_size = S + W`` for a window (its rotating
+cache, batched without sinks: the nearest it has) and is left out for ``--kv-bits`` (it
+has no batched quantized cache). ``--document N`` asks every prompt a question about one
+N-token document (one shared prefix); then "mlxkv batch, no sharing" (the row loop with
+prefix sharing off) runs too.
 - mlxkv batch: the command's ``run`` (``mlxkv.cli.main``) given the loaded model, or with
   ``--subprocess`` the real CLI in a new process; its ``--stats`` elapsed time excludes
   the model load and includes prefill, decoding and writing the results file.
@@ -32,18 +38,54 @@ TOPICS = [
 ]  # fmt: skip
 
 
-def prompts(n: int) -> list[str]:
+def prompts(n: int, document: str = "") -> list[str]:
+    if document:
+        return [
+            f"{document}\n\nQuestion {i + 1}: what does the text above say about "
+            f"{TOPICS[i % len(TOPICS)]}? Answer in detail."
+            for i in range(n)
+        ]
     return [f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
 
 
-def run_mlxkv_batch(loaded, qs, max_tokens, batch_size, workdir: Path, subprocess_: bool):
+def make_document(tokenizer, tokens: int) -> str:
+    """Deterministic prose of about ``tokens`` tokens."""
+    words, i = [], 0
+    while True:
+        t = TOPICS[i % len(TOPICS)]
+        words.append(f"Paragraph {i + 1} is about {t}, and how {t} changed over the years.")
+        i += 1
+        text = " ".join(words)
+        if i % 8 == 0 and len(tokenizer.encode(text)) >= tokens:
+            return text
+
+
+def policy_flags(args) -> list[str]:
+    out = []
+    for flag, v in (("--kv-window", args.kv_window), ("--kv-sinks", args.kv_sinks),
+                    ("--kv-bits", args.kv_bits)):  # fmt: skip
+        if v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+def policy_of(args):
+    from mlxkv.policy import KVPolicy
+
+    return KVPolicy.from_flags(args.kv_window, args.kv_sinks, args.kv_bits)
+
+
+def run_mlxkv_batch(
+    loaded, qs, max_tokens, batch_size, workdir: Path, subprocess_: bool, flags=(), share=True
+):
     """The ``mlxkv batch`` command; in process (default) it is handed the already loaded
     model, so both batched runners start warm; ``--subprocess`` runs the real CLI cold."""
     inp, out = workdir / "in.jsonl", workdir / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(qs)))
     out.unlink(missing_ok=True)
     argv = ["batch", str(inp), "-o", str(out), "--stats", "--no-progress",
-            "--max-tokens", str(max_tokens), "--batch-size", str(batch_size)]  # fmt: skip
+            "--max-tokens", str(max_tokens), "--batch-size", str(batch_size),
+            *flags]  # fmt: skip
     if subprocess_:
         cmd = [sys.executable, "-m", "mlxkv", *argv]
         stdout = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -53,25 +95,33 @@ def run_mlxkv_batch(loaded, qs, max_tokens, batch_size, workdir: Path, subproces
         from unittest import mock
 
         from mlxkv.cli import main as cli_main
+        from mlxkv.engine import batch as engine_batch
 
         buf = io.StringIO()
+        runner = engine_batch.BatchRunner
+
+        def unshared(*a, **k):
+            return runner(*a, **k, share_prefix=False)
+
         with (
             mock.patch("mlxkv.engine.loading.open_model", lambda *a, **k: loaded),
+            mock.patch.object(engine_batch, "BatchRunner", runner if share else unshared),
             contextlib.redirect_stdout(buf),
         ):
             cli_main(argv)
         stdout = buf.getvalue()
     stats = json.loads(stdout)
-    return {"tokens": stats["generation_tokens"], "seconds": stats["elapsed_s"]}
+    kv = {k: v for k, v in stats.items() if k.startswith(("kv_", "shared_"))}
+    return {"tokens": stats["generation_tokens"], "seconds": stats["elapsed_s"], **kv}
 
 
-def run_one_by_one(loaded, qs, max_tokens) -> dict:
+def run_one_by_one(loaded, qs, max_tokens, policy=None) -> dict:
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished
     from mlxkv.engine.session import GenerationSettings, Generator
 
     settings = GenerationSettings(max_tokens=max_tokens)
-    gen = Generator(loaded)
+    gen = Generator(loaded, policy) if policy else Generator(loaded)
     tokens, tic = 0, time.perf_counter()
     for q in qs:
         gen.reset()
@@ -80,7 +130,7 @@ def run_one_by_one(loaded, qs, max_tokens) -> dict:
     return {"tokens": tokens, "seconds": time.perf_counter() - tic}
 
 
-def run_mlx_lm(loaded, qs, max_tokens) -> dict:
+def run_mlx_lm(loaded, qs, max_tokens, max_kv_size=None) -> dict:
     from mlx_lm.generate import batch_generate
 
     tok = loaded.tokenizer
@@ -92,7 +142,10 @@ def run_mlx_lm(loaded, qs, max_tokens) -> dict:
     ]
     ids = [tok.encode(t, add_special_tokens=False) for t in texts]
     tic = time.perf_counter()
-    res = batch_generate(loaded.model, tok, ids, max_tokens=max_tokens, return_token_ids=True)
+    extra = {"max_kv_size": max_kv_size} if max_kv_size else {}
+    res = batch_generate(
+        loaded.model, tok, ids, max_tokens=max_tokens, return_token_ids=True, **extra
+    )
     # batch_generate drops the EOS token; mlxkv counts it: count it here too.
     tokens = sum(len(t) + (len(t) < max_tokens) for t in res.token_ids)
     return {"tokens": tokens, "seconds": time.perf_counter() - tic}
@@ -106,26 +159,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sequential-rounds", type=int, default=None, help="default: --rounds")
     ap.add_argument("--subprocess", action="store_true", help="run mlxkv batch as a new process")
+    ap.add_argument("--kv-window", type=int)
+    ap.add_argument("--kv-sinks", type=int)
+    ap.add_argument("--kv-bits", type=int)
+    ap.add_argument("--document", type=int, default=0, help="tokens of one shared document")
     args = ap.parse_args()
 
     from mlxkv.models.loader import load
     from mlxkv.models.resolve import resolve
 
     loaded = load(resolve(None).path)
-    qs = prompts(args.prompts)
+    doc = make_document(loaded.tokenizer, args.document) if args.document else ""
+    qs = prompts(args.prompts, doc)
+    policy, flags = policy_of(args), policy_flags(args)
+    lm_kv = None if policy.window is None else policy.window + policy.sinks
+    with_lm = policy.bits is None
     seq_rounds = args.rounds if args.sequential_rounds is None else args.sequential_rounds
     runs: dict[str, list[dict]] = {"mlxkv_batch": [], "mlx_lm_batch_generate": [], "one_by_one": []}
+    if doc:
+        runs["mlxkv_batch_no_sharing"] = []
     with tempfile.TemporaryDirectory() as tmp:
         run_mlx_lm(loaded, qs[:2], 4)  # warm-up (first-call allocations)
         for r in range(args.rounds):
-            runs["mlxkv_batch"].append(
-                run_mlxkv_batch(
-                    loaded, qs, args.max_tokens, args.batch_size, Path(tmp), args.subprocess
-                )
-            )
-            runs["mlx_lm_batch_generate"].append(run_mlx_lm(loaded, qs, args.max_tokens))
+            common = (loaded, qs, args.max_tokens, args.batch_size, Path(tmp), args.subprocess)
+            runs["mlxkv_batch"].append(run_mlxkv_batch(*common, flags))
+            if doc:
+                runs["mlxkv_batch_no_sharing"].append(run_mlxkv_batch(*common, flags, False))
+            if with_lm:
+                runs["mlx_lm_batch_generate"].append(run_mlx_lm(loaded, qs, args.max_tokens, lm_kv))
             if r < seq_rounds:
-                runs["one_by_one"].append(run_one_by_one(loaded, qs, args.max_tokens))
+                runs["one_by_one"].append(run_one_by_one(loaded, qs, args.max_tokens, policy))
             done = {k: [round(x["tokens"] / x["seconds"], 2) for x in v] for k, v in runs.items()}
             print(f"round {r + 1}: tok/s {done}", file=sys.stderr, flush=True)
 
@@ -140,17 +203,26 @@ def main() -> None:
 
     paired_seq = paired("mlxkv_batch", "one_by_one")
     paired_lm = paired("mlxkv_batch", "mlx_lm_batch_generate")
+    paired_share = paired("mlxkv_batch", "mlxkv_batch_no_sharing") if doc else []
     report = {
+        "policy": policy.describe(),
+        "mlx_lm_max_kv_size": lm_kv if with_lm else "n/a (no batched quantized cache)",
+        "document_tokens": args.document,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
         "rounds": args.rounds,
         "mlxkv_in_subprocess": args.subprocess,
         "tokens": {k: [x["tokens"] for x in v] for k, v in runs.items()},
+        "seconds": {k: [round(x["seconds"], 2) for x in v] for k, v in runs.items()},
         "tok_per_s": {k: [round(tps(x), 2) for x in v] for k, v in runs.items()},
         "median_tok_per_s": {k: round(v, 2) for k, v in med.items()},
         "ratio_vs_one_by_one": round(statistics.median(paired_seq), 2) if paired_seq else None,
-        "ratio_vs_mlx_lm": round(statistics.median(paired_lm), 3),
+        "ratio_vs_mlx_lm": round(statistics.median(paired_lm), 3) if paired_lm else None,
+        "ratio_shared_vs_unshared": round(statistics.median(paired_share), 2)
+        if paired_share
+        else None,
+        "kv": {k: v for k, v in runs["mlxkv_batch"][-1].items() if k.startswith(("kv_", "shared"))},
     }
     print(json.dumps(report, indent=2))
 

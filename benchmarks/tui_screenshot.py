@@ -22,7 +22,8 @@ async def _shoot(path: str, window: int | None, after: int, size: tuple[int, int
     from tui.engine import ChatEngine, real_opener
 
     policy = KVPolicy.from_flags(window=window)
-    engine = ChatEngine(real_opener(), GenerationSettings(max_tokens=after + 40), policy=policy)
+    settings = GenerationSettings(max_tokens=after + 40, seed=0)  # chat's sampling, repeatable
+    engine = ChatEngine(real_opener(), settings, policy=policy)
     app = ChatApp(engine)
     async with app.run_test(size=size) as pilot:
         await wait_idle(app, pilot, timeout=600)

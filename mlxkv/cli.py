@@ -60,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # an environment variable read while building the help texts
         print(f"mlxkv: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "chat":
+        from mlxkv.engine.distributed import launched
+
+        if launched():
+            # One terminal UI cannot be shared by N processes, and a split model needs every
+            # rank to take each turn in lockstep: run chat on one machine.
+            print(
+                "mlxkv chat: error: chat runs in one process, not under mlx.launch; use "
+                "'mlxkv generate' or 'mlxkv batch' across machines (docs/distributed.md)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         code = args.run(args)
         sys.stdout.flush()  # here, not at exit, so a failed write is reported below
@@ -73,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _drop_stdout()
         return 0
+    except RuntimeError as e:
+        from mlxkv.engine.distributed import launched, lost_peer_message
+
+        if not launched():
+            raise
+        # Under mlx.launch a rank that stops takes its sockets with it: say so in one line.
+        print(f"mlxkv {args.command}: error: {lost_peer_message(e)}", file=sys.stderr)
+        return 1
     except OSError as e:
         if not _is_stdout_error(e):
             raise

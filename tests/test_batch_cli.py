@@ -191,15 +191,22 @@ def test_resume_after_a_torn_write(tmp_path, capsys, preloaded):
 
 
 @pytest.mark.model
-def test_window_policy_runs_one_by_one(tmp_path, capsys, preloaded):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": QUESTIONS[0], "max_tokens": 6}])
+@pytest.mark.parametrize(
+    "flags", [["--kv-window", "64", "--kv-sinks", "4"], ["--kv-bits", "4"]], ids=" ".join
+)
+def test_bounded_and_quantized_policies_run_batched(tmp_path, capsys, preloaded, flags):
+    """No "one by one" fallback; --stats puts the batch's KV bytes next to the prediction."""
+    lines = [{"id": i, "prompt": q, "max_tokens": 6} for i, q in enumerate(QUESTIONS[:2])]
+    inp = _write(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    args = ["batch", str(inp), "-o", str(out), "--kv-window", "64", "--stats"]
-    assert main(args) == 0
+    assert main(["batch", str(inp), "-o", str(out), "--stats", *flags]) == 0
     cap = capsys.readouterr()
-    assert "one by one" in cap.err and "no batched form" in cap.err
-    assert json.loads(cap.out)["batched"] is False
-    assert _records(out)[0]["generation_tokens"] > 0
+    assert "one by one" not in cap.err and "batch size 16" in cap.err
+    stats = json.loads(cap.out)
+    assert stats["batched"] is True
+    assert stats["kv_bytes_actual_peak"] == stats["kv_bytes_predicted_peak"] > 0
+    assert stats["kv_steps_mismatched"] == 0
+    assert all(r["generation_tokens"] > 0 for r in _records(out))
 
 
 @pytest.mark.model

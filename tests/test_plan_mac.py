@@ -362,3 +362,30 @@ def test_wiring_at_load_is_a_no_op_without_metal():
     if mx.metal.is_available():
         pytest.skip("a Metal device: wire_for_load sets the limit (checked on Macs)")
     assert wire_for_load(10 * GiB) is None
+
+
+def test_fit_offers_keys_4_values_2_where_the_policy_splits_widths(capsys):
+    from mlxkv.memory.fit import splits_widths
+
+    if not splits_widths():
+        pytest.skip("KVPolicy has no separate key/value widths here")
+    argv = [LLAMA31_4BIT, *MAC16, "--context", "131072"]
+    _, d = plan_json(capsys, *argv, "--fit")
+    split = [s for s in d["suggestions"] if "--kv-key-bits" in s["flags"]]
+    assert split and split[0]["flags"][-4:] == ["--kv-key-bits", "4", "--kv-value-bits", "2"]
+    for s in split:
+        code, again = plan_json(capsys, *with_flags(argv, s["flags"]))
+        assert code == 0 and again["total_bytes"] == s["total_bytes"]
+    run_plan(*argv, "--chart")
+    assert "keys 4 / values 2" in capsys.readouterr().out
+
+
+def test_bad_backend_or_weight_bits_is_one_line(capsys):
+    for argv, words in (
+        (["--backend", "cuda"], "--backend must be one of metal, cpu"),
+        (["--backend", "metal", "--memory", "16GB", "--weight-bits", "7"], "--weight-bits"),
+        (["--chart", "memory.svg"], "ending in .png"),
+    ):
+        assert run_plan(LLAMA31, *argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "Traceback" not in err

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from rich.console import Console
 
 from mlxkv.policy import KVPolicy
 from tests.tui_pilot import fake_app, send, sync, wait_for, wait_idle
@@ -16,13 +15,6 @@ from tui.conversations import ConversationStore
 from tui.loading import LoadingScreen
 
 SIZE = (120, 40)
-
-
-def plain(renderable) -> str:
-    console = Console(width=80)
-    with console.capture() as out:
-        console.print(renderable)
-    return out.get()
 
 
 def notes(app) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -13,7 +14,6 @@ import uuid
 import pytest
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.model,
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
 ]
@@ -25,7 +25,7 @@ def tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
 
 
-def wait_pane(session: str, condition, timeout: float) -> str:
+def wait_pane(session: str, condition, timeout: float, step: float = 0.5) -> str:
     end = time.monotonic() + timeout
     while True:
         pane = tmux("capture-pane", "-p", "-t", session)
@@ -33,30 +33,103 @@ def wait_pane(session: str, condition, timeout: float) -> str:
             return pane
         if time.monotonic() > end:
             raise AssertionError(f"timed out; the pane shows:\n{pane}")
-        time.sleep(0.5)
+        time.sleep(step)
 
 
-def test_chat_in_tmux(tmp_path, default_model_path):
-    session = f"mlxkv-{uuid.uuid4().hex[:8]}"
-    metrics = tmp_path / "metrics.json"
-    cmd = [sys.executable, "-m", "mlxkv", "chat", "--max-tokens", "32", "--metrics", str(metrics)]
-    tmux("new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), shlex.join(cmd))
+class Chat:
+    """``mlxkv chat ARGS`` in a tmux session, with its own MLXKV_HOME."""
+
+    def __init__(self, home, *args: str):
+        self.session = f"mlxkv-{uuid.uuid4().hex[:8]}"
+        self.done = home / f"{self.session}.exit"
+        cmd = shlex.join([sys.executable, "-m", "mlxkv", "chat", *args])
+        env = f"MLXKV_HOME={shlex.quote(str(home))}"
+        script = f"{env} {cmd}; echo $? > {shlex.quote(str(self.done))}"
+        tmux("new-session", "-d", "-s", self.session, "-x", str(WIDTH), "-y", str(HEIGHT))
+        tmux("send-keys", "-t", self.session, script, "Enter")
+
+    def keys(self, *keys: str, literal: bool = False) -> None:
+        tmux("send-keys", "-t", self.session, *(["-l"] if literal else []), *keys)
+
+    def type(self, text: str) -> None:
+        self.keys(text, literal=True)
+        self.keys("Enter")
+
+    def wait(self, condition, timeout: float = 300, step: float = 0.5) -> str:
+        return wait_pane(self.session, condition, timeout, step)
+
+    def exit_code(self, timeout: float = 30) -> int:
+        end = time.monotonic() + timeout
+        while not self.done.exists():
+            assert time.monotonic() < end, "mlxkv chat did not exit"
+            time.sleep(0.2)
+        return int(self.done.read_text())
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+
+
+def test_loading_failed_load_and_ctrl_c(tmp_path, default_model_path):
+    model = str(default_model_path)
+    chat = Chat(tmp_path, model, "--max-tokens", "200", "--temp", "0")
     try:
-        wait_pane(session, lambda p: "Enter send" in p and "loaded" in p, timeout=300)
-        tmux("send-keys", "-t", session, "-l", "What is the capital of France?")
-        tmux("send-keys", "-t", session, "Enter")
-        pane = wait_pane(session, lambda p: "done ·" in p, timeout=300)
-        assert "Paris" in pane
-        lines = pane.splitlines()
-        actual = next(line for line in lines if "actual " in line and "allocated" in line)
-        predicted = next(line for line in lines if "predicted " in line and "allocated" in line)
-        assert "MiB" in actual and "MiB" in predicted
+        # the loading screen: which model, from where, and the weights as they are read
+        pane = chat.wait(lambda p: "weights " in p and " of " in p, step=0.1)
+        assert f"Loading {model}" in pane and "from " in pane and "local folder" in pane
+        assert "Ctrl+Q quits" in pane
+        chat.wait(lambda p: "Enter send" in p and "loaded" in p)
+        chat.keys("C-c")  # idle: it says how to quit, and does not quit
+        chat.wait(lambda p: "Ctrl+Q quits" in p, timeout=10)
+        assert not chat.done.exists()
+        # Ctrl+C stops a streaming answer
+        chat.type("Write a long story about a dragon.")
+        chat.wait(lambda p: "answering" in p and "Once" in p)
+        chat.keys("C-c")
+        pane = chat.wait(lambda p: "stopped ·" in p, timeout=60)
+        assert "Enter send" in pane and not chat.done.exists()
+        # a failed load shows its error at once (no resize needed), Esc leaves a trace
+        chat.type("/model /tmp/no-such-model")
+        pane = chat.wait(lambda p: "Could not load the model" in p, timeout=30)
+        assert "unknown model '/tmp/no-such-model'" in pane and "Esc goes back" in pane
+        chat.keys("Escape")
+        pane = chat.wait(lambda p: "still using" in p, timeout=30)
+        assert "could not load the model" in pane
+        chat.keys("C-q")
+        assert chat.exit_code() == 0
+    finally:
+        chat.close()
+
+
+@pytest.mark.slow
+def test_answer_panel_and_resume_after_quitting(tmp_path, default_model_path):
+    model = str(default_model_path)
+    metrics = tmp_path / "metrics.json"
+    chat = Chat(tmp_path, model, "--kv-window", "64", "--max-tokens", "32", "--temp", "0")
+    chat_args = ["--metrics", str(metrics)]
+    try:
+        chat.wait(lambda p: "Enter send" in p and "loaded" in p)
+        chat.type("What is the capital of France?")
+        pane = chat.wait(lambda p: "done ·" in p or "length ·" in p)
+        assert "Paris" in pane and "sink 4 + window 64" in pane
         assert "exact" in pane
-        figure = actual.split("actual", 1)[1].split("allocated")[0].strip()
-        assert figure in predicted  # the same number on both lines
+        chat.keys("C-q")
+        assert chat.exit_code() == 0
+    finally:
+        chat.close()
+    (kept,) = (tmp_path / "chats").glob("chat-*.json")
+    assert json.loads(kept.read_text())["policy"]["window"] == 64
+    chat = Chat(tmp_path, "--resume", "--max-tokens", "16", *chat_args)
+    try:
+        pane = chat.wait(lambda p: "resumed the last conversation" in p)
+        assert "What is the capital of France?" in pane and "Paris" in pane
+        assert "sink 4 + window 64" in pane  # the policy came back with it
+        chat.type("And of Germany?")
+        chat.wait(lambda p: "And of Germany?" in p and ("done ·" in p or "length ·" in p))
         turn = json.loads(metrics.read_text())["turns"][-1]
         assert turn["kv_bytes_actual"] == turn["kv_bytes_predicted"] > 0
-        tmux("send-keys", "-t", session, "C-q")
-        time.sleep(1.0)
+        chat.keys("C-q")
+        assert chat.exit_code() == 0
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        chat.close()
+    assert len(json.loads(kept.read_text())["messages"]) == 4
+    assert os.listdir(tmp_path / "chats") == [kept.name]  # no temporary files left behind

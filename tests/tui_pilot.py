@@ -39,7 +39,7 @@ async def wait_idle(app, pilot, timeout: float = 30.0, step: float = 0.02) -> No
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         await pilot.pause(step)
-        if not app.busy and not app.pipe._items and not _panel_pending(app):
+        if not (app.busy or app.handling or app.pipe._items or _panel_pending(app)):
             await pilot.pause()
             return
     raise TimeoutError(f"the app is still busy ({app.busy}) after {timeout} s")

@@ -101,6 +101,7 @@ class ChatApp(App):
         self.worker = MLXWorker()
         self.pipe = EventPipe(lambda: self.post_message(self.Wake()))
         self.busy: str | None = None  # name of the running job
+        self.handling: str | None = None  # the job whose result is being shown
         self._stop = threading.Event()
         self._streaming: MessageView | None = None
         self._pending_text = ""  # the prompt of the running turn (given back on failure)
@@ -205,6 +206,7 @@ class ChatApp(App):
             )
 
     def _turn(self, kind: str, text: str = "") -> None:
+        self._pending_policy = None  # its cost changes with the turn: ask again
         self._stop = threading.Event()
         stop, engine, pipe = self._stop, self.engine, self.pipe
 
@@ -262,8 +264,12 @@ class ChatApp(App):
             if isinstance(self.screen, LoadingScreen):
                 self.screen.show(item)
         elif isinstance(item, Done | Failed):
-            self.busy = None
-            await self._after[item.job](item)
+            self.busy = None  # a handler may start the next job (a load, then a restore)
+            self.handling = item.job
+            try:
+                await self._after[item.job](item)
+            finally:
+                self.handling = None
             if not self.busy:
                 self.set_status()
 

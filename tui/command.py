@@ -46,6 +46,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    build_app(args).run()
+    return 0
+
+
+def build_app(args):
+    """The chat app for parsed ``mlxkv chat`` arguments (not started)."""
     from tui.app import ChatApp
     from tui.conversations import ConversationStore, policy_from_dict
     from tui.engine import ChatEngine, real_opener
@@ -68,6 +74,4 @@ def run(args) -> int:
     engine = ChatEngine(
         opener, settings, policy=policy, system=args.system, given=given_sampling(args)
     )
-    app = ChatApp(engine, model=model, metrics_path=args.metrics, store=store, resume=resume)
-    app.run()
-    return 0
+    return ChatApp(engine, model=model, metrics_path=args.metrics, store=store, resume=resume)

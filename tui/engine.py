@@ -177,6 +177,9 @@ class ChatEngine:
             start = len(_encode(tok, head))
         for i in range(len(msgs)):
             end = len(_encode(tok, head + msgs[: i + 1]))
+            if i == 0:  # a template may add its own system prompt before the first message
+                own = len(tok.encode(msgs[0]["content"], add_special_tokens=False)) + 2
+                start = max(start, end - own)
             spans.append((start, max(end, start)))
             start = end
         return spans

@@ -63,7 +63,13 @@ class LoadingScreen(Screen):
             return
         message = item.message
         if message.startswith("model "):  # "model PATH (SOURCE)" from the engine
-            self.query_one("#source", Static).update(f"source: {message[6:]}")
+            path, _, source = message[6:].partition(" (")
+            if self.model is None:
+                name = path.rstrip("/").rsplit("/", 1)[-1]
+                self.query_one("#title", Static).update(f"Loading {name} (the default model)")
+            source = source[:-1] if source.endswith(")") else source
+            self.query_one("#source", Static).update(f"from {path}\n{source}")
+            return
         self._log(message)
 
     def _log(self, line: str, replace_progress: bool = False) -> None:
@@ -77,6 +83,7 @@ class LoadingScreen(Screen):
         self.working = False
         self.error = message
         self.query_one(ProgressBar).display = False
+        self.query_one("#source", Static).display = False
         error = self.query_one("#error", Static)
         error.update(f"Could not load the model: {message}")
         error.display = True
@@ -94,7 +101,9 @@ class LoadingScreen(Screen):
         self.working, self.error = True, None
         self.model = event.value.strip() or None
         self.query_one("#title", Static).update(self._title())
-        self.query_one("#source", Static).update("source: resolving ...")
+        source = self.query_one("#source", Static)
+        source.update("source: resolving ...")
+        source.display = True
         self.query_one("#error", Static).display = False
         self.query_one("#retry", Input).display = False
         bar = self.query_one(ProgressBar)

@@ -60,8 +60,10 @@ def memory_bar(s: Stats, budget: int | None, width: int) -> Text:
     cells = []
     for size, style in ((s.weights_bytes, "blue"), (kv, "cyan"), (rest, "yellow")):
         cells += [style] * max(round(size / scale * width), 1 if size > 0 else 0)
+    filled = min(len(cells), width)
     cells = cells[:width] + ["grey23"] * max(width - len(cells), 0)
-    peak = min(width - 1, round(s.peak_memory / scale * width))
+    # The peak is at least what is held now: its mark goes after the parts, never over one.
+    peak = min(width - 1, max(round(s.peak_memory / scale * width), filled))
     if s.peak_memory:
         cells[peak] = "peak"
     bar = Text(no_wrap=True)

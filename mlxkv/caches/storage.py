@@ -82,8 +82,13 @@ class QuantStore:
         return {"bits": self.bits, "group_size": self.group_size}
 
 
+# A quantized store is a tuple, or a list once mlx-lm's pipeline has rebound it through
+# ``cache.keys = mx.depends(cache.keys, h)`` (which returns a list): both are triples.
+_TRIPLE = (tuple, list)
+
+
 def tokens_of(s) -> int:
-    return (s[0] if isinstance(s, tuple) else s).shape[2]
+    return (s[0] if isinstance(s, _TRIPLE) else s).shape[2]
 
 
 def take(s, a: int, b: int):
@@ -94,7 +99,7 @@ def take(s, a: int, b: int):
 def write(s, a: int, v) -> None:
     """Write stored tokens ``v`` into slots [a, a + len) of ``s`` in place."""
     n = tokens_of(v)
-    if isinstance(s, tuple):
+    if isinstance(s, _TRIPLE):
         for dst, src in zip(s, v, strict=True):
             dst[..., a : a + n, :] = src
     else:
@@ -102,7 +107,7 @@ def write(s, a: int, v) -> None:
 
 
 def concat(parts: list):
-    if isinstance(parts[0], tuple):
+    if isinstance(parts[0], _TRIPLE):
         return tuple(mx.concatenate(list(p), axis=2) for p in zip(*parts, strict=True))
     return mx.concatenate(parts, axis=2)
 
@@ -114,7 +119,7 @@ def grow(s, zeros):
 def nbytes(s) -> int:
     if s is None:
         return 0
-    if isinstance(s, tuple):
+    if isinstance(s, _TRIPLE):
         return sum(x.nbytes for x in s)
     return s.nbytes
 

@@ -18,6 +18,8 @@ from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
     add_model_flags,
+    add_shard_flag,
+    join_cluster,
     policy_from_args,
     settings_from_args,
     status,
@@ -53,14 +55,21 @@ instead. Error records are kept unless --retry-errors. OUT.jsonl is only ever ap
 records of this input. A torn last record (a kill mid-write) is cut and redone; a complete
 last record without its newline is kept.
 
-Batching: the full cache (the default) decodes --batch-size prompts together.
---kv-window / --kv-sinks / --kv-bits caches have no batched form: with those, the prompts
-run one by one (same results, no batching speed-up), and the run says so.
+Batching: --batch-size prompts decode together under every cache policy (full, --kv-window,
+--kv-sinks, --kv-bits and combinations); a finished prompt leaves the batch and a waiting one
+joins. A prefix shared by waiting prompts (a system prompt, a document) is prefilled once.
+Greedy results are token-identical to one-by-one generation. --stats adds the KV cache bytes
+the batch allocated next to the memory model's prediction.
 
 Exit status: 0 every line is answered by a result, 1 OUT.jsonl answers some lines of this
 input with error records (written now or kept from before), 2 the run could not start
 (bad paths, empty or non-JSON input, a foreign output file, bad flags), 130 interrupted
-(re-run to resume)."""
+(re-run to resume).
+
+Under mlx.launch (see docs/distributed.md): --shard data (the default) gives every rank a
+whole model and splits the prompts; rank 0 reads the input and alone writes OUT.jsonl.
+--shard tensor/pipeline splits one model over the ranks, for a model one host cannot hold.
+If a rank dies the job stops with a message from rank 0; re-run the same command to resume."""
 
 
 def add_arguments(p) -> None:
@@ -100,6 +109,7 @@ def add_arguments(p) -> None:
     add_model_flags(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
+    add_shard_flag(p, choices=("data", "auto", "tensor", "pipeline"))
 
 
 def _raw_formatter():
@@ -249,6 +259,9 @@ def run(args) -> int:
     base = settings_from_args(args)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    cluster = join_cluster()
+    if cluster is not None and not cluster.leader:
+        return _follow(args, policy, cluster)  # never touches the input or output files
     out = Path(args.output)
     if args.input != "-" and out.exists() and Path(args.input).exists():
         if os.path.samefile(args.input, out):
@@ -269,23 +282,83 @@ def run(args) -> int:
             status(f"retrying {len(plan.retried)} lines answered by error records")
         for b in bad:  # before the model loads: cheap, and nothing waits on them
             log.append({**b.record(), "fp": fps[b.line]})
+        if cluster is not None:
+            from mlxkv.engine.distributed import send_obj
+
+            for r in range(1, cluster.size):  # the followers load a model only if there is work
+                send_obj(cluster, bool(jobs), r)
         if not jobs:
             status(f"nothing left to run; {len(bad)} error records written to {out}")
             return _finish(args, policy, log, [], bad, plan, 0.0, None)
-        return _generate(args, policy, base, log, jobs, bad, fps, plan)
+        return _generate(args, policy, base, log, jobs, bad, fps, plan, cluster)
     finally:
         log.close()
 
 
-def _generate(args, policy, base, log, jobs, bad, fps, plan) -> int:
-    from mlxkv.engine.batch import BatchRunner, Request
-    from mlxkv.engine.batch_input import BadLine
+def _open(args, policy, cluster):
+    """The model and runner on this rank (split over the ranks unless --shard data)."""
+    from mlxkv.engine.batch import BatchRunner
     from mlxkv.engine.loading import open_model
 
+    sharded = cluster is not None and args.shard != "data"
+    if sharded:
+        import mlx.core as mx
+
+        from mlxkv.engine.distributed import shared_seed
+
+        mx.random.seed(shared_seed(cluster, None))  # unseeded sampling in lockstep
     loaded = open_model(
-        args.model, args.dtype, policy, args.force, batch=args.batch_size, on_status=status
+        args.model,
+        args.dtype,
+        policy,
+        args.force or (cluster is not None and not cluster.leader),  # rank 0 checked it
+        batch=args.batch_size,
+        on_status=status,
+        cluster=cluster if sharded else None,
+        shard=args.shard,
     )
-    runner = BatchRunner(loaded, policy, args.batch_size, args.prefill_step)
+    return loaded, BatchRunner(loaded, policy, args.batch_size, args.prefill_step)
+
+
+def _follow(args, policy, cluster) -> int:
+    """A follower rank: wait for rank 0's go, load, then serve its shares."""
+    from mlxkv.engine.batch_ranks import follow_data, follow_lockstep
+    from mlxkv.engine.distributed import recv_obj
+
+    if not recv_obj(cluster, 0):
+        return 0
+    _, runner = _open(args, policy, cluster)
+    if args.shard == "data":
+        follow_data(cluster, runner)
+    else:
+        follow_lockstep(cluster, runner)
+    return 0
+
+
+def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> int:
+    from mlxkv.engine.batch import Request
+    from mlxkv.engine.batch_input import BadLine
+
+    loaded, runner = _open(args, policy, cluster)
+    work = runner
+    if cluster is not None:
+        from mlxkv.engine.batch_ranks import DataParallel, Lockstep
+        from mlxkv.engine.distributed import on_terminate
+
+        def stopped() -> str:
+            return (
+                f"mlxkv batch: error: stopped: another rank exited (its error is above); "
+                f"{log.records} records are safe in {log.path}; run the same command again "
+                "to resume"
+            )
+
+        on_terminate(stopped)
+        if args.shard == "data":
+            work = DataParallel(cluster, runner, args.batch_size)
+            status(f"data parallel over {cluster.size} ranks, {args.batch_size} prompts each")
+        else:
+            work = Lockstep(cluster, runner)
+            status(f"one model split over {cluster.size} ranks ({loaded.shard})")
     if runner.batched:
         status(f"{len(jobs)} prompts, batch size {args.batch_size}, cache: {policy.describe()}")
     else:
@@ -312,7 +385,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan) -> int:
 
     t0 = time.perf_counter()
     try:
-        for r in runner.run(requests()):
+        for r in work.run(requests()):
             job = by_line[r.key]
             if r.error:
                 write_error(job, r.error)
@@ -324,7 +397,27 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan) -> int:
         progress.clear()
         status(f"interrupted: {log.records} records are safe in {log.path}; re-run to resume")
         raise
+    except RuntimeError as e:
+        if cluster is None:
+            raise
+        from mlxkv.engine.distributed import lost_peer_message
+
+        progress.clear()
+        print(
+            f"mlxkv batch: error: {lost_peer_message(e)}; {log.records} records are safe in "
+            f"{log.path}; run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 1
     elapsed = time.perf_counter() - t0
+    if cluster is not None:
+        runner.ranks_report = {
+            "ranks": cluster.size,
+            "shard": "data" if args.shard == "data" else loaded.shard,
+            "weights_bytes_per_rank": loaded.weights_bytes,
+        }
+        if args.shard == "data":
+            runner.ranks_report["results_by_rank"] = work.done_by_rank
     return _finish(args, policy, log, results, errors, plan, elapsed, runner)
 
 
@@ -370,6 +463,9 @@ def _finish(args, policy, log, results, errors, plan, elapsed, runner) -> int:
             "batch_size": args.batch_size,
             "policy": policy.to_dict(),
             "output": str(log.path),
+            **(runner.kv_summary() if runner else {}),
         }
+        if runner is not None and getattr(runner, "ranks_report", None):
+            summary.update(runner.ranks_report)
         print(json.dumps(summary))
     return 1 if errors or plan.errors_kept else 0

@@ -186,6 +186,32 @@ def given_sampling(args) -> set[str]:
     return {name for name, value in flags.items() if value is not None}
 
 
+_quiet = False
+
+
 def status(message: str) -> None:
     """Progress for the user on stderr (stdout is the command's output)."""
-    print(f"mlxkv: {message}", file=sys.stderr, flush=True)
+    if not _quiet:
+        print(f"mlxkv: {message}", file=sys.stderr, flush=True)
+
+
+def add_shard_flag(p: argparse.ArgumentParser, choices=("auto", "tensor", "pipeline")) -> None:
+    p.add_argument(
+        "--shard",
+        choices=choices,
+        default=choices[0],
+        help="under mlx.launch: how the ranks share the work (auto = tensor parallel where "
+        "mlx-lm's model has shard(), else pipeline); ignored in a single process",
+    )
+
+
+def join_cluster():
+    """The distributed group when run under mlx.launch (None otherwise); only rank 0 then
+    writes output and progress."""
+    global _quiet
+    from mlxkv.engine.distributed import join, quiet_followers
+
+    cluster = join()
+    quiet_followers(cluster)
+    _quiet = cluster is not None and not cluster.leader
+    return cluster

@@ -16,6 +16,8 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_overflow_flag,
+    add_shard_flag,
+    join_cluster,
     policy_from_args,
     settings_from_args,
     status,
@@ -52,6 +54,7 @@ def add_arguments(p) -> None:
     add_overflow_flag(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
+    add_shard_flag(p)
 
 
 def _read_prompt(arg: str) -> str:
@@ -131,7 +134,22 @@ def run(args) -> int:
     cache_file = Path(args.prompt_cache) if args.prompt_cache else None
     if cache_file is not None and cache_file.suffix != ".safetensors":
         raise UserError(f"--prompt-cache {cache_file} must end in .safetensors")
-    loaded = open_model(args.model, args.dtype, policy, args.force, on_status=status)
+    cluster = join_cluster()
+    if cluster is not None and cache_file is not None:
+        raise UserError("--prompt-cache works in one process; drop it under mlx.launch")
+    if cluster is not None:
+        from mlxkv.engine.distributed import shared_seed
+
+        settings.seed = shared_seed(cluster, settings.seed)
+    loaded = open_model(
+        args.model,
+        args.dtype,
+        policy,
+        args.force,
+        on_status=status,
+        cluster=cluster,
+        shard=args.shard,
+    )
     gen = Generator(loaded, policy, overflow=args.on_overflow)
     if cache_file is not None and cache_file.exists():
         gen.load_cache(cache_file)  # refuses (one line) a file made for something else
@@ -156,6 +174,9 @@ def run(args) -> int:
     s = final.stats
     if cache_file is not None:
         gen.save_cache(cache_file)
+    from mlxkv.engine.distributed import rank_kv_report
+
+    per_rank = rank_kv_report(cluster, loaded, s)
     if args.json:
         out = {
             "text": final.text,
@@ -176,6 +197,7 @@ def run(args) -> int:
             "dtype": loaded.dtype,
             "policy": policy.to_dict(),
             "blas": blas(),
+            **per_rank,
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -187,4 +209,9 @@ def run(args) -> int:
             f"finish: {final.finish_reason}; KV {s.kv_tokens} tokens, "
             f"{s.kv_bytes_actual} bytes (predicted {s.kv_bytes_predicted})"
         )
+        for r in per_rank.get("per_rank", []):
+            status(
+                f"rank {r['rank']}: KV {r['kv_bytes_actual']} bytes "
+                f"(predicted {r['kv_bytes_predicted']}), weights {r['weights_bytes']} bytes"
+            )
     return 0

@@ -15,7 +15,6 @@ from mlxkv.errors import UserError
 
 HELP = "check whether a model fits in memory (weights, KV cache, runtime) before loading it"
 KV_DTYPES = ("float16", "bfloat16", "float32")
-BACKENDS = ("metal", "cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: what this machine reports); with --backend metal, the Mac's RAM (16GB = a "
       "16 GB Mac, planned against Metal's recommended working set: 2/3 of RAM up to 36 GB, "
       "3/4 above)")  # fmt: skip
-    a("--backend", choices=BACKENDS, help="plan for Apple Silicon (metal: checkpoint dtype, "
+    a("--backend", metavar="metal|cpu", help="plan for Apple Silicon (metal: checkpoint dtype, "
       "packed quantized weights, fused attention) or MLX's CPU backend (float32); "
       "default: this machine's")  # fmt: skip
     a("--weight-bits", metavar="b", help="plan the model as an MLX conversion with weights "
@@ -46,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "context for this policy and the alternatives, with the budget as a line: in the "
       "terminal, or as a PNG (needs matplotlib)")  # fmt: skip
     a("--json", action="store_true", help="print the plan as JSON")
+    from mlxkv.commands import plan_hosts
+
+    plan_hosts.add_arguments(parser)
 
 
 def _int(value: str | None, flag: str, default: int | None, minimum: int) -> int | None:
@@ -94,6 +96,10 @@ def _estimate(args):
 
 
 def run(args) -> int:
+    if args.hosts is not None:
+        from mlxkv.commands import plan_hosts
+
+        return plan_hosts.run(args, _estimate)
     try:
         est = _estimate(args)
         suggestions = None
@@ -260,6 +266,8 @@ def render(est, suggestions=None) -> str:
         if d["fits"]
         else f"DOES NOT FIT ({-spare / 2**30:.2f} GiB short)"
     )
+    if d["past_trained_context"]:
+        verdict += (", but" if d["fits"] else ", and") + " past the trained context (below)"
     attention = "fused attention, no score matrix" if d["fused_attention"] else "scores held"
     available = d["available_source"]
     if d["memory_total_bytes"] and s.backend == "metal":
@@ -281,12 +289,14 @@ def render(est, suggestions=None) -> str:
         "",
     ]
     mc = d["max_context"]
+    tc = d["trained_context"]
+    beyond = tc and s.policy.window is None and (mc is None or mc > tc)
     out.append(
         f"  largest context that fits at batch {s.batch}: "
         + ("any (every cache is bounded)" if mc is None else f"{mc:,} tokens")
+        + (f" (the model is trained on {tc:,})" if beyond else "")
     )
     out.append(f"  largest batch that fits at {s.context:,} tokens: {d['max_batch']:,}")
-    tc = d["trained_context"]
     if d["past_trained_context"]:
         out.append(
             f"  PAST THE TRAINED CONTEXT: {s.context:,} tokens > {tc:,}; generate refuses a "
@@ -329,10 +339,11 @@ def _render_suggestions(est, suggestions) -> list[str]:
     out = ["", "  --fit: these fit (add to the command; cheapest in measured quality first):"]
     for x in suggestions:
         cost = x.kv_cost if x.quality.cost is None else x.quality.cost
+        shown = "     ?" if cost is None else f"{cost:+6.1%}"
         tail = "  (weights: unmeasured)" if x.weight_bits is not None else ""
         out.append(
             f"    total {x.budget.total / 2**30:6.2f} GiB, {x.spare / 2**30:5.2f} spare, "
-            f"quality {cost:+6.1%}  {' '.join(x.flags)}{tail}"
+            f"quality {shown}  {' '.join(x.flags)}{tail}"
         )
     src = {x.quality.source for x in suggestions if x.quality.source}
     if src:

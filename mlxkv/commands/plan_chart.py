@@ -15,7 +15,7 @@ from mlxkv.errors import UserError
 
 POINTS = 64
 WIDTH, HEIGHT = 64, 16
-MARKS = "*o+x#"
+MARKS = "*o+x#@"
 SINK_WINDOW = 4092
 SINKS = 4
 
@@ -48,6 +48,10 @@ def _policies(est) -> list[tuple[str, object]]:
         (f"sink {sinks} + window {window}", KVPolicy(window=window, sinks=sinks)),
         ("4-bit KV", KVPolicy(bits=4)),
     ]
+    from mlxkv.memory.fit import splits_widths
+
+    if splits_widths():
+        out.append(("keys 4 / values 2", KVPolicy(**{"key_bits": 4, "value_bits": 2})))
     seen, unique = set(), []
     for name, p in out:
         if p not in seen:

@@ -18,16 +18,23 @@ def open_model(
     batch: int = 1,
     on_status: Callable[[str], None] = lambda _m: None,
     on_progress: Callable[[int, int], None] | None = None,
+    cluster=None,
+    shard: str = "auto",
 ) -> LoadedModel:
     """Resolve ``model``, refuse it (UserError) if the memory model says it won't fit at
     ``context`` tokens under ``policy`` (``batch`` sequences at once) unless ``force``,
-    then load it (``on_progress(bytes_done, bytes_total)`` follows the weights)."""
+    then load it (``on_progress(bytes_done, bytes_total)`` follows the weights). With
+    ``cluster`` (``mlxkv.engine.distributed.Cluster``) the model is split over its ranks
+    (``shard``: auto, tensor or pipeline) and the check is this rank's share."""
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
-    if not force:
+    group = cluster.group if cluster is not None else None
+    if not force and group is None:
         from mlxkv.memory import check_fits
 
         check_fits(resolved.path, policy or KVPolicy(), context, batch)
-    on_status("loading weights ...")
+    on_status("loading weights ..." if group is None else f"loading this rank's share ({shard})")
     name = resolved.alias or model or resolved.path.name
-    return load(resolved.path, dtype=dtype, name=name, on_progress=on_progress)
+    return load(
+        resolved.path, dtype=dtype, name=name, on_progress=on_progress, group=group, shard=shard
+    )

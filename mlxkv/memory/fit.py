@@ -8,7 +8,7 @@ would run it (no full cache past the trained context). Ordered by measured quali
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from mlxkv.memory.budget import Budget, Setting, budget, max_batch, max_context
 from mlxkv.memory.context import past_trained_context
@@ -31,7 +31,7 @@ class Suggestion:
     weight_bits: int | None
     budget: Budget
     quality: Quality
-    kv_cost: float  # the KV policy's measured cost (orders suggestions of equal quality)
+    kv_cost: float | None  # the KV policy's measured cost (orders suggestions of equal quality)
 
     @property
     def spare(self) -> int:
@@ -53,15 +53,42 @@ def _round(n: int) -> int:
     return n // ROUND * ROUND if n >= 2 * ROUND else n
 
 
+def splits_widths() -> bool:
+    """Whether KVPolicy takes separate key and value widths (``--kv-key-bits``)."""
+    return "key_bits" in {f.name for f in fields(KVPolicy)}
+
+
+def _widths(p: KVPolicy) -> tuple[int | None, int | None]:
+    return (getattr(p, "key_bits", p.bits), getattr(p, "value_bits", p.bits))
+
+
+def _with_widths(p: KVPolicy, key: int | None, value: int | None) -> KVPolicy:
+    if splits_widths():
+        return replace(p, bits=None, key_bits=key, value_bits=value)
+    return replace(p, bits=key)
+
+
 def _policy_flags(base: KVPolicy, p: KVPolicy) -> list[str]:
     flags = []
     if p.window != base.window:
         flags += ["--kv-window", str(p.window)]
     if p.window is not None and (p.sinks != base.sinks or p.window != base.window):
         flags += ["--kv-sinks", str(p.sinks)]
-    if p.bits != base.bits:
-        flags += ["--kv-bits", str(p.bits)]
+    key, value = _widths(p)
+    if (key, value) != _widths(base):
+        if key == value:
+            flags += ["--kv-bits", str(key)]
+        else:
+            flags += ["--kv-key-bits", str(key), "--kv-value-bits", str(value)]
     return flags
+
+
+def _cheaper_widths(base: KVPolicy) -> list[tuple[int | None, int | None]]:
+    """The base's key/value widths, then 8/8, 4/4 and (where supported) 4/2 when smaller."""
+    options = [(8, 8), (4, 4)] + ([(4, 2)] if splits_widths() else [])
+    key, value = _widths(base)
+    now = (key or 16) + (value or 16)
+    return [(key, value)] + [(k, v) for k, v in options if k + v < now]
 
 
 class _Search:
@@ -77,7 +104,7 @@ class _Search:
             return b
         return None
 
-    def add(self, flags, s, wbits, layout, weights, quality, kv_cost=0.0) -> bool:
+    def add(self, flags, s, wbits, layout, weights, quality, kv_cost=None) -> bool:
         """Keep the candidate if it runs; True when it does."""
         b = self.runs(layout, weights, s)
         if b is not None and flags:
@@ -108,22 +135,19 @@ class _Search:
                 lo = mid
             else:
                 hi = mid - 1
-        return _round(lo)
+        return lo if lo == cap else _round(lo)  # the trained context binds: use all of it
 
     def policies(self, layout, weights, wbits: int | None, prefix: list[str]) -> None:
         base = self.est.setting
-        bit_options = [base.policy.bits] + [
-            b for b in (8, 4) if base.policy.bits is None or b < base.policy.bits
-        ]
-        for bits in bit_options:
-            p = replace(base.policy, bits=bits)
+        for key, value in _cheaper_widths(base.policy):
+            p = _with_widths(base.policy, key, value)
             try:
                 check_policy(layout, p)
             except PolicyError:
                 continue
             s = replace(base, policy=p)
-            quality = kv_quality(p.window, p.sinks, p.bits)
-            kv_cost = quality.cost or 0.0
+            quality = kv_quality(p.window, p.sinks, *_widths(p))
+            kv_cost = quality.cost
             if wbits is not None:
                 quality = _with_weights(quality, wbits)
             flags = prefix + _policy_flags(base.policy, p)
@@ -138,8 +162,8 @@ class _Search:
             if w is not None:
                 pw = replace(p, window=w, sinks=sinks)
                 sw = replace(base, policy=pw)
-                quality = kv_quality(pw.window, pw.sinks, pw.bits)
-                kv_cost = quality.cost or 0.0
+                quality = kv_quality(pw.window, pw.sinks, *_widths(pw))
+                kv_cost = quality.cost
                 if wbits is not None:
                     quality = _with_weights(quality, wbits)
                 flags = prefix + _policy_flags(base.policy, pw)
@@ -214,6 +238,12 @@ def suggest(est: Estimate) -> list[Suggestion]:
         search.policies(layout, weights, WEIGHT_BITS, ["--weight-bits", str(WEIGHT_BITS)])
     ranked = sorted(
         search.found.values(),
-        key=lambda s: (s.quality.cost is None, s.quality.cost or 0.0, s.kv_cost, -s.spare),
+        key=lambda s: (
+            s.quality.cost is None,
+            s.quality.cost or 0.0,
+            s.kv_cost is None,
+            s.kv_cost or 0.0,
+            -s.spare,
+        ),
     )
     return ranked[:MAX_SUGGESTIONS]

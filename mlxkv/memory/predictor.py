@@ -266,3 +266,18 @@ def predict(
     p = KVPredictor(layout, policy, batch, kv_dtype, runtime)
     p.snapshot()
     return p.prefill(tokens, chunk)
+
+
+def batch_allocated(
+    layout: Layout, policy: KVPolicy | None, rows_seen: list[int], kv_dtype: str = "float32"
+) -> int:
+    """KV bytes of mlxkv's batched decode caches for rows that have seen ``rows_seen`` tokens.
+
+    Every row is padded to the slots of the longest one, so this is the batch-``B``
+    allocation at ``max(rows_seen)`` tokens (exact for policy-governed layers, whose
+    allocation depends only on the tokens seen, not on the chunking).
+    """
+    if not rows_seen or max(rows_seen) == 0:
+        return 0
+    p = KVPredictor(layout, policy, len(rows_seen), kv_dtype)
+    return p.advance(max(rows_seen)).allocated

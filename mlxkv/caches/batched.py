@@ -1,0 +1,378 @@
+"""Batched decoding form of the policy caches: one cache object per layer for B rows.
+
+Rows are independent sequences that sit at different positions: row ``b`` has seen
+``n[b]`` tokens, evicted ``evicted[b]`` and rebased by ``base[b]``, exactly the counters of
+its own single-sequence :class:`~mlxkv.caches.streaming.StreamingKVCache` (or
+:class:`~mlxkv.caches.full.FullKVCache`). Every row uses the single cache's slot layout
+(sinks in ``[0, S)``, token ``k >= S`` in slot ``S + (k - S) % W``; token ``k`` in slot
+``k`` for a full cache), so a row's buffer is the single cache's buffer, zero-padded to
+the batch's capacity. Nothing is left-padded: positions are per row (``offset`` is an
+array of B positions, which RoPE applies row by row) and the mask hides each row's unused
+slots.
+
+A row is prefilled alone in its single-sequence cache (chunked prefill is exact there) and
+then joins with :meth:`BatchedKVCache.merge` / :meth:`extend`; finished rows leave with
+:meth:`filter`. Updates here are decode steps (one token per row): each row writes its
+token into its own slot, evicting rows re-rotate their sink keys by their own shift (one
+RoPE call with per-row offsets, bitwise equal to the single cache's), and a row rebases on
+the same schedule as alone. So every row attends to exactly the keys and values its single
+cache would hold, in the same slots.
+
+Allocation: ``capacity(max_b n[b], S + W)`` slots for every row (256-token steps, like the
+single caches), plus the full-precision sink-key copy: ``policy_bytes.allocated_bytes``
+with ``tokens_seen = max_b n[b]`` and ``batch = B``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxkv.caches import storage as st
+from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.rotation import Rotation
+from mlxkv.caches.streaming import (
+    DEFAULT_REBASE_EVERY,
+    QuantizedStreamingKVCache,
+    StreamingKVCache,
+)
+
+
+def _stack(parts: list):
+    """Concatenate stored tensors (arrays or quantized triples) along the batch axis."""
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(list(p), axis=0) for p in zip(*parts, strict=True))
+    return mx.concatenate(parts, axis=0)
+
+
+def _rows(s, idx: mx.array):
+    if isinstance(s, tuple):
+        return tuple(x[idx] for x in s)
+    return s[idx]
+
+
+def _pad(s, tokens: int):
+    """Zero-pad a stored tensor along the token axis to ``tokens`` slots."""
+    have = st.tokens_of(s)
+    if have == tokens:
+        return s
+    if have > tokens:
+        return st.take(s, 0, tokens)
+
+    def pad(x):
+        return mx.concatenate([x, mx.zeros((*x.shape[:2], tokens - have, x.shape[3]), x.dtype)], 2)
+
+    return tuple(pad(x) for x in s) if isinstance(s, tuple) else pad(s)
+
+
+def _put(s, slots: mx.array, v):
+    """Write one token per row: row ``b`` of ``v`` goes to slot ``slots[b]``."""
+    idx = slots.reshape(-1, 1, 1, 1)
+    if isinstance(s, tuple):
+        return tuple(mx.put_along_axis(x, idx, y, axis=2) for x, y in zip(s, v, strict=True))
+    return mx.put_along_axis(s, idx, v, axis=2)
+
+
+class BatchedKVCache:
+    """B rows of one layer's policy cache (window/sink/full, float or quantized)."""
+
+    def __init__(self, window, sinks, rotation, store, rebase_every=None):
+        self.window, self.sinks = window, sinks
+        self.rotation = rotation
+        self.store = store
+        self.rebase_every = rebase_every or DEFAULT_REBASE_EVERY
+        self.keys = self.values = self.sink_keys = None
+        self.n: list[int] = []
+        self.evicted: list[int] = []
+        self.base: list[int] = []
+        self.sink_shift: list[int] = []
+        self._offset = None
+
+    # ---- building from single-sequence caches ----
+    @classmethod
+    def merge(cls, caches: list) -> BatchedKVCache:
+        """One batched cache holding ``caches`` (single-sequence caches of one layer) as rows."""
+        first = caches[0]
+        if isinstance(first, FullKVCache):
+            out = BatchedKVCache(None, 0, None, st.FloatStore())
+        elif isinstance(first, StreamingKVCache):
+            out = cls._of(first)
+        else:
+            raise TypeError(f"{type(first).__name__} has no batched form")
+        out.extend_rows(caches)
+        return out
+
+    @staticmethod
+    def _of(c: StreamingKVCache) -> BatchedKVCache:
+        if isinstance(c, QuantizedStreamingKVCache):
+            return QuantizedBatchedKVCache(c.window, c.sinks, c.rotation, c.store, c.rebase_every)
+        return BatchedKVCache(c.window, c.sinks, c.rotation, c.store, c.rebase_every)
+
+    @staticmethod
+    def _counters(c) -> tuple[int, int, int, int]:
+        if isinstance(c, FullKVCache):
+            return c.offset, 0, 0, 0
+        return c._n, c._evicted, c._base, c._sink_shift
+
+    def extend_rows(self, caches: list) -> None:
+        """Append single-sequence caches as new rows (a waiting prompt joins the batch)."""
+        for c in caches:
+            n, e, b, d = self._counters(c)
+            self.n.append(n)
+            self.evicted.append(e)
+            self.base.append(b)
+            self.sink_shift.append(d)
+        self._offset = None
+        new_rows = [(c.keys, c.values, getattr(c, "sink_keys", None)) for c in caches]
+        like = next((r for r in new_rows if r[0] is not None), None)
+        if like is None and self.keys is None:
+            return  # every row is still empty: buffers are made by the first update
+        if self.keys is None:
+            self._alloc_like(like, len(self.n) - len(caches))
+        cap = self._capacity(max(self.n))
+        parts_k, parts_v = [_pad(self.keys, cap)], [_pad(self.values, cap)]
+        parts_s = []
+        if self.sinks:
+            parts_s.append(self.sink_keys)
+        for k, v, s in new_rows:
+            if k is None:
+                k, v = self._zeros_rows(1, cap)
+                s = self._zero_sinks(1)
+            elif self.sinks and s is None:
+                s = self._zero_sinks(1)
+            parts_k.append(_pad(k, cap))
+            parts_v.append(_pad(v, cap))
+            if self.sinks:
+                parts_s.append(s)
+        self.keys, self.values = _stack(parts_k), _stack(parts_v)
+        if self.sinks:
+            self.sink_keys = mx.concatenate(parts_s, axis=0)
+
+    def _alloc_like(self, like, rows: int):
+        k, v, _ = like
+        self._shapes = (self._dense_like(k), self._dense_like(v))
+        self.keys, self.values = self._zeros_rows(rows, 0)
+        if self.sinks:
+            self.sink_keys = self._zero_sinks(rows)
+
+    def _dense_like(self, s):
+        """A (1, H, 1, D) array in the activation dtype standing for stored tensor ``s``."""
+        if isinstance(s, tuple):
+            w, scales, _ = s
+            D = w.shape[-1] * 32 // self.store.bits
+            return mx.zeros((1, w.shape[1], 1, D), scales.dtype)
+        return mx.zeros((1, s.shape[1], 1, s.shape[3]), s.dtype)
+
+    def _zeros_rows(self, rows: int, cap: int):
+        k_like, v_like = self._shapes
+        k = self.store.zeros(mx.broadcast_to(k_like, (rows, *k_like.shape[1:])), cap)
+        v = self.store.zeros(mx.broadcast_to(v_like, (rows, *v_like.shape[1:])), cap)
+        return k, v
+
+    def _zero_sinks(self, rows: int):
+        k_like = self._shapes[0]
+        return mx.zeros((rows, k_like.shape[1], self.sinks, k_like.shape[3]), k_like.dtype)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (finished rows leave); capacity shrinks to what is left."""
+        self.n = [self.n[i] for i in keep]
+        self.evicted = [self.evicted[i] for i in keep]
+        self.base = [self.base[i] for i in keep]
+        self.sink_shift = [self.sink_shift[i] for i in keep]
+        self._offset = None
+        if self.keys is None:
+            return
+        if not keep:
+            self.keys = self.values = self.sink_keys = None
+            return
+        idx = mx.array(keep)
+        cap = self._capacity(max(self.n))
+        self.keys = _pad(_rows(self.keys, idx), cap)
+        self.values = _pad(_rows(self.values, idx), cap)
+        if self.sinks:
+            self.sink_keys = self.sink_keys[idx]
+
+    # ---- the protocol mlx-lm models call ----
+    @property
+    def limit(self) -> int | None:
+        return None if self.window is None else self.sinks + self.window
+
+    def _capacity(self, tokens: int) -> int:
+        return st.capacity(tokens, self.limit) if tokens > 0 else 0
+
+    @property
+    def offset(self):
+        if self._offset is None:
+            self._offset = mx.array([n - b for n, b in zip(self.n, self.base, strict=True)])
+        return self._offset
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.n)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if N != 1:
+            raise ValueError("a batched cache takes decode steps only; prefill rows alone")
+        if window_size is not None:
+            raise ValueError("model-defined attention windows are not batched here")
+        held = [self._held(n + 1) for n in self.n]
+        width = max(held)  # what update_and_fetch returns: slots past every row are left out
+        if all(h == width for h in held):
+            return None
+        return (mx.arange(width)[None] < mx.array(held)[:, None])[:, None, None, :]
+
+    def _held(self, n: int) -> int:
+        return n if self.limit is None else min(n, self.limit)
+
+    def _slot(self, t: int) -> int:
+        if self.window is None or t < self.sinks:
+            return t
+        return self.sinks + (t - self.sinks) % self.window
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.shape[2] != 1:
+            raise ValueError("a batched cache takes decode steps only; prefill rows alone")
+        S = self.sinks
+        if self.keys is None:
+            self._shapes = (mx.zeros_like(keys[:1]), mx.zeros_like(values[:1]))
+            self.keys, self.values = self._zeros_rows(len(self.n), 0)
+            if S:
+                self.sink_keys = self._zero_sinks(len(self.n))
+        cap = self._capacity(max(self.n) + 1)
+        if st.tokens_of(self.keys) < cap:
+            self.keys, self.values = _pad(self.keys, cap), _pad(self.values, cap)
+        ts = list(self.n)
+        slots = mx.array([self._slot(t) for t in ts])
+        self.keys = _put(self.keys, slots, self.store.encode(keys))
+        self.values = _put(self.values, slots, self.store.encode(values))
+        if S and any(t < S for t in ts):  # sink tokens keep their original rotation
+            young = mx.array([t < S for t in ts]).reshape(-1, 1, 1, 1)
+            sidx = mx.array([min(t, S - 1) for t in ts]).reshape(-1, 1, 1, 1)
+            put = mx.put_along_axis(self.sink_keys, sidx, keys, axis=2)
+            self.sink_keys = mx.where(young, put, self.sink_keys)
+        for b, t in enumerate(ts):
+            if self.window is not None:
+                self.evicted[b] = max(self.evicted[b], t + 1 - S - self.window)
+            self.n[b] = t + 1
+        self._set_sink_shifts()
+        out = self._fetch()
+        self._maybe_rebase()
+        self._offset = None
+        return out
+
+    def _fetch(self):
+        width = max(self._held(n) for n in self.n)
+        if width == st.tokens_of(self.keys):
+            return self.keys, self.values
+        return st.take(self.keys, 0, width), st.take(self.values, 0, width)
+
+    def _set_sink_shifts(self):
+        if not self.sinks:
+            return
+        want = [e - b for e, b in zip(self.evicted, self.base, strict=True)]
+        if want == self.sink_shift:
+            return
+        changed = mx.array([w != d for w, d in zip(want, self.sink_shift, strict=True)])
+        rotated = self._shift_rows(self.sink_keys, want)
+        enc = self.store.encode(rotated)
+        mask = changed.reshape(-1, 1, 1, 1)
+        S = self.sinks
+
+        bufs = self.keys if isinstance(self.keys, tuple) else (self.keys,)
+        news = enc if isinstance(enc, tuple) else (enc,)
+        for buf, new in zip(bufs, news, strict=True):  # in place: only S slots change
+            buf[..., :S, :] = mx.where(mask, new, buf[..., :S, :])
+        self.sink_shift = want
+
+    def _shift_rows(self, x: mx.array, shifts: list[int]) -> mx.array:
+        """Rotate row ``b`` of ``x`` (B, H, T, D) forward by ``shifts[b]`` positions."""
+        if not isinstance(self.rotation, Rotation):
+            return x  # no RoPE (or MLA): positions are not in the keys
+        return self.rotation._rope(x[..., None, :], mx.array(shifts))[..., 0, :]
+
+    def _maybe_rebase(self):
+        if not isinstance(self.rotation, Rotation) or self.window is None:
+            return
+        due = [b for b in range(len(self.n)) if self.evicted[b] - self.base[b] >= self.rebase_every]
+        if not due:
+            return
+        S, W = self.sinks, self.window
+        shifts = [0] * len(self.n)
+        for b in due:
+            shifts[b] = -(self.evicted[b] - self.base[b])
+        ring = self.store.decode(st.take(self.keys, S, S + W))
+        ring = self.store.encode(self._shift_rows(ring, shifts))
+        rows = mx.array([s != 0 for s in shifts]).reshape(-1, 1, 1, 1)
+        parts = []
+        if S:
+            sinks_now = st.take(self.keys, 0, S)
+            pristine = self.store.encode(self.sink_keys)
+            parts.append(_where(rows, pristine, sinks_now))
+        parts.append(_where(rows, ring, st.take(self.keys, S, S + W)))
+        self.keys = st.concat(parts)
+        for b in due:
+            self.base[b] = self.evicted[b]
+            self.sink_shift[b] = 0
+
+    # ---- accounting ----
+    @property
+    def nbytes(self) -> int:
+        return st.nbytes(self.keys) + st.nbytes(self.values) + st.nbytes(self.sink_keys)
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.sink_keys
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+def _where(mask, a, b):
+    if isinstance(a, tuple):
+        return tuple(mx.where(mask, x, y) for x, y in zip(a, b, strict=True))
+    return mx.where(mask, a, b)
+
+
+class QuantizedBatchedKVCache(BatchedKVCache):
+    """Rows stored quantized; decode steps hand mlx-lm the packed triples."""
+
+    @property
+    def bits(self) -> int:
+        return self.store.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.store.group_size
+
+
+def batched_form(caches: list) -> str | None:
+    """None if these single-sequence caches (one model's layers) can be batched, else why."""
+    kinds = sorted(
+        {type(c).__name__ for c in caches if not isinstance(c, (FullKVCache, StreamingKVCache))}
+    )
+    if kinds:
+        return f"{', '.join(kinds)} caches have no batched form"
+    return None
+
+
+def merge_rows(rows: list[list]) -> list[BatchedKVCache]:
+    """Per-layer batched caches from per-row lists of single-sequence caches."""
+    return [BatchedKVCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+
+
+def copy_caches(caches: list) -> list:
+    """Independent copies of single-sequence caches (a shared prefix handed to a new row).
+
+    MLX writes into a cache's arrays in place, so each copy gets its own array objects
+    (the data is copied lazily, on the first write).
+    """
+    import copy
+
+    out = []
+    for c in caches:
+        d = copy.copy(c)
+        for name in ("keys", "values", "sink_keys"):
+            v = getattr(c, name, None)
+            if v is not None:
+                setattr(d, name, tuple(map(mx.array, v)) if isinstance(v, tuple) else mx.array(v))
+        out.append(d)
+    return out

@@ -1,0 +1,260 @@
+"""Memory per host when a model is split across N machines the way mlx-lm splits it.
+
+* tensor (``model.shard(group)``): every rank holds 1/N of each attention layer's query and
+  KV heads and of the MLP; embeddings, norms and the head are whole on every rank. Caches
+  hold ``kv_heads / N`` heads per layer. MLA latents and recurrent states are not split by
+  mlx-lm's ``shard()``: every rank keeps them whole.
+* pipeline (``model.model.pipeline(group)``): rank r runs a contiguous run of layers, the
+  low ranks taking one extra layer when N does not divide them, rank 0 the *last* layers
+  (mlx-lm's ``PipelineMixin``); every rank keeps the embeddings, final norm and head.
+
+Weights per host are counted exactly by building mlx-lm's model lazily from the config and
+splitting it with a stand-in group (``shard_linear`` only asks a group its size and rank):
+nothing is allocated, and the parameter shapes are those each real rank will hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from mlxkv.memory.config import BadInput, text_view
+from mlxkv.memory.layout import Layout
+from mlxkv.memory.weights import Weights
+
+SPLIT_MODES = ("tensor", "pipeline")
+# Cache roles whose heads mlx-lm's shard() divides N ways.
+_SPLIT_ROLES = ("attention", "sliding", "chunked")
+
+
+@dataclass(frozen=True)
+class StandInGroup:
+    """What ``shard_linear`` and ``pipeline`` read from an ``mx.distributed.Group``."""
+
+    rank_: int
+    size_: int
+
+    def rank(self) -> int:
+        return self.rank_
+
+    def size(self) -> int:
+        return self.size_
+
+
+def pipeline_split(num_layers: int, n: int) -> list[tuple[int, int]]:
+    """``(start, end)`` layer range of each rank, as mlx-lm's ``PipelineMixin.pipeline``."""
+    base, extra = divmod(num_layers, n)
+    sizes = [base + (1 if r < extra else 0) for r in range(n)]
+    ranges = []
+    for r in range(n):
+        start = sum(sizes[r + 1 :])
+        ranges.append((start, start + sizes[r]))
+    return ranges
+
+
+def check_split(config: dict, n: int, mode: str) -> None:
+    """Raise BadInput (one line) when the model cannot be split ``n`` ways by ``mode``."""
+    if mode not in SPLIT_MODES:
+        raise BadInput(f"--shard must be one of {', '.join(SPLIT_MODES)}, got '{mode}'")
+    if n < 1:
+        raise BadInput(f"the number of hosts must be at least 1, got {n}")
+    view = text_view(config)
+    if mode == "pipeline":
+        layers = view.get("num_hidden_layers") or view.get("n_layer") or 0
+        if layers and n > layers:
+            raise BadInput(
+                f"a pipeline over {n} hosts needs at least {n} layers; the model has {layers}"
+            )
+        return
+    heads = view.get("num_attention_heads") or 0
+    kv_heads = view.get("num_key_value_heads") or heads
+    for what, count in (("attention heads", heads), ("KV heads", kv_heads)):
+        if count and count % n:
+            raise BadInput(
+                f"tensor parallelism over {n} hosts needs {what} divisible by {n}; the model "
+                f"has {count}: use a host count that divides {count}, or --shard pipeline"
+            )
+
+
+def host_layout(layout: Layout, n: int, rank: int, mode: str) -> Layout:
+    """The caches rank ``rank`` of ``n`` builds."""
+    if n == 1:
+        return layout
+    if mode == "pipeline":
+        start, end = pipeline_split(len(layout.layers), n)[rank]
+        return replace(layout, layers=layout.layers[start:end])
+    layers = tuple(
+        replace(
+            li,
+            parts=tuple(
+                replace(p, kv_heads=p.kv_heads // n) if p.role in _SPLIT_ROLES else p
+                for p in li.parts
+            ),
+        )
+        for li in layout.layers
+    )
+    return replace(layout, layers=layers)
+
+
+def _build(config: dict):
+    """mlx-lm's model for ``config``, lazily (nothing allocated), as ``probe`` builds it."""
+    import importlib
+
+    from mlxkv.errors import one_line
+    from mlxkv.memory.probe import module_name
+
+    module = module_name(config)
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{module}")
+        return arch.Model(arch.ModelArgs.from_dict(config))
+    except (Exception, SystemExit) as e:
+        raise BadInput(f"mlx-lm cannot build a '{module}' model: {one_line(e)}") from None
+
+
+def host_weights(
+    config: dict, n: int, mode: str, weight_dtype: str, dequantize: bool
+) -> list[Weights]:
+    """Parameter bytes each rank holds, from mlx-lm's model split with a stand-in group."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxkv.memory.dtypes import dtype_bytes
+    from mlxkv.memory.probe import _quantize
+
+    wb = dtype_bytes(weight_dtype)
+    out = []
+    for rank in range(n):
+        model = _build(config)
+        if not dequantize:
+            _quantize(nn, model, config)
+        group = StandInGroup(rank, n)
+        if n > 1:
+            if mode == "tensor":
+                model.shard(group)
+            else:
+                model.model.pipeline(group)
+        total = params = 0
+        for _, p in tree_flatten(model.parameters()):
+            floating = mx.issubdtype(p.dtype, mx.floating)
+            total += p.size * wb if floating else p.nbytes
+            params += p.size
+        out.append(Weights(total, None, params, f"mlx-lm model split {n} ways ({mode})"))
+    return out
+
+
+def split_support(config: dict) -> dict[str, bool]:
+    """Which splits mlx-lm's model class for ``config`` offers (built lazily, no weights)."""
+    model = _build(config)
+    return {
+        "tensor": hasattr(model, "shard"),
+        "pipeline": hasattr(model, "model") and hasattr(model.model, "pipeline"),
+    }
+
+
+def choose_split(config: dict, mode: str, n: int) -> str:
+    """``auto`` -> tensor where the model has ``shard()``, else pipeline; BadInput when the
+    model cannot be split ``n`` ways that way."""
+    can = split_support(config)
+    model_type = config.get("model_type", "this model")
+    if mode == "auto":
+        if not (can["tensor"] or can["pipeline"]):
+            raise BadInput(
+                f"{model_type} cannot be split across hosts: mlx-lm gives it neither shard() "
+                "nor model.pipeline(); it runs on one host only"
+            )
+        mode = "tensor" if can["tensor"] else "pipeline"
+    if mode not in SPLIT_MODES:
+        raise BadInput(f"--shard must be one of auto, {', '.join(SPLIT_MODES)}, got '{mode}'")
+    if not can[mode]:
+        what = "shard()" if mode == "tensor" else "model.pipeline()"
+        other = "pipeline" if mode == "tensor" else "tensor"
+        hint = f"; try --shard {other}" if can[other] else "; it runs on one host only"
+        raise BadInput(f"{model_type} has no {what} in mlx-lm: it cannot be split by {mode}{hint}")
+    check_split(config, n, mode)
+    return mode
+
+
+def host_memories(spec: str | None, n: int) -> list[str | None]:
+    """``--memory`` for N hosts: one size for all, or one per host (comma separated)."""
+    if spec is None:
+        return [None] * n
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) == 1:
+        return parts * n
+    if len(parts) != n or not all(parts):
+        raise BadInput(
+            f"--memory lists {len(parts)} sizes for {n} hosts; give one size for every host "
+            "or one per host, e.g. --memory 64GB,32GB"
+        )
+    return parts
+
+
+@dataclass
+class HostPlan:
+    rank: int
+    layers: tuple[int, int]  # [start, end) of the model's layers this rank runs
+    layout: Layout
+    budget: object  # mlxkv.memory.budget.Budget
+    memory: object  # mlxkv.memory.system.SystemMemory
+    max_context: int | None = None
+    max_batch: int = 0
+
+
+@dataclass
+class HostsPlan:
+    mode: str
+    hosts: list[HostPlan]
+
+    @property
+    def fits(self) -> bool:
+        return all(h.budget.fits for h in self.hosts)
+
+    @property
+    def tightest(self) -> HostPlan:
+        """The host with the least memory to spare: it bounds context and batch."""
+        return min(self.hosts, key=lambda h: h.budget.available - h.budget.total)
+
+    @property
+    def max_context(self) -> int | None:
+        finite = [h.max_context for h in self.hosts if h.max_context is not None]
+        return min(finite) if finite else None
+
+    @property
+    def max_batch(self) -> int:
+        return min(h.max_batch for h in self.hosts)
+
+
+def plan_hosts(
+    config: dict,
+    layout: Layout,
+    setting,
+    n: int,
+    mode: str,
+    memory: str | None = None,
+    search: bool = True,
+) -> HostsPlan:
+    """Weights, KV, runtime and verdict for each of ``n`` hosts (``setting``: a
+    ``mlxkv.memory.budget.Setting``); ``memory`` is ``--memory`` (one size or one per host)."""
+    from mlxkv.memory.budget import budget, max_batch, max_context
+    from mlxkv.memory.dtypes import default_weight_dtype
+    from mlxkv.memory.system import system_memory
+
+    mode = choose_split(config, mode, n)
+    mems = [system_memory(m) for m in host_memories(memory, n)]
+    wdtype = default_weight_dtype(config, setting.backend)
+    weights = host_weights(config, n, mode, wdtype, dequantize=setting.backend == "cpu")
+    if mode == "pipeline":
+        ranges = pipeline_split(len(layout.layers), n)
+    else:
+        ranges = [(0, len(layout.layers))] * n
+    hosts = []
+    for rank in range(n):
+        lay = host_layout(layout, n, rank, mode)
+        avail = mems[rank].available
+        b = budget(lay, weights[rank], setting, avail)
+        h = HostPlan(rank, ranges[rank], lay, b, mems[rank])
+        if search:
+            h.max_context = max_context(lay, weights[rank], setting, avail)
+            h.max_batch = max_batch(lay, weights[rank], setting, avail)
+        hosts.append(h)
+    return HostsPlan(mode, hosts)

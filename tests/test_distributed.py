@@ -1,0 +1,309 @@
+"""Real ``mlx.launch`` runs over 127.0.0.1 (ring backend): the model split over ranks gives
+the single-process tokens, and ``plan --hosts`` predicts each rank's bytes exactly.
+
+Each test uses its own port range so that tests (and engineers) running at once do not meet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+BIN = Path(sys.executable).parent
+# OpenBLAS's thread count changes float summation order; sampled text then differs in the
+# last bits. Single-process references run with what the ranks run with.
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
+TIMEOUT = 900  # a shared 2-core machine makes every collective slow; never hang forever
+
+
+def launch(n: int, port: int, *args: str, timeout: int = TIMEOUT):
+    """``mlx.launch -n N --starting-port PORT -- mlxkv ARGS`` as a user types it."""
+    env = {**os.environ, **ONE_THREAD}  # N ranks share the cores
+    cmd = [str(BIN / "mlx.launch"), "-n", str(n), "--starting-port", str(port), "--"]
+    return subprocess.run(
+        [*cmd, str(BIN / "mlxkv"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def last_json(out) -> dict:
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, (out.stdout, out.stderr)  # only rank 0 prints
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, default_model_path) -> Path:
+    """A random 5-layer qwen2 (has pipeline() and shard()) with the default tokenizer."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes, save_model
+
+    out = tmp_path_factory.mktemp("tiny_qwen2")
+    cfg = {
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "num_hidden_layers": 5,  # over 2 ranks: an uneven 3 + 2 split
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+    }
+    mx.random.seed(0)
+    model_cls, args_cls = _get_classes(cfg)
+    save_model(out, model_cls(args_cls.from_dict(cfg)))
+    (out / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path / name, out / name)
+    return out
+
+
+POLICIES = {
+    "full": [],
+    "sinks+window": ["--kv-window", "16", "--kv-sinks", "4"],
+    "4-bit": ["--kv-bits", "4", "--kv-group-size", "32"],
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_pipeline_over_two_ranks_samples_the_single_process_tokens(tiny_qwen2, policy):
+    """Sampling (temperature 1, a seed) turns any difference in the logits into different
+    text; the pipeline's uneven 3 + 2 layer split must change nothing."""
+    args = ["--model", str(tiny_qwen2), "--prompt", "Hello there, how are you doing today?"]
+    args += ["--max-tokens", "24", "--temp", "1", "--seed", "5", "--json", *POLICIES[policy]]
+    one = run_cli("generate", *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr
+    port = 41100 + 10 * list(POLICIES).index(policy)
+    two = launch(2, port, "generate", *args, "--shard", "pipeline")
+    assert two.returncode == 0, two.stderr
+    single, split = json.loads(one.stdout), last_json(two)
+    assert split["text"] == single["text"]
+    assert split["generation_tokens"] == single["generation_tokens"] == 24
+    assert split["shard"] == "pipeline" and split["ranks"] == 2
+    ranks = split["per_rank"]
+    # Rank 0 runs the last 3 layers, rank 1 the first 2: the caches split 3 : 2.
+    assert [r["kv_bytes_actual"] for r in ranks] == [r["kv_bytes_predicted"] for r in ranks]
+    assert ranks[0]["kv_bytes_actual"] * 2 == ranks[1]["kv_bytes_actual"] * 3
+    assert ranks[0]["kv_bytes_actual"] + ranks[1]["kv_bytes_actual"] == single["kv_bytes_actual"]
+
+
+def test_plan_hosts_pipeline_matches_what_each_rank_holds(tiny_qwen2):
+    """Per-host weights and KV from plan --hosts 2 equal the real ranks' bytes, and the KV is
+    the sum over the layers each rank holds (5 layers: ranks hold 3 and 2)."""
+    args = ["--model", str(tiny_qwen2), "--prompt", "One two three", "--raw", "--json"]
+    run = launch(2, 41200, "generate", *args, "--max-tokens", "4", "--shard", "pipeline")
+    assert run.returncode == 0, run.stderr
+    res = last_json(run)
+    tokens = res["kv_tokens"]
+    plan = run_cli(
+        "plan", str(tiny_qwen2), "--hosts", "2", "--shard", "pipeline", "--context", str(tokens),
+        "--json", "--memory", "8GB",
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    hosts = json.loads(plan.stdout)["per_host"]
+    assert [h["layers"] for h in hosts] == [[2, 5], [0, 2]]
+    for h, r in zip(hosts, res["per_rank"], strict=True):
+        assert h["kv_bytes"] == r["kv_bytes_actual"]
+        assert h["weights_bytes"] == r["weights_bytes"]
+        layers = h["layers"][1] - h["layers"][0]
+        # 2 KV heads x head_dim 32, keys and values, float32, per layer and token.
+        assert h["kv_bytes_logical"] == layers * tokens * 2 * 2 * 32 * 4
+
+
+def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(default_model_path):
+    """The default model (3 KV heads) split over 3 ranks: same greedy text; each rank holds
+    one KV head per layer and plan --hosts 3 predicts its bytes and weights exactly."""
+    # -p as the docs write it: after `--`, mlx.launch leaves it to mlxkv.
+    args = ["-p", "What is the capital of France?", "--max-tokens", "3", "--json"]
+    one = run_cli("generate", *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr
+    three = launch(3, 41300, "generate", *args)
+    assert three.returncode == 0, three.stderr
+    single, split = json.loads(one.stdout), last_json(three)
+    assert split["text"] == single["text"]
+    assert split["shard"] == "tensor" and split["ranks"] == 3
+    tokens = split["kv_tokens"]
+    plan = run_cli(
+        "plan", str(default_model_path), "--hosts", "3", "--context", str(tokens), "--json"
+    )
+    assert plan.returncode == 0, plan.stderr
+    hosts = json.loads(plan.stdout)["per_host"]
+    for h, r in zip(hosts, split["per_rank"], strict=True):
+        assert r["kv_bytes_actual"] == r["kv_bytes_predicted"] == h["kv_bytes"]
+        assert r["weights_bytes"] == h["weights_bytes"]
+        # 30 layers x 1 KV head (of 3) x head_dim 64, keys and values, float32.
+        assert h["kv_bytes_logical"] == 30 * tokens * 2 * 1 * 64 * 4
+    assert sum(r["kv_bytes_actual"] for r in split["per_rank"]) == single["kv_bytes_actual"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["sinks+window", "4-bit"])
+def test_tensor_parallel_bounded_policies_give_the_single_process_answer(policy):
+    """Sink re-rotation and 4-bit caches work on each rank's own KV head."""
+    extra = ["--kv-window", "24", "--kv-sinks", "4"] if policy == "sinks+window" else []
+    extra = extra or ["--kv-bits", "4"]
+    args = ["--prompt", "Name three colours.", "--max-tokens", "6", "--json", *extra]
+    one = run_cli("generate", *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr
+    three = launch(3, 41400 + (10 if policy == "4-bit" else 0), "generate", *args)
+    assert three.returncode == 0, three.stderr
+    assert last_json(three)["text"] == json.loads(one.stdout)["text"]
+
+
+def test_a_split_that_cannot_work_is_refused_in_one_line(default_model_path):
+    """9 attention heads do not split 2 ways: plan and generate both say so, no traceback."""
+    plan = run_cli("plan", str(default_model_path), "--hosts", "2")
+    assert plan.returncode == 2 and plan.stdout == ""
+    assert plan.stderr.strip() == (
+        "mlxkv plan: error: tensor parallelism over 2 hosts needs attention heads divisible "
+        "by 2; the model has 9: use a host count that divides 9, or --shard pipeline"
+    )
+    gen = launch(2, 41500, "generate", "--prompt", "hi", "--max-tokens", "2", timeout=300)
+    # mlx.launch itself exits 0 whatever its ranks do: the ranks' stderr is what a user sees.
+    assert gen.stdout == "" and "Traceback" not in gen.stderr
+    assert (
+        "mlxkv generate: error: tensor parallelism over 2 hosts needs attention heads "
+        "divisible by 2; the model has 9" in gen.stderr
+    )
+
+
+def test_plan_hosts_bad_flags_are_one_line_errors(default_model_path, tiny_qwen2):
+    llama, qwen2 = str(default_model_path), str(tiny_qwen2)
+    cases = {
+        (llama, "--hosts", "3", "--memory", "8GB,4GB"): "--memory lists 2 sizes for 3 hosts",
+        (llama, "--hosts", "x"): "--hosts must be an integer, got 'x'",
+        (llama, "--hosts", "3", "--shard", "ring"): "--shard must be one of auto, tensor, pipeline",
+        (llama, "--hosts", "3", "--shard", "pipeline"): (
+            "llama has no model.pipeline() in mlx-lm: it cannot be split by pipeline; "
+            "try --shard tensor"
+        ),
+        (qwen2, "--hosts", "6", "--shard", "pipeline"): (
+            "a pipeline over 6 hosts needs at least 6 layers; the model has 5"
+        ),
+    }
+    for flags, message in cases.items():
+        out = run_cli("plan", *flags)
+        assert out.returncode == 2, (flags, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (flags, out.stderr)
+
+
+def test_plan_hosts_uses_each_hosts_memory(default_model_path):
+    """The tightest host bounds the plan: with 300 MB on host 2 it does not fit there."""
+    out = run_cli(
+        "plan", str(default_model_path), "--hosts", "3", "--memory", "8GB,8GB,300MB", "--json"
+    )
+    assert out.returncode == 1, out.stderr
+    d = json.loads(out.stdout)
+    assert [h["available_bytes"] for h in d["per_host"]] == [8 * 10**9, 8 * 10**9, 300 * 10**6]
+    assert [h["fits"] for h in d["per_host"]] == [True, True, False]
+    assert d["fits"] is False and d["tightest_host"] == 2
+    assert d["max_batch"] == d["per_host"][2]["max_batch"] == 0
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def test_data_parallel_batch_writes_the_single_process_records(tmp_path):
+    """Two ranks, each a whole default model: rank 0 hands out the prompts and writes one
+    output whose texts are the single-process run's; a re-run has nothing left to do."""
+    prompts = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of Italy?"]
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
+    )
+    flags = ["--max-tokens", "6", "--batch-size", "2", "--no-progress"]
+    one = run_cli("batch", str(src), "-o", str(tmp_path / "one.jsonl"), *flags, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr
+    out = tmp_path / "two.jsonl"
+    two = launch(2, 41600, "batch", str(src), "-o", str(out), *flags, "--stats")
+    assert "error:" not in two.stderr and "Traceback" not in two.stderr, two.stderr
+    stats = last_json(two)
+    assert stats["ranks"] == 2 and stats["shard"] == "data"
+    assert stats["results"] == 4 and stats["results_by_rank"] == [2, 2]
+    single = {r["id"]: r["text"] for r in _records(tmp_path / "one.jsonl")}
+    split = _records(out)
+    assert sorted(r["id"] for r in split) == [0, 1, 2, 3]
+    assert {r["id"]: r["text"] for r in split} == single
+    again = launch(2, 41610, "batch", str(src), "-o", str(out), *flags)
+    assert "nothing left to run" in again.stderr, again.stderr
+    assert _records(out) == split
+
+
+def _rank_pid(rank: int, marker: str) -> int | None:
+    """The pid of the mlxkv process with MLX_RANK=rank whose command line has ``marker``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmd and "mlxkv" in cmd and f"MLX_RANK={rank}".encode() in env:
+            return int(proc.name)
+    return None
+
+
+def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_qwen2):
+    """Rank 1 is killed mid-job: rank 0 says so in one line and what is safe; the re-run
+    finishes with every line answered exactly once, as a single process answers it."""
+    import signal
+    import time
+
+    n = 12
+    lines = [{"id": f"q{i}", "prompt": f"Tell me about number {i}", "seed": i} for i in range(n)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    flags = ["--model", str(tiny_qwen2), "--max-tokens", "40", "--temp", "1", "--batch-size", "1"]
+    flags += ["--no-progress"]
+    ref = run_cli("batch", str(src), "-o", str(tmp_path / "ref.jsonl"), *flags, env=ONE_THREAD)
+    assert ref.returncode == 0, ref.stderr
+
+    out = tmp_path / "out.jsonl"
+    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", "41700", "--"]
+    cmd += [str(BIN / "mlxkv"), "batch", str(src), "-o", str(out), *flags]
+    env = {**os.environ, **ONE_THREAD}
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and job.poll() is None:
+            if out.exists() and len(_records(out)) >= 2:
+                break
+            time.sleep(0.2)
+        pid = _rank_pid(1, str(out))
+        assert pid is not None and job.poll() is None, "the job ended before rank 1 was killed"
+        os.kill(pid, signal.SIGKILL)
+        _, err = job.communicate(timeout=TIMEOUT)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "Traceback" not in err
+    stop_lines = [ln for ln in err.splitlines() if ln.startswith("mlxkv batch: error:")]
+    assert len(stop_lines) == 1, err
+    assert f"are safe in {out}; run the same command again to resume" in stop_lines[0]
+    kept = _records(out)
+    assert 2 <= len(kept) < n
+    assert len({r["id"] for r in kept}) == len(kept)
+
+    rerun = launch(2, 41710, "batch", str(src), "-o", str(out), *flags)
+    assert f"resuming: {len(kept)} lines already in {out}" in rerun.stderr, rerun.stderr
+    final = _records(out)
+    assert final[: len(kept)] == kept  # nothing rewritten
+    assert sorted(r["id"] for r in final) == sorted(x["id"] for x in lines)  # once each
+    expected = {r["id"]: r["text"] for r in _records(tmp_path / "ref.jsonl")}
+    assert {r["id"]: r["text"] for r in final} == expected

@@ -31,7 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-import mlxkv  # noqa: F401  (routes MLX to OpenBLAS on Linux before MLX loads)
+from mlxkv.backend import setup_blas
+
+setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 POLICIES = {
     "full": dict(),

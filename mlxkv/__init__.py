@@ -1,8 +1,7 @@
-"""mlxkv: local chat models on MLX, built around the KV cache."""
+"""mlxkv: local chat models on MLX, built around the KV cache.
 
-from mlxkv.backend import preload_fast_blas
+Importing mlxkv changes nothing in the process: entry points call
+``mlxkv.backend.setup_blas()`` themselves, before MLX is imported.
+"""
 
 __version__ = "0.1.0"
-
-# Before anything imports MLX: on Linux, route its BLAS to OpenBLAS when installed.
-preload_fast_blas()

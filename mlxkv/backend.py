@@ -1,8 +1,14 @@
 """Facts about the MLX backend that change what is fast: BLAS on Linux, weight dtype.
 
 The mlx-cpu wheel bundles netlib's *reference* BLAS (about 7 GFLOP/s for an fp32 matmul).
-Loading Debian's OpenBLAS with RTLD_GLOBAL before MLX is imported makes MLX's BLAS calls
-resolve to it instead (10-30x faster). This module must not import MLX at module level.
+Loading an OpenBLAS with RTLD_GLOBAL before MLX is imported makes MLX's BLAS calls
+(``cblas_sgemm``, unprefixed) resolve to it instead. Two sources, no apt needed for the
+first: the ``cmeel-openblas`` wheel (a Linux dependency of mlxkv) and Debian's
+``libopenblas0-pthread`` where installed.
+
+Nothing happens on import: each entry point (the CLI, ``python -m mlxkv``, the test suite,
+bench workers) calls :func:`setup_blas` before anything imports MLX. This module must not
+import MLX.
 """
 
 from __future__ import annotations
@@ -13,39 +19,147 @@ import platform
 import sys
 from pathlib import Path
 
+from mlxkv.errors import UserError
+
 OPENBLAS_INSTALL = "apt-get install libopenblas0-pthread"
+CHOICES = ("auto", "reference", "cmeel", "system")
+# auto: the first of these that loads. Order from docs/benchmarks.md (prefill, this machine).
+AUTO_ORDER = ("cmeel", "system")
 _state = {"blas": "reference"}
 
 
-def _openblas_candidates() -> list[Path]:
+def system_openblas() -> Path | None:
+    """Debian's OpenBLAS (``libopenblas0-pthread`` or ``-openmp``), if installed."""
     triplet = f"{platform.machine()}-linux-gnu"
-    return [
-        Path(f"/usr/lib/{triplet}/openblas-pthread/libblas.so.3"),
-        Path(f"/usr/lib/{triplet}/openblas-openmp/libblas.so.3"),
-    ]
+    for flavour in ("openblas-pthread", "openblas-openmp"):
+        lib = Path(f"/usr/lib/{triplet}/{flavour}/libblas.so.3")
+        if lib.is_file():
+            return lib
+    return None
 
 
-def preload_fast_blas() -> str:
-    """Make MLX use OpenBLAS on Linux when it is installed; returns the BLAS in use.
+def cmeel_openblas() -> Path | None:
+    """libopenblas.so from the ``cmeel-openblas`` wheel, if installed in this environment."""
+    from importlib import metadata
 
-    ``MLXKV_BLAS=reference`` keeps the wheel's BLAS; ``MLXKV_BLAS=/path/libblas.so.3``
-    names another library.
-    """
-    choice = os.environ.get("MLXKV_BLAS", "")
-    if not sys.platform.startswith("linux") or choice == "reference":
+    try:
+        files = metadata.distribution("cmeel-openblas").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "libopenblas.so.0" or f.name == "libopenblas.so":
+            lib = Path(f.locate())
+            if lib.is_file():
+                return lib
+    return None
+
+
+def _find(source: str) -> Path | None:
+    return system_openblas() if source == "system" else cmeel_openblas()
+
+
+# OpenBLAS build targets whose kernels need more than baseline x86-64 (a wheel built
+# without DYNAMIC_ARCH runs only its target's kernels: on a CPU without them, SIGILL).
+_TARGET_FLAGS = {
+    "SKYLAKEX": ("avx512f", "avx512bw", "avx512vl"),
+    "COOPERLAKE": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "SAPPHIRERAPIDS": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "ZEN": ("avx2", "fma"),
+    "HASWELL": ("avx2", "fma"),
+    "SANDYBRIDGE": ("avx",),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def missing_cpu_features(lib: ctypes.CDLL) -> list[str]:
+    """CPU features the OpenBLAS build of ``lib`` needs and this CPU lacks."""
+    try:
+        get_config = lib.openblas_get_config
+    except AttributeError:  # not OpenBLAS: nothing known to check
+        return []
+    get_config.restype = ctypes.c_char_p
+    config = (get_config() or b"").decode(errors="replace").split()
+    if "DYNAMIC_ARCH" in config:
+        return []
+    need = next((flags for target, flags in _TARGET_FLAGS.items() if target in config), ())
+    have = _cpu_flags()
+    return [f for f in need if f not in have] if have else []
+
+
+def _load(lib: Path, one_thread: bool = False) -> str | None:
+    """Load ``lib`` so its symbols serve MLX; None on success, else why not.
+
+    Loaded privately first to ask OpenBLAS which CPU it was built for; made global (what
+    routes MLX's calls to it) only when this CPU can run it. ``one_thread``: unless the
+    user set OPENBLAS_NUM_THREADS, run its matmuls on one thread."""
+    try:
+        private = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
+    except OSError as e:
+        return str(e)
+    missing = missing_cpu_features(private)
+    if missing:
+        return f"built for CPUs with {', '.join(missing)}, which this CPU lacks"
+    ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+    if one_thread and not os.environ.get("OPENBLAS_NUM_THREADS"):
+        set_threads = getattr(private, "openblas_set_num_threads", None)
+        if set_threads is not None:
+            set_threads(1)
+    return None
+
+
+# The cmeel build's worker threads spin: on a busy machine an fp32 matmul ran 10x slower
+# with its default two threads than with one (docs/benchmarks.md#blas); Debian's does not.
+_ONE_THREAD = {"cmeel": True, "system": False}
+
+
+def setup_blas() -> str:
+    """Route MLX's BLAS on Linux; returns the BLAS in use. Call before MLX is imported.
+
+    ``MLXKV_BLAS``: ``auto`` (default: an OpenBLAS, see AUTO_ORDER, else the wheel's),
+    ``reference`` (the mlx wheel's own), ``cmeel``, ``system`` or a library path.
+    Raises UserError naming the variable when it asks for something that cannot load."""
+    choice = os.environ.get("MLXKV_BLAS", "").strip() or "auto"
+    if not sys.platform.startswith("linux"):
         _state["blas"] = "accelerate" if sys.platform == "darwin" else "reference"
         return _state["blas"]
     if "mlx.core" in sys.modules:  # too late: MLX already bound its BLAS symbols
         return _state["blas"]
-    candidates = [Path(choice)] if choice else _openblas_candidates()
-    for lib in candidates:
-        if lib.is_file():
-            try:
-                ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
-            except OSError:
-                continue
-            _state["blas"] = str(lib)
-            break
+    if choice == "reference":
+        _state["blas"] = "reference"
+        return _state["blas"]
+    if choice == "auto":
+        for source in AUTO_ORDER:
+            lib = _find(source)
+            if lib is not None and _load(lib, _ONE_THREAD[source]) is None:
+                _state["blas"] = str(lib)
+                break
+        return _state["blas"]
+    if choice in ("cmeel", "system"):
+        lib = _find(choice)
+        if lib is None:
+            how = "pip install cmeel-openblas" if choice == "cmeel" else OPENBLAS_INSTALL
+            raise UserError(f"MLXKV_BLAS={choice}: that OpenBLAS is not installed ({how})")
+    else:
+        lib = Path(choice).expanduser()
+        if not lib.is_file():
+            raise UserError(
+                f"MLXKV_BLAS={choice}: no such library; use one of {', '.join(CHOICES)} "
+                "or the path of a BLAS .so"
+            )
+    why = _load(lib, _ONE_THREAD.get(choice, False))
+    if why:
+        raise UserError(f"MLXKV_BLAS={choice}: cannot use {lib}: {why}")
+    _state["blas"] = str(lib)
     return _state["blas"]
 
 

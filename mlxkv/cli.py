@@ -13,6 +13,7 @@ import os
 import sys
 
 from mlxkv import __version__
+from mlxkv.backend import setup_blas
 from mlxkv.errors import UserError
 
 # subcommand -> module with HELP, add_arguments(parser), run(args) -> int
@@ -56,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        setup_blas()  # before any command imports MLX
         args = build_parser().parse_args(argv)
-    except UserError as e:  # an environment variable read while building the help texts
+    except UserError as e:  # an environment variable (MLXKV_BLAS, MLXKV_MODELS, ...)
         print(f"mlxkv: error: {e}", file=sys.stderr)
         return 2
     if args.command == "chat":

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import mlxkv  # noqa: F401  (routes MLX to OpenBLAS before anything imports MLX)
+from mlxkv.backend import setup_blas
+
+setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 
 @pytest.fixture(scope="session")

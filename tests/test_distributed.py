@@ -307,3 +307,18 @@ def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tm
     assert sorted(r["id"] for r in final) == sorted(x["id"] for x in lines)  # once each
     expected = {r["id"]: r["text"] for r in _records(tmp_path / "ref.jsonl")}
     assert {r["id"]: r["text"] for r in final} == expected
+
+
+def test_each_rank_checks_its_own_share_before_loading(default_model_path):
+    """The pre-load check under mlx.launch: rank 2 of 3 with 1 KV head per layer; a batch
+    that cannot fit is refused in one line naming the rank, the mode and the plan."""
+    from mlxkv.errors import UserError
+    from mlxkv.memory.hosts import check_host_fits
+    from mlxkv.policy import KVPolicy
+
+    check_host_fits(default_model_path, KVPolicy(), 4096, 1, 3, 2, "auto")
+    with pytest.raises(UserError) as err:
+        check_host_fits(default_model_path, KVPolicy(), 4096, 100_000, 3, 2, "auto")
+    message = str(err.value)
+    assert message.startswith("rank 2 of 3 (tensor) needs about ")
+    assert message.endswith("see 'mlxkv plan MODEL --hosts 3', or --force")

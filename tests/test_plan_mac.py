@@ -97,13 +97,28 @@ def test_fit_suggestions_each_replan_as_fitting(capsys):
         assert measured == sorted(measured) and costs[: len(measured)] == measured
         for s in d["suggestions"]:
             again_code, again = plan_json(capsys, *with_flags(argv, s["flags"]))
-            assert again_code == 0 and again["fits"] and again["runnable"], (argv, s)
-            assert again["total_bytes"] == s["total_bytes"]
+            assert again_code == 0 and again["fits"], (argv, s)
+            if "per_host" in again:  # --hosts N: the tightest host is the suggestion's total
+                tightest = again["per_host"][again["tightest_host"]]
+                assert tightest["total_bytes"] == s["total_bytes"] and tightest["fits"]
+            else:
+                assert again["runnable"] and again["total_bytes"] == s["total_bytes"]
             assert s["quality_note"]
         out_code = run_plan(*argv, "--fit")
         out = capsys.readouterr().out
         assert out_code == 1 and "--fit: these fit" in out
         assert len(out.splitlines()) <= 40  # one screen
+
+
+def test_fit_proposes_the_fewest_hosts_that_hold_it(capsys):
+    _, d = plan_json(capsys, LLAMA31, *MAC16, "--context", "32768", "--fit")
+    hosts = [s for s in d["suggestions"] if s["flags"][0] == "--hosts"]
+    # 2 Macs of 16 GB are 0.75 GiB short each; 3 cannot split 8 KV heads; 4 hold it.
+    assert [s["flags"] for s in hosts] == [["--hosts", "4", "--shard", "tensor"]]
+    assert d["suggestions"][0] == hosts[0]  # no quality cost, unlike 4-bit weights
+    code, two = plan_json(capsys, LLAMA31, *MAC16, "--context", "32768", "--hosts", "2")
+    assert code == 1 and not two["fits"]
+    assert two["per_host"][0]["available_bytes"] == 16 * GiB * 2 // 3  # the Mac's working set
 
 
 def test_fit_names_the_quality_source(capsys):

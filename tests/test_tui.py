@@ -251,14 +251,17 @@ async def test_input_keys_history_and_newline():
         assert app.prompt.text == "a\nb\nc"
 
 
-@pytest.mark.parametrize("command", ["/help", "/nonsense"])
+@pytest.mark.parametrize(
+    "command,says",
+    [("/help", "Esc"), ("/nonsense", "unknown"), ("/history", "not kept in this session")],
+)
 @sync
-async def test_help_and_unknown_command(command):
-    app = fake_app()
+async def test_help_and_unknown_command(command, says):
+    app = fake_app()  # no conversation store
     async with app.run_test(size=SIZE) as pilot:
         await wait_idle(app, pilot)
         await send(app, pilot, command)
-        assert ("Esc" in notes(app)[-1]) if command == "/help" else "unknown" in notes(app)[-1]
+        assert says in notes(app)[-1]
 
 
 @sync

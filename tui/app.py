@@ -479,7 +479,10 @@ class ChatApp(App):
             await self.note(f"unknown command {name}; /help lists them", "error")
             return False
         if name == "/history" and not arg:
-            await self.show_history()
+            try:
+                await self.show_history()
+            except UserError as e:
+                await self.note(str(e), "error")
             return True
         if name == "/set" and not arg:
             await self.note(slash.describe_settings(self.engine.settings))

@@ -101,6 +101,9 @@ def _run_job(model, cfgs, ids, chunk, job: Job, log, gate=None):
 
 def _worker(core, model_path, kept, sinks, ids, chunk, jobs_q, results_q, gate):
     os.sched_setaffinity(0, {core})
+    from mlxkv.backend import setup_blas
+
+    setup_blas()  # a spawned process: its own BLAS set-up, before MLX loads
     from pathlib import Path
 
     from mlxkv.bench.configs import all_configs

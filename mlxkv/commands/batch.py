@@ -311,7 +311,7 @@ def _open(args, policy, cluster):
         args.model,
         args.dtype,
         policy,
-        args.force or (cluster is not None and not cluster.leader),  # rank 0 checked it
+        args.force,  # every rank checks its own host's memory
         batch=args.batch_size,
         on_status=status,
         cluster=cluster if sharded else None,

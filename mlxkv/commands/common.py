@@ -196,12 +196,19 @@ def status(message: str) -> None:
 
 
 def add_shard_flag(p: argparse.ArgumentParser, choices=("auto", "tensor", "pipeline")) -> None:
+    data = (
+        "data = every rank a whole model, the prompts split between them; "
+        if "data" in choices
+        else ""
+    )
     p.add_argument(
         "--shard",
         choices=choices,
         default=choices[0],
-        help="under mlx.launch: how the ranks share the work (auto = tensor parallel where "
-        "mlx-lm's model has shard(), else pipeline); ignored in a single process",
+        help=f"under mlx.launch: how the ranks share the work (default {choices[0]}): {data}"
+        "tensor = each layer's heads split over the ranks (mlx-lm's shard()); pipeline = the "
+        "layers split over the ranks; auto = tensor where the model has shard(), else "
+        "pipeline. Ignored in a single process",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from mlxkv.commands.common import (
@@ -114,10 +115,41 @@ def _read_stdin() -> str:
         ) from None
 
 
+class PrefillBar:
+    """Prompt reading progress on stderr: a bar redrawn in place in a terminal, and
+    nothing when stderr is piped or the output is --json. Cleared before the answer."""
+
+    WIDTH = 24
+
+    def __init__(self, enabled: bool, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and self.stream.isatty()
+        self.shown = False
+        self.t0 = time.perf_counter()
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or done >= total - 1:  # one chunk: nothing worth a bar
+            return
+        fill = self.WIDTH * done // max(total, 1)
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        self.stream.write(
+            f"\rmlxkv: reading the prompt [{'#' * fill}{'-' * (self.WIDTH - fill)}] "
+            f"{done}/{total} tokens  {rate:.0f} tok/s\x1b[K"
+        )
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
 def run(args) -> int:
     from mlxkv.backend import blas
     from mlxkv.engine.chat import ChatSession
-    from mlxkv.engine.events import Finished, Notice, TokenDelta
+    from mlxkv.engine.events import Finished, Notice, PrefillProgress, TokenDelta
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.session import Generator
 
@@ -163,7 +195,12 @@ def run(args) -> int:
             chat.messages = messages
             events = chat.answer()
     final = None
+    bar = PrefillBar(enabled=not args.json)
     for ev in events:
+        if isinstance(ev, PrefillProgress):
+            bar.update(ev.done, ev.total)
+            continue
+        bar.clear()
         if isinstance(ev, TokenDelta) and not args.json:
             sys.stdout.write(ev.text)
             sys.stdout.flush()

@@ -33,6 +33,12 @@ def open_model(
         from mlxkv.memory import check_fits
 
         check_fits(resolved.path, policy or KVPolicy(), context, batch)
+    elif not force:
+        from mlxkv.memory.hosts import check_host_fits
+
+        check_host_fits(
+            resolved.path, policy or KVPolicy(), context, batch, group.size(), group.rank(), shard
+        )
     on_status("loading weights ..." if group is None else f"loading this rank's share ({shard})")
     name = resolved.alias or model or resolved.path.name
     return load(

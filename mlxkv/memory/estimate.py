@@ -36,6 +36,7 @@ class Estimate:
     weight_bits: int | None = None  # planned as an MLX conversion quantized to these bits
     wired: WiredAdvice | None = None  # the sysctl that makes it fit on this Mac, if any
     load_wired_limit: int | None = None  # what mlxkv wires at load on Metal
+    memory_arg: str | None = None  # --memory as given (per-host plans read it again)
 
     @property
     def past_trained_context(self) -> bool:
@@ -154,6 +155,7 @@ def estimate_model(
     b = budget(layout, weights, setting, mem.available)
     est = Estimate(src.name, src, layout, setting, b, mem, notes=notes)
     est.trained_context = trained_context(config)
+    est.memory_arg = memory
     est.weight_bits = weight_bits
     if on == "metal" and mem.total:
         est.wired = wired_advice(b.total, mem.total, mem.available)

@@ -19,6 +19,7 @@ from mlxkv.memory.weights import Weights, from_layout
 from mlxkv.policy import KVPolicy, PolicyError
 
 MAX_SUGGESTIONS = 8
+MAX_HOSTS = 8  # the largest split --fit proposes
 DEFAULT_SINKS = 4
 ROUND = 256  # windows and contexts are proposed in multiples of this (when that large)
 WEIGHT_BITS = 4
@@ -169,6 +170,30 @@ class _Search:
                 flags = prefix + _policy_flags(base.policy, pw)
                 self.add(flags, sw, wbits, layout, weights, quality, kv_cost)
 
+    def hosts(self) -> None:
+        """The fewest hosts like this one (same --memory) that hold it, split as mlx-lm
+        splits it (mlxkv.memory.hosts); only for memory, not for the trained context."""
+        from mlxkv.memory.config import BadInput
+        from mlxkv.memory.hosts import plan_hosts
+
+        est = self.est
+        if est.past_trained_context or (est.memory_arg and "," in est.memory_arg):
+            return
+        for n in range(2, MAX_HOSTS + 1):
+            try:
+                hp = plan_hosts(
+                    est.source.config, est.layout, est.setting, n, "auto", est.memory_arg, False
+                )
+            except BadInput:
+                continue  # e.g. heads not divisible n ways: try more hosts
+            if hp.fits:
+                b = hp.tightest.budget
+                q = lossless(f"{n} machines like this one ({hp.mode} parallel, mlx.launch): "
+                             "same outputs")  # fmt: skip
+                flags = ("--hosts", str(n), "--shard", hp.mode)
+                self.found.setdefault(flags, Suggestion(flags, est.setting, None, b, q, 0.0))
+                return
+
     def shape(self) -> None:
         """A smaller batch or a shorter context, the policy as asked."""
         est, base = self.est, self.est.setting
@@ -226,6 +251,7 @@ def suggest(est: Estimate) -> list[Suggestion]:
     search = _Search(est)
     search.policies(est.layout, est.budget.weights, None, [])
     search.shape()
+    search.hosts()
     facts = est.layout.facts
     if est.setting.backend == "metal" and not facts.quantized and est.weight_bits is None:
         # The Mac keeps quantized weights packed: an MLX conversion shrinks what is resident.

@@ -111,9 +111,15 @@ def _build(config: dict):
 
 
 def host_weights(
-    config: dict, n: int, mode: str, weight_dtype: str, dequantize: bool
+    config: dict,
+    n: int,
+    mode: str,
+    weight_dtype: str,
+    dequantize: bool,
+    ranks: list[int] | None = None,
 ) -> list[Weights]:
-    """Parameter bytes each rank holds, from mlx-lm's model split with a stand-in group."""
+    """Parameter bytes each rank (of ``ranks``, default all) holds, from mlx-lm's model
+    split with a stand-in group."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -123,7 +129,7 @@ def host_weights(
 
     wb = dtype_bytes(weight_dtype)
     out = []
-    for rank in range(n):
+    for rank in range(n) if ranks is None else ranks:
         model = _build(config)
         if not dequantize:
             _quantize(nn, model, config)
@@ -240,7 +246,7 @@ def plan_hosts(
     from mlxkv.memory.system import system_memory
 
     mode = choose_split(config, mode, n)
-    mems = [system_memory(m) for m in host_memories(memory, n)]
+    mems = [system_memory(m, setting.backend) for m in host_memories(memory, n)]
     wdtype = default_weight_dtype(config, setting.backend)
     weights = host_weights(config, n, mode, wdtype, dequantize=setting.backend == "cpu")
     if mode == "pipeline":
@@ -258,3 +264,28 @@ def plan_hosts(
             h.max_batch = max_batch(lay, weights[rank], setting, avail)
         hosts.append(h)
     return HostsPlan(mode, hosts)
+
+
+def check_host_fits(path, policy, context: int | None, batch: int, n: int, rank: int, mode: str):
+    """Raise UserError if rank ``rank`` of ``n`` will not fit this host (the engine's
+    pre-load check under mlx.launch; each rank checks its own share and its own memory)."""
+    from pathlib import Path
+
+    from mlxkv.errors import UserError
+    from mlxkv.memory.budget import budget, gib
+    from mlxkv.memory.dtypes import default_weight_dtype
+    from mlxkv.memory.estimate import estimate_model
+    from mlxkv.memory.source import from_path
+
+    est = estimate_model(from_path(Path(path)), policy, context=context, batch=batch, search=False)
+    config, s = est.source.config, est.setting
+    mode = choose_split(config, mode, n)
+    wdtype = default_weight_dtype(config, s.backend)
+    [w] = host_weights(config, n, mode, wdtype, s.backend == "cpu", ranks=[rank])
+    b = budget(host_layout(est.layout, n, rank, mode), w, s, est.budget.available)
+    if not b.fits:
+        raise UserError(
+            f"rank {rank} of {n} ({mode}) needs about {gib(b.total)} at {s.context} tokens "
+            f"(weights {gib(w.bytes)}, KV {gib(b.kv.peak_allocated)}) but {gib(b.available)} "
+            f"is available on this host; see 'mlxkv plan MODEL --hosts {n}', or --force"
+        )

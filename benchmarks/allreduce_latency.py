@@ -14,7 +14,9 @@ import argparse
 import json
 import time
 
-import mlxkv  # noqa: F401  (routes MLX to OpenBLAS on Linux)
+from mlxkv.backend import setup_blas
+
+setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 
 def main(argv=None) -> int:

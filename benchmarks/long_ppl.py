@@ -12,7 +12,16 @@ memory. Policies:
 * ``full``           every token kept (quadratic; its positions run past training length)
 * ``window``         sliding window of ``window + sinks`` tokens, no sinks
 * ``sink``           mlxkv: ``sinks`` sinks + ``window``, StreamingLLM positions
-* ``sink-q8``/``sink-q4``/``window-q4``/``full-q8``/``full-q4``  quantized variants
+* quantized variants: a base (``full``, ``window``, ``sink``) plus ``-q<b>`` (keys and
+  values at b bits) or ``-k<b>v<b>`` (separate widths), optionally ``-g<G>`` (key group
+  size), ``-vg<G>`` (value group size) and a key scheme: none (mlxkv's default, ``rotated``:
+  centred + Hadamard, per-token groups), ``-plain`` (per-token groups of the raw keys, as
+  mlx-lm's ``QuantizedKVCache`` stores them), ``-mean`` (rotated, the offset is the mean
+  key of the first chunk instead of the first token's key) or ``-kivi`` (full policy only:
+  keys per channel in groups of G consecutive tokens with the newest incomplete group in
+  full precision, as KIVI does; a fake-quantized cache: attention sees the dequantized
+  keys/values exactly as a KIVI cache would give them to each query). E.g. ``full-q4``,
+  ``sink-k4v2-vg32``, ``full-q4-kivi``, ``sink-q3-plain``.
 * ``rotating``       mlx-lm ``RotatingKVCache(window + sinks, keep=sinks)`` with its decode
   semantics (sinks kept at their first positions, query positions unbounded). Evaluated
   exactly but in chunks with mlxkv's cache and an identity rotation: token-by-token
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,13 +51,105 @@ POLICIES = {
     "sink": dict(window="W", sinks="S"),
     "rotating": "rotating",
     "rotating-chunked": "rotating-chunked",
-    "sink-q8": dict(window="W", sinks="S", bits=8),
-    "sink-q4": dict(window="W", sinks="S", bits=4),
-    "window-q4": dict(window="W+S", bits=4),
-    "full-q8": dict(bits=8),
-    "full-q4": dict(bits=4),
 }
+BASES = {"full": dict(), "window": dict(window="W+S"), "sink": dict(window="W", sinks="S")}
+QUANT = re.compile(
+    r"^(?P<base>full|window|sink)-(?:q(?P<b>\d)|k(?P<kb>\d)v(?P<vb>\d))"
+    r"(?:-g(?P<g>\d+))?(?:-vg(?P<vg>\d+))?(?:-(?P<scheme>plain|mean|kivi))?$"
+)
 DEFAULT = "full,window,sink,rotating,rotating-chunked,sink-q8,sink-q4,full-q8,full-q4"
+
+
+def parse_policy(name: str):
+    """(base spec, quantization keywords, scheme) for a policy name, or None if unknown."""
+    if name in POLICIES:
+        return POLICIES[name], {}, None
+    m = QUANT.match(name)
+    if not m:
+        return None
+    kb = int(m["b"] or m["kb"])
+    vb = int(m["b"] or m["vb"])
+    q = dict(key_bits=kb, value_bits=vb, group_size=int(m["g"] or 64))
+    if m["vg"]:
+        q["value_group_size"] = int(m["vg"])
+    scheme = m["scheme"]
+    if scheme == "kivi" and m["base"] != "full":
+        return None
+    q["key_scheme"] = "plain" if scheme == "plain" else "rotated"
+    return BASES[m["base"]], q, scheme
+
+
+class KiviFakeCache:
+    """A full cache that hands attention KIVI-quantized keys (benchmark-only).
+
+    Keys are quantized per channel in groups of ``g`` consecutive tokens once a group is
+    complete; the newest incomplete group stays in full precision. For exactness in chunks,
+    every update returns ``[all keys as the cache holds them][full-precision keys from the
+    start of the first touched group]`` and the mask shows each query its own group from the
+    second part and the complete groups before it from the first. Values are quantized per
+    token (groups along head_dim), as KIVI does.
+    """
+
+    def __init__(self, key_bits: int, value_bits: int, g: int, vg: int):
+        self.kb, self.vb, self.g, self.vg = key_bits, value_bits, g, vg
+        self.raw = self.fq = self.vals = None
+        self.offset = 0
+        self.done = 0
+
+    def _per_channel(self, x):
+        import mlx.core as mx
+
+        t = x.swapaxes(-1, -2)
+        q = mx.quantize(t, group_size=self.g, bits=self.kb)
+        return mx.dequantize(*q, group_size=self.g, bits=self.kb).swapaxes(-1, -2)
+
+    def _per_token(self, x):
+        import mlx.core as mx
+
+        q = mx.quantize(x, group_size=self.vg, bits=self.vb)
+        return mx.dequantize(*q, group_size=self.vg, bits=self.vb)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        import mlx.core as mx
+
+        P = self.offset
+        r0 = P // self.g * self.g
+        t = mx.arange(P, P + N)[:, None]
+        own = t // self.g * self.g
+        j = mx.arange(P + N)[None]
+        r = mx.arange(r0, P + N)[None]
+        return mx.concatenate([j < own, (r >= own) & (r <= t)], axis=1)
+
+    def update_and_fetch(self, keys, values):
+        import mlx.core as mx
+
+        def cat(a, b):
+            return b if a is None else mx.concatenate([a, b], axis=2)
+
+        P, N = self.offset, keys.shape[2]
+        self.raw = cat(self.raw, keys)
+        self.vals = cat(self.vals, self._per_token(values))
+        self.offset = P + N
+        complete = self.offset // self.g * self.g
+        if complete > self.done:
+            self.fq = cat(self.fq, self._per_channel(self.raw[..., self.done : complete, :]))
+            self.done = complete
+        held = self.raw[..., complete : self.offset, :]
+        k = held if self.fq is None else mx.concatenate([self.fq, held], axis=2)
+        r0 = P // self.g * self.g
+        k = mx.concatenate([k, self.raw[..., r0:, :]], axis=2)
+        v = mx.concatenate([self.vals, self.vals[..., r0:, :]], axis=2)
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        # what a real KIVI cache would hold: packed keys per channel + residual + values
+        B, H, T, D = self.raw.shape
+        e = self.raw.dtype.size
+        keys = B * H * (self.done * D * self.kb // 8 + 2 * D * (self.done // self.g) * e)
+        resid = B * H * (T - self.done) * D * e
+        vals = B * H * T * (D * self.vb // 8 + 2 * (D // self.vg) * e)
+        return keys + resid + vals
 
 
 def build_caches(model, name: str, window: int, sinks: int):
@@ -57,14 +159,22 @@ def build_caches(model, name: str, window: int, sinks: int):
     from mlxkv.caches.rotation import Identity
     from mlxkv.policy import KVPolicy
 
-    spec = POLICIES[name]
+    spec, quant, scheme = parse_policy(name)
+    if scheme == "kivi":
+        g = quant["group_size"]
+        vg = quant.get("value_group_size", g)
+        return [KiviFakeCache(quant["key_bits"], quant["value_bits"], g, vg) for _ in model.layers]
     if spec == "rotating":
         return [StreamingKVCache(window, sinks, Identity()) for _ in model.layers]
     if spec == "rotating-chunked":
         return [RotatingKVCache(window + sinks, keep=sinks) for _ in model.layers]
     sizes = {"W": window, "S": sinks, "W+S": window + sinks}
     kw = {k: sizes.get(v, v) for k, v in spec.items()}
-    return make_caches(model, KVPolicy(**kw))
+    caches = make_caches(model, KVPolicy(**kw, **quant))
+    if scheme == "mean":
+        for c in caches:
+            c.kstore.offset_from = "mean"
+    return caches
 
 
 def token_nll(model, tokens: list[int], caches, chunk: int) -> list[float]:
@@ -105,9 +215,10 @@ def main(argv=None) -> int:
     from mlxkv.models.resolve import resolve
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    unknown = [n for n in names if parse_policy(n) is None]
     if unknown:
-        ap.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+        choices = ", ".join(POLICIES)
+        ap.error(f"unknown policies {unknown}; choose from {choices} or a quantized form")
     loaded = load(resolve(args.model).path)
     ctx = loaded.context_length or 0
     text = args.text.read_text(encoding="utf-8", errors="replace")

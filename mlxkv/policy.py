@@ -5,7 +5,12 @@ A policy says what every layer whose cache grows with the sequence keeps:
 * ``window=None``            full cache (every token kept)
 * ``window=W, sinks=0``      sliding window of the last W tokens
 * ``window=W, sinks=S``      S attention-sink tokens + the last W tokens (S + W kept)
-* ``bits=b``                 keys/values quantized to b bits, per ``group_size`` along head_dim
+* ``bits=b``                 keys and values quantized to b bits (shorthand for both widths)
+* ``key_bits`` / ``value_bits``  separate widths (``None``: that tensor stays unquantized);
+  keys in groups of ``group_size``, values in groups of ``value_group_size`` (default: the same)
+* ``key_scheme``             how keys are quantized: ``rotated`` (default: minus a per-channel
+  offset, then a Hadamard rotation of head_dim, then per-token groups; see
+  ``mlxkv.caches.storage``) or ``plain`` (per-token groups of the raw keys, like mlx-lm)
 
 Layers that already have a shorter window, SSM and linear-attention states are left alone.
 """
@@ -19,6 +24,7 @@ from mlxkv.errors import UserError
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SINKS = 4
+KEY_SCHEMES = ("rotated", "plain")
 
 
 class PolicyError(UserError, ValueError):
@@ -31,8 +37,42 @@ class KVPolicy:
     sinks: int = 0
     bits: int | None = None
     group_size: int = 64
+    key_bits: int | None = None
+    value_bits: int | None = None
+    value_group_size: int | None = None
+    key_scheme: str = "rotated"
 
     def __post_init__(self):
+        # ``bits`` sets both widths; afterwards it is the widest one (None: unquantized), so
+        # ``policy.bits is not None`` still means "quantized" and equal policies compare equal.
+        kb = self.key_bits if self.key_bits is not None else self.bits
+        vb = self.value_bits if self.value_bits is not None else self.bits
+        widths = [b for b in (kb, vb) if b is not None]
+        kflag = "--kv-key-bits" if self.key_bits is not None else "--kv-bits"
+        vflag = "--kv-value-bits" if self.value_bits is not None else "--kv-bits"
+        for flag, b in ((kflag, kb), (vflag, vb)):
+            if b is not None and b not in SUPPORTED_BITS:
+                raise PolicyError(
+                    f"{flag} {b} is not supported by MLX; use one of "
+                    + ", ".join(map(str, SUPPORTED_BITS))
+                )
+        object.__setattr__(self, "key_bits", kb)
+        object.__setattr__(self, "value_bits", vb)
+        object.__setattr__(self, "bits", max(widths) if widths else None)
+        object.__setattr__(self, "value_group_size", self.value_group_size or self.group_size)
+        for flag, g in (
+            ("--kv-group-size", self.group_size),
+            ("--kv-value-group-size", self.value_group_size),
+        ):
+            if g not in SUPPORTED_GROUP_SIZES:
+                raise PolicyError(
+                    f"{flag} {g} is not supported; use one of "
+                    + ", ".join(map(str, SUPPORTED_GROUP_SIZES))
+                )
+        if self.key_scheme not in KEY_SCHEMES:
+            raise PolicyError(
+                f"key scheme {self.key_scheme!r} is unknown; use one of " + ", ".join(KEY_SCHEMES)
+            )
         if self.window is not None and self.window < 1:
             raise PolicyError(f"--kv-window must be a positive number of tokens, got {self.window}")
         if self.sinks < 0:
@@ -43,16 +83,6 @@ class KVPolicy:
             raise PolicyError(
                 f"--kv-window ({self.window}) must be larger than --kv-sinks ({self.sinks})"
             )
-        if self.bits is not None and self.bits not in SUPPORTED_BITS:
-            raise PolicyError(
-                f"--kv-bits {self.bits} is not supported by MLX; use one of "
-                + ", ".join(map(str, SUPPORTED_BITS))
-            )
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise PolicyError(
-                f"--kv-group-size {self.group_size} is not supported; use one of "
-                + ", ".join(map(str, SUPPORTED_GROUP_SIZES))
-            )
 
     @classmethod
     def from_flags(
@@ -62,16 +92,30 @@ class KVPolicy:
         bits: int | None = None,
         group_size: int | None = None,
         max_kv_size: int | None = None,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        value_group_size: int | None = None,
+        key_scheme: str | None = None,
     ) -> KVPolicy:
         """Build a policy from CLI flags: ``--max-kv-size`` spells ``--kv-window``;
-        sinks default to 4 when a window is set."""
+        sinks default to 4 when a window is set; ``--kv-key-bits`` / ``--kv-value-bits``
+        override ``--kv-bits`` for one tensor."""
         if max_kv_size is not None:
             if window is not None and window != max_kv_size:
                 raise PolicyError("--max-kv-size and --kv-window disagree; give only one")
             window = max_kv_size
         if sinks is None:
             sinks = DEFAULT_SINKS if window is not None else 0
-        return cls(window=window, sinks=sinks, bits=bits, group_size=group_size or 64)
+        return cls(
+            window=window,
+            sinks=sinks,
+            bits=bits,
+            group_size=group_size or 64,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            value_group_size=value_group_size,
+            key_scheme=key_scheme or "rotated",
+        )
 
     @property
     def kept_tokens(self) -> int | None:
@@ -87,8 +131,20 @@ class KVPolicy:
         else:
             parts.append(f"window {self.window}")
         if self.bits is not None:
-            parts.append(f"{self.bits}-bit (group {self.group_size})")
+            parts.append(self.quantization())
         return ", ".join(parts)
+
+    def quantization(self) -> str | None:
+        """The KV quantization scheme in words (None when nothing is quantized)."""
+        if self.bits is None:
+            return None
+        kb, vb, g, vg = self.key_bits, self.value_bits, self.group_size, self.value_group_size
+        keys = f"{self.key_scheme} keys" if kb is not None else "float keys"
+        if kb == vb and g == vg:
+            return f"{kb}-bit (group {g}), {keys}"
+        k = f"keys {kb}-bit (group {g})" if kb is not None else "keys unquantized"
+        v = f"values {vb}-bit (group {vg})" if vb is not None else "values unquantized"
+        return f"{k}, {v}, {keys}"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -61,6 +61,28 @@ def _qdq(x, bits, group_size):
     return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size, bits)
 
 
+def _hadamard(x):
+    n = x.shape[-1]
+    h = mx.array([[1.0]])
+    while h.shape[0] < n:  # Sylvester's construction, written out (not mx.hadamard_transform)
+        h = mx.concatenate(
+            [mx.concatenate([h, h], axis=1), mx.concatenate([h, -h], axis=1)], axis=0
+        )
+    return x @ (h / n**0.5).astype(x.dtype)
+
+
+def quantized_frame(kk, qq, vv, offset, policy):
+    """Keys, query and values as a quantized policy's cache gives them to attention: keys
+    minus ``offset`` (the first token's key), Hadamard-rotated, quantized and dequantized per
+    token; the query rotated alike (``rotated`` scheme); values quantized per token."""
+    if policy is None or policy.bits is None:
+        return kk, qq, vv
+    if policy.key_bits is not None and policy.key_scheme == "rotated":
+        kk, qq = _hadamard(kk - offset), _hadamard(qq)
+    kk = _qdq(kk, policy.key_bits, policy.group_size)
+    return kk, qq, _qdq(vv, policy.value_bits, policy.value_group_size)
+
+
 def feed(model, tokens, caches, chunks) -> mx.array:
     """Logits for ``tokens`` fed through ``caches`` in the given chunk sizes."""
     tokens = mx.array(tokens)
@@ -82,7 +104,10 @@ def reference_logits(
     bits: int | None = None,
     group_size: int = 64,
     frame: str = "within",
+    policy=None,
 ) -> mx.array:
+    """``bits``/``group_size``: plain per-token quantization of keys and values; ``policy``:
+    a quantized ``KVPolicy``'s scheme instead (see :func:`quantized_frame`)."""
     inner = model.model
     h = inner.embed_tokens(mx.array(tokens)[None])
     T = h.shape[1]
@@ -114,8 +139,11 @@ def reference_logits(
                 parts.append(k_abs[:, :, idx_w, :])
                 kk = mx.concatenate(parts, axis=2)
                 qq = attn.rope(q[:, :, t : t + 1, :], offset=t)
-            kk = _qdq(kk, bits, group_size)
-            vv = _qdq(v[:, :, idx, :], bits, group_size)
+            if policy is not None:
+                kk, qq, vv = quantized_frame(kk, qq, v[:, :, idx, :], k_abs[:, :, :1, :], policy)
+            else:
+                kk = _qdq(kk, bits, group_size)
+                vv = _qdq(v[:, :, idx, :], bits, group_size)
             if rep > 1:
                 kk = mx.repeat(kk, rep, axis=1)
                 vv = mx.repeat(vv, rep, axis=1)

@@ -209,14 +209,22 @@ def test_group_size_must_divide_head_dim():
         check_policy(model, KVPolicy(bits=4, group_size=32))
 
 
-def test_quantized_caches_expose_bits_for_mlx_lm_routing():
+def test_quantized_caches_get_the_models_attention_calls():
+    from mlx_lm.models import llama
+
+    from mlxkv.caches.attention import routed_attention
+
     model = tiny_llama(layers=1)
     caches = make_caches(model, KVPolicy(window=20, sinks=4, bits=4, group_size=32))
     assert type(caches[0]) is QuantizedStreamingKVCache
+    assert llama.scaled_dot_product_attention is routed_attention
+    calls = []
+    attend = caches[0].attend
+    caches[0].attend = lambda q, k, v, **kw: calls.append(type(k)) or attend(q, k, v, **kw)
     feed(model, TOKENS[:30], caches, [30])
-    assert not hasattr(caches[0], "bits")  # prefill took the dense path
     feed(model, TOKENS[:1], caches, [1])
-    assert caches[0].bits == 4 and caches[0].group_size == 32
+    # prefill: dense keys (fused kernel); decode: the packed (uint32, scales, biases) store
+    assert [c.__name__ for c in calls] == ["array", "tuple"]
 
 
 def test_check_policy_describes_the_plan():
@@ -268,7 +276,6 @@ def build_family(name, **overrides):
         ("gemma2", KVPolicy(bits=4, group_size=32), "gemma2: mlx-lm's attention .* --kv-bits"),
         ("stablelm", KVPolicy(bits=8, group_size=32), "stablelm: .*drop --kv-bits$"),
         ("plamo2", KVPolicy(bits=4, group_size=32), r"plamo2: .*incompatible function arg"),
-        ("mimo_v2_flash", KVPolicy(bits=4, group_size=32), "mimo_v2_flash: .*--kv-bits"),
         # KV-shared layers read another layer's cache through keys_and_values()
         # (a window's evicting prefill chunk has no layout keys_and_values() can hand them)
         ("gemma3n", KVPolicy(window=40), "gemma3n: .*keys_and_values.*drop --kv-window$"),
@@ -312,3 +319,17 @@ def test_sink_caches_take_small_prefill_chunks_once_evicting():
     chunked = feed(model, tokens, make_caches(model, policy), sizes)
     stepwise = feed(model, tokens, make_caches(model, policy), [1] * len(tokens))
     assert mx.abs(chunked - stepwise).max().item() < 1e-4
+
+
+def test_quantized_attention_runs_where_the_cache_computes_it():
+    # mimo_v2_flash's full-attention layers call the shared attention function without
+    # learned sinks: the cache's own attention serves them (its sink layers keep their cache)
+    model = build_family("mimo_v2_flash")
+    policy = KVPolicy(bits=8, group_size=32)
+    check_policy(model, policy)
+    caches = make_caches(model, policy)
+    tokens = mx.array([[1, 2, 3, 4, 5, 6, 7]])
+    model(tokens[:, :6], cache=caches)
+    got = model(tokens[:, 6:], cache=caches)[0, -1]
+    ref = model(tokens)[0, -1]
+    assert mx.abs(got - ref).max().item() < 0.05  # 8-bit keys/values: close to exact

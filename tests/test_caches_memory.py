@@ -22,6 +22,11 @@ POLICIES = [
     KVPolicy(window=300, sinks=4, bits=4),
     KVPolicy(window=40, sinks=4, bits=2, group_size=32),
     KVPolicy(window=600, sinks=7, bits=6, group_size=64),
+    KVPolicy(key_bits=4, value_bits=2, value_group_size=32),
+    KVPolicy(window=40, sinks=4, key_bits=4, value_bits=2, value_group_size=32),
+    KVPolicy(window=300, sinks=4, bits=4, key_scheme="plain"),
+    KVPolicy(window=40, sinks=4, key_bits=3),
+    KVPolicy(value_bits=8, group_size=128),
 ]
 SCHEDULE = [100, 1, 1, 200, 1, 300, 1, 1, 57, 1]
 

@@ -121,7 +121,7 @@ def test_to_quantized_keeps_the_policy(model, policy):
     caches = make_caches(model, policy)
     feed(model, A[:30], caches, [29, 1])
     q = caches[0].to_quantized(group_size=32, bits=8)
-    assert isinstance(q, QuantizedStreamingKVCache) and q.bits == 8
+    assert isinstance(q, QuantizedStreamingKVCache) and q.key_bits == q.value_bits == 8
     assert (q.window, q.sinks, q.kept, q.offset) == (
         getattr(caches[0], "window", None),
         getattr(caches[0], "sinks", 0),

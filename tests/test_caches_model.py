@@ -116,7 +116,7 @@ def test_default_model_quantized_within_noise(model, ids, policy):
     tokens = ids[:200]
     fp = _nll(reference_logits(model, tokens, policy.sinks, policy.window), tokens)
     ref = reference_logits(
-        model, tokens, policy.sinks, policy.window, policy.bits, policy.group_size, "absolute"
+        model, tokens, policy.sinks, policy.window, frame="absolute", policy=policy
     )
     got = feed(model, tokens, make_caches(model, policy), [90, 1, 1, 100, 1, 7])
     cost = abs(_nll(ref, tokens) - fp)  # what quantization itself costs

@@ -36,9 +36,7 @@ def tokens():
 
 
 def _ref(model, tokens, policy, frame):
-    return reference_logits(
-        model, tokens, policy.sinks, policy.window, policy.bits, policy.group_size, frame
-    )
+    return reference_logits(model, tokens, policy.sinks, policy.window, frame=frame, policy=policy)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +63,13 @@ def test_unquantized_matches_within_cache_positions(model, tokens, policy):
         KVPolicy(window=20, sinks=4, bits=3, group_size=32),
         KVPolicy(window=20, sinks=4, bits=2, group_size=32),
         KVPolicy(window=20, sinks=4, bits=5, group_size=32),
+        KVPolicy(bits=4, group_size=32, key_scheme="plain"),
+        KVPolicy(window=20, sinks=4, bits=4, group_size=32, key_scheme="plain"),
+        KVPolicy(key_bits=4, value_bits=2, group_size=32),
+        KVPolicy(window=20, sinks=4, key_bits=4, value_bits=2, group_size=32),
+        KVPolicy(window=24, key_bits=3, value_bits=8, group_size=32, value_group_size=32),
+        KVPolicy(window=20, sinks=4, key_bits=4, group_size=32),
+        KVPolicy(value_bits=4, group_size=32),
     ],
     ids=lambda p: p.describe(),
 )

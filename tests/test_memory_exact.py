@@ -59,16 +59,18 @@ POLICIES = [
     KVPolicy(bits=4, group_size=32),
     KVPolicy(bits=8, group_size=32),
     KVPolicy(window=40, sinks=4, bits=4, group_size=32),
+    KVPolicy(key_bits=4, value_bits=2, group_size=32),
+    KVPolicy(window=40, sinks=4, key_bits=3, value_bits=8, group_size=32, key_scheme="plain"),
 ]
 # (batch, model calls): prompt chunks then 1-token decode steps.
 NATIVE_RUNS = [(1, [5, 1, 1]), (2, [3, 130, 130, 1, 1])]  # crosses 256: mlx-lm's history rule
 POLICY_RUNS = [(2, [5, 50, 1, 1, 20, 1])]  # crosses the 40-token window mid-chunk
 
 
-def _row(dim: int, policy: KVPolicy, b: int) -> int:
-    if policy.bits is None:
+def _row(dim: int, bits: int | None, group_size: int, b: int) -> int:
+    if bits is None:
         return dim * b
-    return dim * policy.bits // 32 * 4 + 2 * (dim // policy.group_size) * b
+    return dim * bits // 32 * 4 + 2 * (dim // group_size) * b
 
 
 def expected_logical(c, policy: KVPolicy, spec) -> int:
@@ -86,7 +88,9 @@ def expected_logical(c, policy: KVPolicy, spec) -> int:
     if hasattr(c, "kept"):  # mlxkv's caches count the tokens they keep
         k = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
         batch, heads = k.shape[0], k.shape[1]
-        row = _row(spec.k_head_dim, policy, 4) + _row(spec.v_head_dim, policy, 4)
+        row = _row(spec.k_head_dim, policy.key_bits, policy.group_size, 4) + _row(
+            spec.v_head_dim, policy.value_bits, policy.value_group_size, 4
+        )
         return c.kept * batch * heads * row
     per_token = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
     kept = {

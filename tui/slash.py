@@ -8,8 +8,8 @@ from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy, PolicyError
 
 COMMANDS = {
-    "/policy": "window=W sinks=S bits=B group=G | full  change the KV cache policy "
-    "(says what re-reading costs first)",
+    "/policy": "window=W sinks=S bits=B kbits= vbits= group=G | full  change the KV cache "
+    "policy (says what re-reading costs first)",
     "/set": "temp T | top_p P | rep R | max_tokens N  sampling (no argument: show it)",
     "/system": "[TEXT]  set the system prompt (no text: show it; '-' clears it)",
     "/clear": "drop the conversation and the cache",
@@ -59,23 +59,29 @@ def parse(text: str) -> Command | None:
 
 _KEYS = {"window": "window", "w": "window", "sinks": "sinks", "s": "sinks", "bits": "bits"}
 _KEYS |= {"b": "bits", "group": "group", "g": "group", "group_size": "group"}
+_KEYS |= {"key_bits": "key_bits", "kbits": "key_bits", "value_bits": "value_bits"}
+_KEYS |= {"vbits": "value_bits", "value_group": "value_group", "vgroup": "value_group"}
 
 
 def parse_policy(arg: str, current: KVPolicy) -> KVPolicy:
     """``window=256 sinks=4 bits=4 group=64`` or ``full`` (no window), applied on top of
-    the current policy; ``bits=none`` / ``window=none`` turn a part off."""
+    the current policy; ``bits=none`` / ``window=none`` turn a part off. ``kbits=`` /
+    ``vbits=`` / ``vgroup=`` set keys and values apart (``bits=`` sets both)."""
     if not arg:
         raise PolicyError("usage: /policy window=W sinks=S bits=B group=G, or /policy full")
-    window, sinks, bits, group = current.window, current.sinks, current.bits, current.group_size
+    window, sinks, group = current.window, current.sinks, current.group_size
+    kbits, vbits, vgroup = current.key_bits, current.value_bits, current.value_group_size
     given = set()
     for item in arg.replace(",", " ").split():
         if item.lower() == "full":  # every token, full precision
-            window, sinks, bits = None, 0, None
+            window, sinks, kbits, vbits = None, 0, None, None
             given |= {"window", "sinks", "bits"}
             continue
         key, eq, raw = item.partition("=")
         if not eq or key.lower() not in _KEYS:
-            raise PolicyError(f"/policy: cannot read {item!r}; use window=, sinks=, bits=, group=")
+            raise PolicyError(
+                f"/policy: cannot read {item!r}; use window=, sinks=, bits=, kbits=, vbits=, group="
+            )
         key = _KEYS[key.lower()]
         if raw.lower() in ("none", "off", "no"):
             value = None
@@ -90,14 +96,30 @@ def parse_policy(arg: str, current: KVPolicy) -> KVPolicy:
         elif key == "sinks":
             sinks = value or 0
         elif key == "bits":
-            bits = value
+            kbits = vbits = value
+        elif key == "key_bits":
+            kbits = value
+        elif key == "value_bits":
+            vbits = value
+        elif key == "value_group":
+            vgroup = value
         else:
             group = value
     if window is None:
         sinks = 0 if "sinks" not in given else sinks
     elif current.window is None and "sinks" not in given:
         sinks = None  # a new window gets the default sinks
-    return KVPolicy.from_flags(window=window, sinks=sinks, bits=bits, group_size=group)
+    if "group" in given and "value_group" not in given:
+        vgroup = None  # follows the key group size
+    return KVPolicy.from_flags(
+        window=window,
+        sinks=sinks,
+        group_size=group,
+        key_bits=kbits,
+        value_bits=vbits,
+        value_group_size=vgroup,
+        key_scheme=current.key_scheme,
+    )
 
 
 # /set NAME VALUE: names as typed -> GenerationSettings field, value type

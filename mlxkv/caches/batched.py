@@ -28,6 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.attention import attention
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.rotation import Rotation
 from mlxkv.caches.streaming import (
@@ -75,10 +76,11 @@ def _put(s, slots: mx.array, v):
 class BatchedKVCache:
     """B rows of one layer's policy cache (window/sink/full, float or quantized)."""
 
-    def __init__(self, window, sinks, rotation, store, rebase_every=None):
+    def __init__(self, window, sinks, rotation, store, rebase_every=None, value_store=None):
         self.window, self.sinks = window, sinks
         self.rotation = rotation
-        self.store = store
+        self.kstore = store
+        self.vstore = value_store or store
         self.rebase_every = rebase_every or DEFAULT_REBASE_EVERY
         self.keys = self.values = self.sink_keys = None
         self.n: list[int] = []
@@ -86,6 +88,7 @@ class BatchedKVCache:
         self.base: list[int] = []
         self.sink_shift: list[int] = []
         self._offset = None
+        self._no_offset: list[bool] = []  # rows whose key offset comes with their first token
 
     # ---- building from single-sequence caches ----
     @classmethod
@@ -104,8 +107,10 @@ class BatchedKVCache:
     @staticmethod
     def _of(c: StreamingKVCache) -> BatchedKVCache:
         if isinstance(c, QuantizedStreamingKVCache):
-            return QuantizedBatchedKVCache(c.window, c.sinks, c.rotation, c.store, c.rebase_every)
-        return BatchedKVCache(c.window, c.sinks, c.rotation, c.store, c.rebase_every)
+            # fresh stores: the key offset is per row and is stacked as rows join
+            k, v = c.kstore.empty_like(), c.vstore.empty_like()
+            return QuantizedBatchedKVCache(c.window, c.sinks, c.rotation, k, c.rebase_every, v)
+        return BatchedKVCache(c.window, c.sinks, c.rotation, st.FloatStore(), c.rebase_every)
 
     @staticmethod
     def _counters(c) -> tuple[int, int, int, int]:
@@ -128,6 +133,7 @@ class BatchedKVCache:
             return  # every row is still empty: buffers are made by the first update
         if self.keys is None:
             self._alloc_like(like, len(self.n) - len(caches))
+        self._extend_offsets(caches, like)
         cap = self._capacity(max(self.n))
         parts_k, parts_v = [_pad(self.keys, cap)], [_pad(self.values, cap)]
         parts_s = []
@@ -147,25 +153,54 @@ class BatchedKVCache:
         if self.sinks:
             self.sink_keys = mx.concatenate(parts_s, axis=0)
 
+    def _extend_offsets(self, caches: list, like) -> None:
+        """Stack the rows' key offsets (rotated key scheme). A row without one yet (nothing
+        prefilled) takes its first token's key at its first update, as its single cache does."""
+        if not isinstance(self.kstore, st.RotatedKeyStore):
+            return
+        k_like = self._shapes[0]
+        zero = mx.zeros((1, k_like.shape[1], 1, k_like.shape[3]), k_like.dtype)
+        old = len(self.n) - len(caches)
+        if self.kstore.offset is None:
+            parts, self._no_offset = [zero] * old, [True] * old
+        else:
+            parts = [self.kstore.offset]
+            self._no_offset += [False] * (old - len(self._no_offset))
+        for c in caches:
+            have = c.kstore.offset is not None
+            parts.append(c.kstore.offset if have else zero)
+            self._no_offset.append(not have)
+        self.kstore.offset = mx.concatenate(parts, axis=0)
+
+    def _take_first_offsets(self, keys: mx.array) -> None:
+        if not any(self._no_offset):
+            return
+        if self.kstore.offset is None:  # every row starts here: the store takes them all
+            self._no_offset = [False] * len(self.n)
+            return
+        pending = mx.array(self._no_offset).reshape(-1, 1, 1, 1)
+        self.kstore.offset = mx.where(pending, keys[..., :1, :], self.kstore.offset)
+        self._no_offset = [False] * len(self.n)
+
     def _alloc_like(self, like, rows: int):
         k, v, _ = like
-        self._shapes = (self._dense_like(k), self._dense_like(v))
+        self._shapes = (self._dense_like(k, self.kstore), self._dense_like(v, self.vstore))
         self.keys, self.values = self._zeros_rows(rows, 0)
         if self.sinks:
             self.sink_keys = self._zero_sinks(rows)
 
-    def _dense_like(self, s):
+    def _dense_like(self, s, store):
         """A (1, H, 1, D) array in the activation dtype standing for stored tensor ``s``."""
         if isinstance(s, tuple):
             w, scales, _ = s
-            D = w.shape[-1] * 32 // self.store.bits
+            D = w.shape[-1] * 32 // store.bits
             return mx.zeros((1, w.shape[1], 1, D), scales.dtype)
         return mx.zeros((1, s.shape[1], 1, s.shape[3]), s.dtype)
 
     def _zeros_rows(self, rows: int, cap: int):
         k_like, v_like = self._shapes
-        k = self.store.zeros(mx.broadcast_to(k_like, (rows, *k_like.shape[1:])), cap)
-        v = self.store.zeros(mx.broadcast_to(v_like, (rows, *v_like.shape[1:])), cap)
+        k = self.kstore.zeros(mx.broadcast_to(k_like, (rows, *k_like.shape[1:])), cap)
+        v = self.vstore.zeros(mx.broadcast_to(v_like, (rows, *v_like.shape[1:])), cap)
         return k, v
 
     def _zero_sinks(self, rows: int):
@@ -174,6 +209,8 @@ class BatchedKVCache:
 
     def filter(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (finished rows leave); capacity shrinks to what is left."""
+        flags = self._no_offset + [False] * (len(self.n) - len(self._no_offset))
+        self._no_offset = [flags[i] for i in keep] if self._no_offset else []
         self.n = [self.n[i] for i in keep]
         self.evicted = [self.evicted[i] for i in keep]
         self.base = [self.base[i] for i in keep]
@@ -183,8 +220,11 @@ class BatchedKVCache:
             return
         if not keep:
             self.keys = self.values = self.sink_keys = None
+            self.kstore.offset = None
             return
         idx = mx.array(keep)
+        if self.kstore.offset is not None:
+            self.kstore.offset = self.kstore.offset[idx]
         cap = self._capacity(max(self.n))
         self.keys = _pad(_rows(self.keys, idx), cap)
         self.values = _pad(_rows(self.values, idx), cap)
@@ -242,8 +282,9 @@ class BatchedKVCache:
             self.keys, self.values = _pad(self.keys, cap), _pad(self.values, cap)
         ts = list(self.n)
         slots = mx.array([self._slot(t) for t in ts])
-        self.keys = _put(self.keys, slots, self.store.encode(keys))
-        self.values = _put(self.values, slots, self.store.encode(values))
+        self._take_first_offsets(keys)
+        self.keys = _put(self.keys, slots, self.kstore.encode(keys))
+        self.values = _put(self.values, slots, self.vstore.encode(values))
         if S and any(t < S for t in ts):  # sink tokens keep their original rotation
             young = mx.array([t < S for t in ts]).reshape(-1, 1, 1, 1)
             sidx = mx.array([min(t, S - 1) for t in ts]).reshape(-1, 1, 1, 1)
@@ -273,7 +314,7 @@ class BatchedKVCache:
             return
         changed = mx.array([w != d for w, d in zip(want, self.sink_shift, strict=True)])
         rotated = self._shift_rows(self.sink_keys, want)
-        enc = self.store.encode(rotated)
+        enc = self.kstore.encode(rotated)
         mask = changed.reshape(-1, 1, 1, 1)
         S = self.sinks
 
@@ -299,13 +340,13 @@ class BatchedKVCache:
         shifts = [0] * len(self.n)
         for b in due:
             shifts[b] = -(self.evicted[b] - self.base[b])
-        ring = self.store.decode(st.take(self.keys, S, S + W))
-        ring = self.store.encode(self._shift_rows(ring, shifts))
+        ring = self.kstore.restore(st.take(self.keys, S, S + W))
+        ring = self.kstore.encode(self._shift_rows(ring, shifts))
         rows = mx.array([s != 0 for s in shifts]).reshape(-1, 1, 1, 1)
         parts = []
         if S:
             sinks_now = st.take(self.keys, 0, S)
-            pristine = self.store.encode(self.sink_keys)
+            pristine = self.kstore.encode(self.sink_keys)
             parts.append(_where(rows, pristine, sinks_now))
         parts.append(_where(rows, ring, st.take(self.keys, S, S + W)))
         self.keys = st.concat(parts)
@@ -316,7 +357,12 @@ class BatchedKVCache:
     # ---- accounting ----
     @property
     def nbytes(self) -> int:
-        return st.nbytes(self.keys) + st.nbytes(self.values) + st.nbytes(self.sink_keys)
+        return (
+            st.nbytes(self.keys)
+            + st.nbytes(self.values)
+            + st.nbytes(self.sink_keys)
+            + self.kstore.extra_nbytes()
+        )
 
     @property
     def state(self):
@@ -333,15 +379,14 @@ def _where(mask, a, b):
 
 
 class QuantizedBatchedKVCache(BatchedKVCache):
-    """Rows stored quantized; decode steps hand mlx-lm the packed triples."""
+    """Rows stored quantized; decode steps attend on the packed stores (the same
+    ``attend`` interface as the single-sequence quantized cache)."""
 
-    @property
-    def bits(self) -> int:
-        return self.store.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.store.group_size
+    def attend(self, queries, keys, values, scale: float, mask, sinks=None) -> mx.array:
+        if sinks is not None:
+            raise ValueError("quantized KV caches do not support learned attention sinks")
+        q = self.kstore.queries(queries)
+        return attention(q, keys, values, scale, mask, self.kstore, self.vstore)
 
 
 def batched_form(caches: list) -> str | None:

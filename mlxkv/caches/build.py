@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache
 
+from mlxkv.caches.attention import route_attention
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.rotation import (
     Identity,
@@ -161,12 +162,16 @@ def plan_policy(model, policy: KVPolicy, caches: list | None = None) -> PolicyPl
                     f"{name}: --kv-bits is not supported: its attention uses learned sink "
                     "logits, which mlx-lm's quantized attention does not support"
                 )
-            bad = [d for d in info.head_dims if d % policy.group_size]
-            if bad:
-                raise PolicyError(
-                    f"{name}: --kv-group-size {policy.group_size} does not divide the head "
-                    f"dimension {bad[0]}; use a group size that divides it"
-                )
+            for flag, g in (
+                ("--kv-group-size", policy.group_size),
+                ("--kv-value-group-size", policy.value_group_size),
+            ):
+                bad = [d for d in info.head_dims if d % g]
+                if bad:
+                    raise PolicyError(
+                        f"{name}: {flag} {g} does not divide the head "
+                        f"dimension {bad[0]}; use a group size that divides it"
+                    )
         if policy.sinks:
             if info.mla:
                 raise PolicyError(
@@ -238,23 +243,11 @@ def cache_for(
     still trim exactly after it has evicted (speculative decoding rewinds that many)."""
     if mla:  # positions live in the "values" (decoupled RoPE key): never rotate keys
         rotation = None
+    if policy.bits is not None:
+        return QuantizedStreamingKVCache.for_policy(policy, rotation, rebase_every, reserve)
     if policy.window is None:
-        if policy.bits is None:
-            return FullKVCache()
-        return QuantizedStreamingKVCache(None, bits=policy.bits, group_size=policy.group_size)
-    if policy.bits is None:
-        return StreamingKVCache(
-            policy.window, policy.sinks, rotation, rebase_every, reserve=reserve
-        )
-    return QuantizedStreamingKVCache(
-        policy.window,
-        policy.sinks,
-        rotation,
-        policy.bits,
-        policy.group_size,
-        rebase_every,
-        reserve=reserve,
-    )
+        return FullKVCache()
+    return StreamingKVCache(policy.window, policy.sinks, rotation, rebase_every, reserve=reserve)
 
 
 def make_caches(
@@ -269,4 +262,8 @@ def make_caches(
     for i in plan.growing:
         info = plan.layers[i]
         caches[i] = cache_for(policy, info.rotation, info.mla, rebase_every, reserve)
+    # Policy caches compute their own attention (quantized ones need to; float ones give
+    # mlx-lm's fused call). Routed whatever the policy: mlx-lm's generate may quantize a
+    # cache later (``to_quantized``).
+    route_attention(model)
     return caches

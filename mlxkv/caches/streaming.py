@@ -30,12 +30,24 @@ the evicted count and reports positions relative to the oldest kept token (float
 angles at position 3e5 are off by ~1e-2 rad; after a rebase positions stay below
 ``S + W + rebase_every``).
 
-Quantized variant: tokens are stored ``mx.quantize``-d; decoding steps return the packed
-triples and expose ``bits`` so mlx-lm routes them to ``quantized_scaled_dot_product_attention``.
-Multi-token updates return dequantized arrays and hide ``bits`` for that call, so prefill
-uses the ordinary (fused) attention instead of materialising quantized score matrices:
-prefill memory never exceeds the unquantized cache's. Attention always sees keys and values
-after a quantize/dequantize round trip, whatever the path, so prefill == decode.
+Quantized variant (:class:`QuantizedStreamingKVCache`): keys and values each go through a
+store (``mlxkv.caches.storage``) with their own width and group size; keys by default in the
+``rotated`` scheme (centred, Hadamard-rotated, per-token groups). The layout is the same
+ring of slots, so windows, sinks, chunked prefill, trim and rebase work unchanged; sinks are
+re-encoded from the full-precision copy (exact re-rotation, no compounding).
+
+Attention interface (what any cache with a store frame must offer; the batched forms too):
+``cache.attend(queries, keys, values, scale, mask, sinks=None)`` computes attention for the
+``keys``/``values`` its own ``update_and_fetch`` just returned. mlxkv routes a loaded model's
+attention calls there explicitly (:func:`mlxkv.caches.attention.route_attention`, installed
+by ``make_caches``): mlx-lm's model modules call ``scaled_dot_product_attention`` by name, and
+the routed function sends any cache that has ``attend`` to it. Decoding steps return the
+packed store and ``attend`` multiplies on it (``mx.quantized_matmul`` for scores and for the
+weighted values; no dequantized copy of the cache). Multi-token updates return dense
+arrays in the store's frame and ``attend`` uses the fused ``mx.fast`` kernel with the
+queries moved into that frame, so prefill never materialises quantized score matrices and
+its peak memory stays at or below the unquantized cache's. Attention always sees keys and
+values after a quantize/dequantize round trip, whatever the path, so prefill == decode.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.attention import attention
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Identity, Rotation
 
@@ -121,6 +134,7 @@ class StreamingKVCache(_BaseCache):
         rebase_every: int | None = None,
         store=None,
         reserve: int = 0,
+        value_store=None,
     ):
         if window is None and sinks:
             raise ValueError("sinks need a window")
@@ -132,7 +146,8 @@ class StreamingKVCache(_BaseCache):
         if rebase_every is None and window is not None:
             rebase_every = max(sinks + window, DEFAULT_REBASE_EVERY)
         self.rebase_every = rebase_every
-        self.store = store or st.FloatStore()
+        self.kstore = store or st.FloatStore()
+        self.vstore = value_store or (st.FloatStore() if store is None else store)
         self.keys = None
         self.values = None
         self.sink_keys = None  # full precision, rotated at positions 0..S-1
@@ -175,7 +190,29 @@ class StreamingKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers attention reads (what the memory model predicts)."""
-        return st.nbytes(self.keys) + st.nbytes(self.values) + st.nbytes(self.sink_keys)
+        return (
+            st.nbytes(self.keys)
+            + st.nbytes(self.values)
+            + st.nbytes(self.sink_keys)
+            + self.kstore.extra_nbytes()
+        )
+
+    @property
+    def quantized(self) -> bool:
+        return self.kstore.quantized or self.vstore.quantized
+
+    def attend(self, queries, keys, values, scale: float, mask, sinks=None) -> mx.array:
+        """Attention of ``queries`` over what the last ``update_and_fetch`` returned: dense
+        arrays take the fused kernel (queries moved into the key store's frame), the packed
+        store the products of :func:`mlxkv.caches.attention.attention`."""
+        q = self.kstore.queries(queries)
+        if not isinstance(keys, st.TRIPLE) and not isinstance(values, st.TRIPLE):
+            return mx.fast.scaled_dot_product_attention(
+                q, keys, values, scale=scale, mask=mask, sinks=sinks
+            )
+        if sinks is not None:
+            raise ValueError("quantized KV caches do not support learned attention sinks")
+        return attention(q, keys, values, scale, mask, self.kstore, self.vstore)
 
     @property
     def undo_nbytes(self) -> int:
@@ -277,40 +314,43 @@ class StreamingKVCache(_BaseCache):
     def _ensure(self, keys: mx.array, values: mx.array, tokens: int):
         cap = st.capacity(tokens, self.limit)
         if self.keys is None:
-            self.keys = self.store.zeros(keys, cap)
-            self.values = self.store.zeros(values, cap)
+            self.keys = self.kstore.zeros(keys, cap)
+            self.values = self.vstore.zeros(values, cap)
             if self.sinks:
                 self.sink_keys = mx.zeros((*keys.shape[:2], self.sinks, keys.shape[3]), keys.dtype)
         elif st.tokens_of(self.keys) < cap:
             extra = cap - st.tokens_of(self.keys)
-            self.keys = st.grow(self.keys, self.store.zeros(keys, extra))
-            self.values = st.grow(self.values, self.store.zeros(values, extra))
+            self.keys = st.grow(self.keys, self.kstore.zeros(keys, extra))
+            self.values = st.grow(self.values, self.vstore.zeros(values, extra))
 
-    def _fetch(self, s, a: int, b: int):
+    def _fetch(self, store, s, a: int, b: int):
         part = s if (a == 0 and b == st.tokens_of(s)) else st.take(s, a, b)
-        return self.store.decode(part) if self._dense else part
+        return store.decode(part) if self._dense else part
 
     def _set_sink_shift(self, d: int):
         if not self.sinks or d == self._sink_shift:
             return
         rotated = self.rotation.shift(self.sink_keys, d)
-        st.write(self.keys, 0, self.store.encode(rotated))
+        st.write(self.keys, 0, self.kstore.encode(rotated))
         self._sink_shift = d
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         N = keys.shape[2]
         P, S = self._n, self.sinks
-        self._dense = N > 1 and self.store.quantized
+        self._dense = N > 1 and self.quantized
         self._chunk_layout = False
         if P < S:  # sink tokens keep their original rotation in the side copy
             self._ensure(keys, values, min(P + N, self.limit))
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
         if self._temporal(P, N):
             self._ensure(keys, values, P + N)
-            st.write(self.keys, P, self.store.encode(keys))
-            st.write(self.values, P, self.store.encode(values))
+            st.write(self.keys, P, self.kstore.encode(keys))
+            st.write(self.values, P, self.vstore.encode(values))
             self._n = P + N
-            return self._fetch(self.keys, 0, P + N), self._fetch(self.values, 0, P + N)
+            return (
+                self._fetch(self.kstore, self.keys, 0, P + N),
+                self._fetch(self.vstore, self.values, 0, P + N),
+            )
         if N == 1:
             return self._decode_step(keys, values)
         return self._chunk(keys, values)
@@ -319,8 +359,8 @@ class StreamingKVCache(_BaseCache):
         t = self._n
         slot = self._slot(t)
         self._record(1, keys, values, [(slot, 1)])
-        st.write(self.keys, slot, self.store.encode(keys))
-        st.write(self.values, slot, self.store.encode(values))
+        st.write(self.keys, slot, self.kstore.encode(keys))
+        st.write(self.values, slot, self.vstore.encode(values))
         self._evicted = self._d(t, self._evicted)
         self._n = t + 1
         self._set_sink_shift(self._evicted - self._base)
@@ -334,25 +374,25 @@ class StreamingKVCache(_BaseCache):
         self._ensure(keys, values, self.limit)
         kept = self._ring_ranges(max(S, P, S + d_end), P + N)
         self._record(N, keys, values, [(slot, length) for slot, length, _ in kept])
-        enc_k, enc_v = self.store.encode(keys), self.store.encode(values)
+        enc_k, enc_v = self.kstore.encode(keys), self.vstore.encode(values)
         if P < S:
             st.write(self.keys, P, st.take(enc_k, 0, S - P))
             st.write(self.values, P, st.take(enc_v, 0, S - P))
-        dense = self.store.decode
+        kdense, vdense = self.kstore.decode, self.vstore.decode
         parts_k, parts_v = [], []
         if S:
             B, H, _, Dk = keys.shape
             copies = self.rotation.shifted_copies(self.sink_keys, d_first - self._base, m)
-            ck = dense(self.store.encode(copies.reshape(B, H, S * m, Dk)))
-            sv = dense(st.take(self.values, 0, S))
+            ck = kdense(self.kstore.encode(copies.reshape(B, H, S * m, Dk)))
+            sv = vdense(st.take(self.values, 0, S))
             cv = mx.broadcast_to(sv[..., None, :], (*sv.shape[:3], m, sv.shape[-1]))
             parts_k.append(ck)
             parts_v.append(cv.reshape(B, H, S * m, sv.shape[-1]))
         for slot, length, _ in self._ring_ranges(P - w_old, P):
-            parts_k.append(dense(st.take(self.keys, slot, slot + length)))
-            parts_v.append(dense(st.take(self.values, slot, slot + length)))
-        parts_k.append(dense(enc_k))
-        parts_v.append(dense(enc_v))
+            parts_k.append(kdense(st.take(self.keys, slot, slot + length)))
+            parts_v.append(vdense(st.take(self.values, slot, slot + length)))
+        parts_k.append(kdense(enc_k))
+        parts_v.append(vdense(enc_v))
         out = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
         self._chunk_layout = True
 
@@ -373,10 +413,10 @@ class StreamingKVCache(_BaseCache):
         if R < self.rebase_every:
             return
         S = self.sinks
-        ring = self.store.decode(st.take(self.keys, S, S + self.window))
-        ring = self.store.encode(self.rotation.shift(ring, -R))
+        ring = self.kstore.restore(st.take(self.keys, S, S + self.window))
+        ring = self.kstore.encode(self.rotation.shift(ring, -R))
         if S:  # the sinks' shift becomes 0 in the new frame: the pristine copy itself
-            self.keys = st.concat([self.store.encode(self.sink_keys), ring])
+            self.keys = st.concat([self.kstore.encode(self.sink_keys), ring])
         else:
             self.keys = ring
         self._base += R
@@ -384,7 +424,7 @@ class StreamingKVCache(_BaseCache):
         for rec in self._undo:  # the undo log moves to the new frame with the ring
             rec.keys = self.rotation.shift(rec.keys, -R)
             rec.saved = [
-                (slot, n, self.store.encode(self.rotation.shift(self.store.decode(k), -R)), v)
+                (slot, n, self.kstore.encode(self.rotation.shift(self.kstore.restore(k), -R)), v)
                 for slot, n, k, v in rec.saved
             ]
 
@@ -424,6 +464,7 @@ class StreamingKVCache(_BaseCache):
         if self._n == 0:
             self.keys = self.values = self.sink_keys = None
             self._undo.clear()
+            self.kstore.offset = None  # the next first update picks a new key offset
         elif self._evicted == 0:
             cap = st.capacity(self._n, self.limit)
             if st.tokens_of(self.keys) > cap:
@@ -496,16 +537,18 @@ class StreamingKVCache(_BaseCache):
                 [st.take(self.values, 0, S)]
                 + [st.take(self.values, a, a + n) for a, n, _ in ranges]
             )
-        return self.store.decode(k), self.store.decode(v)
+        return self.kstore.restore(k), self.vstore.restore(v)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """The same cache (window, sinks, positions) with its tokens stored at ``bits``
-        (mlx-lm's ``maybe_quantize_kv_cache`` calls it; mlx-lm's rotating cache cannot)."""
-        if self.store.quantized:
+        """The same cache (window, sinks, positions) with keys and values stored at ``bits``
+        in mlxkv's default key scheme (mlx-lm's ``maybe_quantize_kv_cache`` calls it; the
+        model's attention must be routed, see :mod:`mlxkv.caches.attention`)."""
+        if self.quantized:
             # mlx-lm's generate calls this after every step once the start is reached
-            if (self.store.bits, self.store.group_size) == (bits, group_size):
+            k, v = self.kstore, self.vstore
+            if (k.bits, v.bits, k.group_size) == (bits, bits, group_size):
                 return self
-            raise ValueError(f"the cache is already quantized to {self.store.bits} bits")
+            raise ValueError(f"the cache is already quantized to {k.bits} bits")
         q = QuantizedStreamingKVCache(
             self.window,
             self.sinks,
@@ -518,12 +561,9 @@ class StreamingKVCache(_BaseCache):
         if self.keys is None:
             return q
         state = dict(self.state)
-        state.update(
-            keys=q.store.encode(self.keys),
-            values=q.store.encode(self.values),
-            bits=bits,
-            group_size=group_size,
-        )
+        state.update(q.scheme_state())
+        state.update(keys=q.kstore.encode(self.keys), values=q.vstore.encode(self.values))
+        state.update(key_offset=q.kstore.offset)
         q.state = state
         return q
 
@@ -545,9 +585,20 @@ class StreamingKVCache(_BaseCache):
             "sink_shift": self._sink_shift,
             "rebase_every": self.rebase_every,
             "reserve": self.reserve,
-            "bits": self.store.bits if self.store.quantized else None,
-            "group_size": self.store.group_size if self.store.quantized else None,
             "rotation": _rotation_state(rot),
+            **self.scheme_state(),
+            "key_offset": self.kstore.offset,
+        }
+
+    def scheme_state(self) -> dict:
+        """How keys and values are stored (None: unquantized), as saved in a file."""
+        k, v = self.kstore, self.vstore
+        return {
+            "key_bits": k.bits if k.quantized else None,
+            "key_group_size": k.group_size if k.quantized else None,
+            "key_scheme": k.scheme if k.quantized else None,
+            "value_bits": v.bits if v.quantized else None,
+            "value_group_size": v.group_size if v.quantized else None,
         }
 
     @state.setter
@@ -557,11 +608,17 @@ class StreamingKVCache(_BaseCache):
         self._n, self._evicted, self._base = v["tokens_seen"], v["evicted"], v["base"]
         self._sink_shift, self.rebase_every = v["sink_shift"], v["rebase_every"]
         self.reserve = v.get("reserve", 0)
-        if v.get("bits") is not None:
-            self.store = st.QuantStore(v["bits"], v["group_size"])
-            self.group_size = v["group_size"]
+        if "key_scheme" in v:
+            self.kstore = st.store_for(v["key_bits"], v["key_group_size"], v["key_scheme"])
+            self.vstore = st.store_for(v["value_bits"], v["value_group_size"])
+            self.kstore.offset = v.get("key_offset")
+        elif v.get("bits") is not None:  # files from before separate key/value stores
+            self.kstore = st.store_for(v["bits"], v["group_size"], "plain")
+            self.vstore = st.store_for(v["bits"], v["group_size"])
         else:
-            self.store = st.FloatStore()
+            self.kstore = self.vstore = st.FloatStore()
+        if self.kstore.quantized:
+            self.group_size = self.kstore.group_size
         self.rotation = _rotation_from_state(v["rotation"])
         self.keys, self.values, self.sink_keys = (
             _tuple(v[k]) for k in ("keys", "values", "sink_keys")
@@ -572,27 +629,63 @@ class StreamingKVCache(_BaseCache):
 
 
 class QuantizedStreamingKVCache(StreamingKVCache):
-    """The same cache with keys/values stored at ``bits`` per element (per-token groups)."""
+    """The same cache with keys and values quantized (each with its own width and groups)."""
 
     def __init__(
         self,
         window: int | None,
         sinks: int = 0,
         rotation=None,
-        bits: int = 4,
+        bits: int | None = 4,
         group_size: int = 64,
         rebase_every: int | None = None,
         reserve: int = 0,
+        *,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        value_group_size: int | None = None,
+        key_scheme: str = "rotated",
     ):
+        key_bits = bits if key_bits is None else key_bits
+        value_bits = bits if value_bits is None else value_bits
         super().__init__(
-            window, sinks, rotation, rebase_every, st.QuantStore(bits, group_size), reserve
+            window,
+            sinks,
+            rotation,
+            rebase_every,
+            st.store_for(key_bits, group_size, key_scheme),
+            reserve,
+            st.store_for(value_bits, value_group_size or group_size),
         )
         self.group_size = group_size
 
+    @classmethod
+    def for_policy(
+        cls, policy, rotation=None, rebase_every=None, reserve: int = 0
+    ) -> QuantizedStreamingKVCache:
+        return cls(
+            policy.window,
+            policy.sinks,
+            rotation,
+            None,
+            policy.group_size,
+            rebase_every,
+            reserve,
+            key_bits=policy.key_bits,
+            value_bits=policy.value_bits,
+            value_group_size=policy.value_group_size,
+            key_scheme=policy.key_scheme,
+        )
+
     @property
-    def bits(self) -> int:
-        # mlx-lm routes any cache with ``bits`` to quantized attention. After a multi-token
-        # update we returned dense arrays: hide ``bits`` so it takes the fused path.
-        if self._dense:
-            raise AttributeError("bits")
-        return self.store.bits
+    def key_bits(self) -> int | None:
+        # No ``bits`` attribute on purpose: mlx-lm would route a cache with ``bits`` to its own
+        # quantized attention, which knows nothing of the key store's frame.
+        return self.kstore.bits if self.kstore.quantized else None
+
+    @property
+    def value_bits(self) -> int | None:
+        return self.vstore.bits if self.vstore.quantized else None
+
+    def describe_stores(self) -> dict:
+        return {"keys": self.kstore.describe(), "values": self.vstore.describe()}

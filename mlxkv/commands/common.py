@@ -60,7 +60,21 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="B",
-        help=f"quantize keys/values to B bits ({', '.join(map(str, SUPPORTED_BITS))})",
+        help=f"quantize keys and values to B bits ({', '.join(map(str, SUPPORTED_BITS))})",
+    )
+    g.add_argument(
+        "--kv-key-bits",
+        type=int,
+        default=None,
+        metavar="B",
+        help="bits for keys only (overrides --kv-bits for keys)",
+    )
+    g.add_argument(
+        "--kv-value-bits",
+        type=int,
+        default=None,
+        metavar="B",
+        help="bits for values only (overrides --kv-bits for values), e.g. keys 4 / values 2",
     )
     g.add_argument(
         "--kv-group-size",
@@ -68,6 +82,13 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="G",
         help=f"quantization group size ({', '.join(map(str, SUPPORTED_GROUP_SIZES))}; default 64)",
+    )
+    g.add_argument(
+        "--kv-value-group-size",
+        type=int,
+        default=None,
+        metavar="G",
+        help="group size for values (default: --kv-group-size)",
     )
 
 
@@ -117,6 +138,9 @@ def policy_from_args(args) -> KVPolicy:
         bits=args.kv_bits,
         group_size=args.kv_group_size,
         max_kv_size=args.max_kv_size,
+        key_bits=args.kv_key_bits,
+        value_bits=args.kv_value_bits,
+        value_group_size=args.kv_value_group_size,
     )
 
 
@@ -188,12 +212,19 @@ def status(message: str) -> None:
 
 
 def add_shard_flag(p: argparse.ArgumentParser, choices=("auto", "tensor", "pipeline")) -> None:
+    data = (
+        "data = every rank a whole model, the prompts split between them; "
+        if "data" in choices
+        else ""
+    )
     p.add_argument(
         "--shard",
         choices=choices,
         default=choices[0],
-        help="under mlx.launch: how the ranks share the work (auto = tensor parallel where "
-        "mlx-lm's model has shard(), else pipeline); ignored in a single process",
+        help=f"under mlx.launch: how the ranks share the work (default {choices[0]}): {data}"
+        "tensor = each layer's heads split over the ranks (mlx-lm's shard()); pipeline = the "
+        "layers split over the ranks; auto = tensor where the model has shard(), else "
+        "pipeline. Ignored in a single process",
     )
 
 

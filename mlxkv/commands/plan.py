@@ -26,8 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk", metavar="N", help="prefill chunk size (tokens per model call); default 512")
     a("--kv-window", metavar="W", help="keep the last W tokens of growing layers")
     a("--kv-sinks", metavar="S", help="attention-sink tokens kept with a window; default 4")
-    a("--kv-bits", metavar="b", help="quantize growing layers' KV to b bits (2-8)")
+    a("--kv-bits", metavar="b", help="quantize growing layers' keys and values to b bits (2-8)")
+    a("--kv-key-bits", metavar="b", help="bits for keys only (overrides --kv-bits)")
+    a("--kv-value-bits", metavar="b", help="bits for values only (overrides --kv-bits)")
     a("--kv-group-size", metavar="g", help="quantization group size; default 64")
+    a("--kv-value-group-size", metavar="g", help="group size for values; default --kv-group-size")
     a("--kv-dtype", metavar="DTYPE", help="KV dtype: float16, bfloat16 or float32 "
       "(default: what the engine uses on this backend)")  # fmt: skip
     a("--memory", metavar="SIZE", help="memory to plan against, e.g. 16GB, 16GiB, 512M "
@@ -78,6 +81,9 @@ def _estimate(args):
         sinks=_int(args.kv_sinks, "--kv-sinks", None, 0),
         bits=_int(args.kv_bits, "--kv-bits", None, 1),
         group_size=_int(args.kv_group_size, "--kv-group-size", None, 1),
+        key_bits=_int(args.kv_key_bits, "--kv-key-bits", None, 1),
+        value_bits=_int(args.kv_value_bits, "--kv-value-bits", None, 1),
+        value_group_size=_int(args.kv_value_group_size, "--kv-value-group-size", None, 1),
     )
     if args.kv_dtype is not None and args.kv_dtype not in KV_DTYPES:
         raise BadInput(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got '{args.kv_dtype}'")

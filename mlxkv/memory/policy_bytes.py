@@ -18,12 +18,14 @@ Rules (``S`` sinks, ``W`` window, ``n`` tokens seen):
 * bytes per token per KV head and tensor of head dim ``D``: ``D * dtype_bytes``
   unquantized; quantized to ``b`` bits in groups of ``g``: ``D * b / 8`` (packed uint32)
   ``+ 2 * (D / g) * dtype_bytes`` (a scale and a bias per group, in the activation dtype).
+  Keys use ``key_bits`` / ``group_size``, values ``value_bits`` / ``value_group_size``.
 * logical = ``batch * kv_heads * kept * (row(k_head_dim) + row(v_head_dim))``.
-* allocated = ``batch * kv_heads * (slots * (row(k) + row(v)) + sink_copy)`` where
+* allocated = ``batch * kv_heads * (slots * (row(k) + row(v)) + sink_copy + offset)`` where
   ``slots = round_up(n, 256)`` for a full cache and ``min(round_up(n, 256), S + W)`` for a
   window, and ``sink_copy = S * k_head_dim * dtype_bytes`` when ``S > 0`` (the
   full-precision copy of the sink keys that re-positioning rotates from; quantized policies
-  keep it unquantized too). Zero when ``n == 0``.
+  keep it unquantized too), and ``offset = k_head_dim * dtype_bytes`` when keys are
+  quantized in the ``rotated`` scheme (the per-channel key offset). Zero when ``n == 0``.
 * Allocation depends only on ``n``: mlxkv's caches grow to ``round_up(n, 256)`` (not
   mlx-lm's history-dependent rule) and drop chunk-time buffers when an update returns, so
   ``last_chunk`` does not change the result; it stays in the signature for the contract.
@@ -53,19 +55,37 @@ def evicted_tokens(policy, tokens_seen: int) -> int:
     return tokens_seen - kept_tokens(policy, tokens_seen)
 
 
-def row_bytes(policy, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of one token of one head for a tensor with ``head_dim`` elements."""
-    if policy.bits is None:
+def _row(bits, group_size: int, head_dim: int, dtype_bytes: int) -> int:
+    if bits is None:
         return head_dim * dtype_bytes
-    packed = head_dim * policy.bits // 32 * 4
-    return packed + 2 * (head_dim // policy.group_size) * dtype_bytes
+    return head_dim * bits // 32 * 4 + 2 * (head_dim // group_size) * dtype_bytes
+
+
+def key_row_bytes(policy, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one key token of one head."""
+    return _row(policy.key_bits, policy.group_size, head_dim, dtype_bytes)
+
+
+def value_row_bytes(policy, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one value token of one head."""
+    return _row(policy.value_bits, policy.value_group_size, head_dim, dtype_bytes)
 
 
 def token_bytes(policy, kv_heads: int, k_head_dim: int, v_head_dim: int, dtype_bytes: int) -> int:
     """Bytes per kept token (keys + values, all KV heads, batch 1)."""
     return kv_heads * (
-        row_bytes(policy, k_head_dim, dtype_bytes) + row_bytes(policy, v_head_dim, dtype_bytes)
+        key_row_bytes(policy, k_head_dim, dtype_bytes)
+        + value_row_bytes(policy, v_head_dim, dtype_bytes)
     )
+
+
+def fixed_bytes(policy, kv_heads: int, k_head_dim: int, dtype_bytes: int) -> int:
+    """Bytes that do not grow with tokens (batch 1): the full-precision sink keys and the
+    per-channel key offset of the rotated key scheme."""
+    sink_copy = policy.sinks * k_head_dim * dtype_bytes if policy.sinks else 0
+    rotated = policy.key_bits is not None and policy.key_scheme == "rotated"
+    offset = k_head_dim * dtype_bytes if rotated else 0
+    return kv_heads * (sink_copy + offset)
 
 
 def slots(policy, tokens_seen: int) -> int:
@@ -106,5 +126,5 @@ def allocated_bytes(
     if tokens_seen <= 0:
         return 0
     per = token_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes)
-    sink_copy = kv_heads * policy.sinks * k_head_dim * dtype_bytes if policy.sinks else 0
-    return batch * (slots(policy, tokens_seen) * per + sink_copy)
+    fixed = fixed_bytes(policy, kv_heads, k_head_dim, dtype_bytes)
+    return batch * (slots(policy, tokens_seen) * per + fixed)

@@ -1,0 +1,152 @@
+"""Quantized KV schemes: the cache's own attention against a reference that dequantizes the
+whole store and attends densely; save/load of the schemes; files from before separate key
+and value stores."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map
+
+from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
+from mlxkv.caches.storage import RotatedKeyStore
+from mlxkv.caches.streaming import StreamingKVCache
+from mlxkv.policy import KVPolicy
+from tests._caches_ref import feed, tiny_llama
+
+SCHEMES = [
+    dict(bits=4, group_size=32),
+    dict(bits=4, group_size=32, key_scheme="plain"),
+    dict(key_bits=4, value_bits=2, group_size=32),
+    dict(key_bits=3, value_bits=8, group_size=64, value_group_size=32),
+    dict(key_bits=4, group_size=32),
+    dict(value_bits=4, group_size=32),
+]
+SHAPES = [dict(), dict(window=24), dict(window=20, sinks=4)]
+CASES = [KVPolicy(**shape, **q) for shape in SHAPES for q in SCHEMES]
+TOKENS = [(7 * i + 3) % 64 for i in range(70)]
+META = {"model": "tiny"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2, hidden=256)  # head_dim 64, 4 query heads over 2 KV heads
+
+
+def _dense_attention(cache, q, keys, values, scale, mask):
+    """Dequantize what the cache returned, move the query into the key store's frame and
+    attend with plain matrix products (grouped-query heads repeated)."""
+    k = cache.kstore.decode(keys) if isinstance(keys, tuple) else keys
+    v = cache.vstore.decode(values) if isinstance(values, tuple) else values
+    q = cache.kstore.queries(q)
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q * scale) @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):  # "causal"
+        q_len, k_len = s.shape[-2:]
+        mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
+    if mask is not None:
+        s = mx.where(mask, s, mx.finfo(s.dtype).min)
+    return mx.softmax(s, axis=-1, precise=True) @ v
+
+
+@pytest.mark.parametrize("policy", CASES, ids=[p.describe() for p in CASES])
+def test_attention_on_the_packed_store_matches_dequantized_reference(model, policy):
+    caches = make_caches(model, policy)
+    cache = caches[0]
+    seen = []
+    attend = cache.attend
+
+    packed = []
+
+    def spy(q, k, v, scale, mask, sinks=None):
+        packed.append(k if cache.kstore.quantized else v)
+        out = attend(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        seen.append((out, _dense_attention(cache, q, k, v, scale, mask)))
+        return out
+
+    cache.attend = spy
+    feed(model, TOKENS, caches, [30, 1, 1, 17, 1, 1, 1, 18])  # decode before/after evicting
+    assert len(seen) == 8
+    assert sum(isinstance(k, tuple) for k in packed) == 5 * cache.quantized  # decode steps
+    for out, ref in seen:
+        assert out.shape == ref.shape
+        assert mx.abs(out - ref).max().item() < 1e-4
+
+
+def test_rotated_keys_are_centred_on_the_first_token(model):
+    caches = make_caches(model, KVPolicy(bits=4, group_size=32))
+    feed(model, TOKENS[:10], caches, [10])
+    store = caches[0].kstore
+    assert isinstance(store, RotatedKeyStore)
+    first = store.restore(tuple(x[..., :1, :] for x in caches[0].keys))
+    assert mx.abs(first - store.offset).max().item() < 1e-6  # token 0 - offset == 0: exact
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        KVPolicy(bits=4, group_size=32),
+        KVPolicy(window=20, sinks=4, key_bits=4, value_bits=2, group_size=32),
+        KVPolicy(window=24, key_bits=3, group_size=32),
+    ],
+    ids=lambda p: p.describe(),
+)
+def test_save_load_keeps_the_scheme(model, policy, tmp_path):
+    caches = make_caches(model, policy)
+    feed(model, TOKENS[:50], caches, [40, 1, 9])
+    path = tmp_path / "q.safetensors"
+    meta = dict(META, policy=policy.to_dict())
+    save_caches(path, caches, meta)
+    loaded = load_caches(path, meta)
+    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
+    assert loaded[0].describe_stores() == caches[0].describe_stores()
+    a = feed(model, TOKENS[50:], caches, [5, 1, 1, 13])
+    b = feed(model, TOKENS[50:], loaded, [5, 1, 1, 13])
+    assert mx.abs(a - b).max().item() == 0.0
+
+
+def test_state_from_before_separate_stores_reads_as_plain(model):
+    """Files written before keys and values had their own stores carry ``bits`` and
+    ``group_size`` for both: those were mlx-lm style per-token keys, read as ``plain``."""
+    policy = KVPolicy(window=20, sinks=4, bits=4, group_size=32, key_scheme="plain")
+    caches = make_caches(model, policy)
+    feed(model, TOKENS[:40], caches, [30, 1, 9])
+    old = []
+    for c in caches:
+        state = dict(c.state)
+        for key in ("key_bits", "key_group_size", "key_scheme", "value_bits"):
+            state.pop(key)
+        state.pop("value_group_size")
+        state.pop("key_offset")
+        state.update(bits=4, group_size=32)
+        for key in ("keys", "values", "sink_keys"):  # copies: the live cache writes in place
+            state[key] = tree_map(lambda x: x + 0, state[key])
+        fresh = StreamingKVCache(None)
+        fresh.state = state
+        old.append(fresh)
+    assert old[0].kstore.describe() == {"bits": 4, "group_size": 32, "scheme": "plain"}
+    a = feed(model, TOKENS[40:], caches, [1, 1, 28])
+    b = feed(model, TOKENS[40:], old, [1, 1, 28])
+    assert mx.abs(a - b).max().item() == 0.0
+
+
+def test_file_of_another_format_refused_in_one_line(model, tmp_path):
+    caches = make_caches(model, KVPolicy(bits=4, group_size=32))
+    feed(model, TOKENS[:10], caches, [10])
+    save_caches(tmp_path / "a.safetensors", caches, META)
+    arrays, meta = mx.load(str(tmp_path / "a.safetensors"), return_metadata=True)
+    mx.save_safetensors(str(tmp_path / "b.safetensors"), arrays, {**meta, "0.mlxkv_cache": "1"})
+    with pytest.raises(CacheError, match="not an mlxkv cache file") as err:
+        load_caches(tmp_path / "b.safetensors", META)
+    assert "\n" not in str(err.value)
+
+
+def test_file_with_other_widths_refused(model, tmp_path):
+    policy = KVPolicy(bits=4, group_size=32)
+    caches = make_caches(model, policy)
+    feed(model, TOKENS[:10], caches, [10])
+    save_caches(tmp_path / "a.safetensors", caches, dict(META, policy=policy.to_dict()))
+    other = KVPolicy(key_bits=4, value_bits=2, group_size=32)
+    with pytest.raises(CacheError, match="made with policy="):
+        load_caches(tmp_path / "a.safetensors", dict(META, policy=other.to_dict()))

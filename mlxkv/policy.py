@@ -97,15 +97,26 @@ class KVPolicy:
         value_group_size: int | None = None,
         key_scheme: str | None = None,
     ) -> KVPolicy:
-        """Build a policy from CLI flags: ``--max-kv-size`` spells ``--kv-window``;
-        sinks default to 4 when a window is set; ``--kv-key-bits`` / ``--kv-value-bits``
-        override ``--kv-bits`` for one tensor."""
-        if max_kv_size is not None:
-            if window is not None and window != max_kv_size:
-                raise PolicyError("--max-kv-size and --kv-window disagree; give only one")
-            window = max_kv_size
+        """Build a policy from CLI flags. Sinks default to 4 when a window is set;
+        ``--kv-key-bits`` / ``--kv-value-bits`` override ``--kv-bits`` for one tensor.
+
+        ``--kv-window W`` keeps the sinks plus the last W tokens; ``--max-kv-size M`` keeps
+        M tokens in total, sinks included, as mlx-lm's ``RotatingKVCache(M, keep=4)`` does
+        (so the window is M minus the sinks)."""
         if sinks is None:
-            sinks = DEFAULT_SINKS if window is not None else 0
+            sinks = DEFAULT_SINKS if window is not None or max_kv_size is not None else 0
+        if max_kv_size is not None:
+            if max_kv_size <= sinks:
+                raise PolicyError(
+                    f"--max-kv-size ({max_kv_size}) counts the {sinks} sink tokens too; "
+                    f"give more than {sinks} (or fewer --kv-sinks)"
+                )
+            if window is not None and window + sinks != max_kv_size:
+                raise PolicyError(
+                    f"--max-kv-size {max_kv_size} keeps {max_kv_size} tokens in total but "
+                    f"--kv-window {window} + {sinks} sinks keep {window + sinks}; give only one"
+                )
+            window = max_kv_size - sinks
         return cls(
             window=window,
             sinks=sinks,

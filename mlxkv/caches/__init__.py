@@ -10,11 +10,13 @@ from mlxkv.caches.build import PolicyPlan, cache_for, check_policy, make_caches,
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.persist import load_caches, read_metadata, register_with_mlx_lm, save_caches
+from mlxkv.caches.snapshot import always_exact, restore, snapshot
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache, prefill_chunk
 from mlxkv.caches.trim import trim_caches, trimmable
 
 __all__ = [
     "CacheError",
+    "always_exact",
     "FullKVCache",
     "PolicyPlan",
     "QuantizedStreamingKVCache",
@@ -26,7 +28,9 @@ __all__ = [
     "plan_policy",
     "prefill_chunk",
     "read_metadata",
+    "restore",
     "save_caches",
+    "snapshot",
     "trim_caches",
     "trimmable",
 ]

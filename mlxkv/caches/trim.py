@@ -1,10 +1,11 @@
-"""Rewinding caches by n tokens (regenerate an answer, reuse a prompt cache).
+"""Rewinding caches by n tokens, exactly (regenerate an answer, reuse a prompt cache).
 
 What each cache can give back:
 
 * full caches (``FullKVCache``, quantized full, mlx-lm ``KVCache``): any number of tokens;
-* sink/window caches: everything before the first eviction; afterwards only the window
-  tokens still kept (the sinks stay; the window then refills before evicting again);
+* sink/window caches: everything before the first eviction; afterwards only what their
+  undo log covers (``reserve`` tokens, none by default): a token that left the window
+  cannot come back, and a trim must leave what an uncached run would hold;
 * mlx-lm ``RotatingKVCache``: what it accepts before it wraps (``offset < max_size``);
 * recurrent states (SSM, linear attention, ``ArraysCache``): nothing.
 

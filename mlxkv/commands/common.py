@@ -43,7 +43,11 @@ def add_overflow_flag(p: argparse.ArgumentParser) -> None:
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache policy")
     g.add_argument(
-        "--kv-window", type=int, default=None, metavar="W", help="keep the last W tokens"
+        "--kv-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="keep the last W tokens (plus the sinks: S + W kept)",
     )
     g.add_argument(
         "--kv-sinks",
@@ -53,7 +57,11 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         help="attention-sink tokens kept besides the window (default 4 with a window; 0 = none)",
     )
     g.add_argument(
-        "--max-kv-size", type=int, default=None, metavar="W", help="mlx-lm's name for --kv-window"
+        "--max-kv-size",
+        type=int,
+        default=None,
+        metavar="M",
+        help="keep M tokens in total, sinks included, as in mlx-lm (window = M - sinks)",
     )
     g.add_argument(
         "--kv-bits",

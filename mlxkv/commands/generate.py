@@ -1,10 +1,16 @@
-"""``mlxkv generate``: one prompt in, streamed text (or one JSON object) out."""
+"""``mlxkv generate``: one prompt (or a conversation) in, streamed text (or one JSON object) out.
+
+With ``--messages`` the answer is the conversation's next assistant turn; with
+``--prompt-cache`` the caches and the token ids they hold persist in a file between calls,
+so a call prefills only what the file does not already hold (see ``Generator``).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 
 from mlxkv.commands.common import (
     add_cache_flags,
@@ -19,11 +25,29 @@ from mlxkv.commands.common import (
 )
 from mlxkv.errors import UserError
 
-HELP = "generate text for one prompt (streamed; --json for a result object)"
+HELP = "generate text for one prompt or conversation (streamed; --json for a result object)"
+ROLES = ("system", "user", "assistant")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read stdin")
+    p.add_argument("--prompt", "-p", default=None, help="the prompt text, or - to read stdin")
+    p.add_argument(
+        "--messages",
+        default=None,
+        metavar="CONV.json",
+        help='a JSON list of chat messages ({"role": "system"|"user"|"assistant", '
+        '"content": "..."}, a system message only first); the answer is the next assistant '
+        "turn. Give --prompt or --messages",
+    )
+    p.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="FILE.safetensors",
+        help="keep the KV cache and its token ids in FILE between calls: "
+        "loaded when it exists, saved (atomically) after the answer; a later call prefills "
+        "only what FILE does not hold. A FILE made for another model, dtype or KV policy "
+        "(or not a cache file) is refused with an error and left untouched",
+    )
     p.add_argument("--system", default="", help="system prompt (chat template only)")
     p.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -39,6 +63,40 @@ def _read_prompt(arg: str) -> str:
     if not text.strip():
         raise UserError("the prompt is empty; pass --prompt TEXT or pipe text to --prompt -")
     return text
+
+
+def _read_messages(path: str) -> list[dict]:
+    """The conversation in ``path``: a non-empty list of {"role", "content"} objects."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UserError(f"cannot read --messages {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UserError(f"--messages {path} is not valid JSON ({e})") from None
+    if not isinstance(data, list) or not data:
+        raise UserError(f"--messages {path} must hold a non-empty JSON list of messages")
+    out = []
+    for i, m in enumerate(data):
+        ok = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        if not ok:
+            raise UserError(
+                f"--messages {path}: message {i} must be "
+                '{"role": "system"|"user"|"assistant", "content": "text"}'
+            )
+        if m["role"] == "system" and i:
+            raise UserError(f"--messages {path}: a system message may only come first")
+        out.append({"role": m["role"], "content": m["content"]})
+    if all(m["role"] == "system" for m in out):
+        raise UserError(f"--messages {path} has no user message to answer")
+    return out
+
+
+def _check_input(args) -> None:
+    if (args.prompt is None) == (args.messages is None):
+        raise UserError("give the input as --prompt TEXT or --messages CONV.json (one of them)")
+    if args.messages is not None and args.raw:
+        raise UserError("--raw completes plain text; it does not apply to --messages")
 
 
 def _read_stdin() -> str:
@@ -95,10 +153,22 @@ def run(args) -> int:
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.session import Generator
 
+    _check_input(args)
     policy = policy_from_args(args)
     settings = settings_from_args(args)
-    prompt = _read_prompt(args.prompt)
+    messages = _read_messages(args.messages) if args.messages is not None else None
+    prompt = _read_prompt(args.prompt) if messages is None else None
+    system = args.system
+    if messages and messages[0]["role"] == "system":
+        if system:
+            raise UserError("the system prompt is in --messages; drop --system")
+        system, messages = messages[0]["content"], messages[1:]
+    cache_file = Path(args.prompt_cache) if args.prompt_cache else None
+    if cache_file is not None and cache_file.suffix != ".safetensors":
+        raise UserError(f"--prompt-cache {cache_file} must end in .safetensors")
     cluster = join_cluster()
+    if cluster is not None and cache_file is not None:
+        raise UserError("--prompt-cache works in one process; drop it under mlx.launch")
     if cluster is not None:
         from mlxkv.engine.distributed import shared_seed
 
@@ -113,10 +183,17 @@ def run(args) -> int:
         shard=args.shard,
     )
     gen = Generator(loaded, policy, overflow=args.on_overflow)
+    if cache_file is not None and cache_file.exists():
+        gen.load_cache(cache_file)  # refuses (one line) a file made for something else
     if args.raw:
         events = gen.run(prompt, settings)
     else:
-        events = ChatSession(gen, settings, system=args.system).send(prompt)
+        chat = ChatSession(gen, settings, system=system)
+        if messages is None:
+            events = chat.send(prompt)
+        else:
+            chat.messages = messages
+            events = chat.answer()
     final = None
     bar = PrefillBar(enabled=not args.json)
     for ev in events:
@@ -132,6 +209,8 @@ def run(args) -> int:
         elif isinstance(ev, Finished):
             final = ev
     s = final.stats
+    if cache_file is not None:
+        gen.save_cache(cache_file)
     from mlxkv.engine.distributed import rank_kv_report
 
     per_rank = rank_kv_report(cluster, loaded, s)
@@ -140,6 +219,7 @@ def run(args) -> int:
             "text": final.text,
             "finish_reason": final.finish_reason,
             "prompt_tokens": s.prompt_tokens,
+            "prompt_tokens_cached": s.prompt_tokens_cached,
             "generation_tokens": s.generation_tokens,
             "prompt_tps": round(s.prompt_tps, 3),
             "generation_tps": round(s.generation_tps, 3),
@@ -160,7 +240,8 @@ def run(args) -> int:
     else:
         sys.stdout.write("\n")
         status(
-            f"{s.prompt_tokens} prompt tokens at {s.prompt_tps:.1f} tok/s, "
+            f"{s.prompt_tokens} prompt tokens ({s.prompt_tokens_cached} from the cache) "
+            f"at {s.prompt_tps:.1f} tok/s, "
             f"{s.generation_tokens} generated at {s.generation_tps:.1f} tok/s, "
             f"finish: {final.finish_reason}; KV {s.kv_tokens} tokens, "
             f"{s.kv_bytes_actual} bytes (predicted {s.kv_bytes_predicted})"

@@ -28,24 +28,29 @@ class ChatSession:
             self._all_messages(), tokenize=False, add_generation_prompt=True
         )
 
-    def _answer(self) -> Iterator[Event]:
-        """Run the model on the conversation; the answer (even a cut one) joins it."""
+    def answer(self) -> Iterator[Event]:
+        """Run the model on the conversation as it stands; the answer (even a cut one)
+        joins it. The generator keeps its cache consistent if this breaks off."""
         for event in self.generator.run(self.prompt_text(), self.settings):
             if isinstance(event, Finished):
                 self.messages.append({"role": "assistant", "content": event.text})
             yield event
 
     def send(self, text: str) -> Iterator[Event]:
+        """Add a user message and answer it. If no answer comes (an error, or the caller
+        walks away before the Finished event), the message is taken back, so the caller
+        can offer the text again and the conversation stays as it was."""
         if not text.strip():
             raise UserError("the message is empty; type something to send")
         self.messages.append({"role": "user", "content": text})
+        answered = False
         try:
-            yield from self._answer()
-        except Exception:
-            # The model never answered: take the message back so the caller can restore it.
-            if self.messages and self.messages[-1]["role"] == "user":
+            for event in self.answer():
+                answered = answered or isinstance(event, Finished)
+                yield event
+        finally:
+            if not answered and self.messages and self.messages[-1]["role"] == "user":
                 self.messages.pop()
-            raise
 
     def regenerate(self) -> Iterator[Event]:
         """Answer the last user message again (its previous answer is dropped)."""
@@ -53,7 +58,7 @@ class ChatSession:
             self.messages.pop()
         if not self.messages:
             raise UserError("nothing to regenerate yet; send a message first")
-        yield from self._answer()
+        yield from self.answer()
 
     def cancel(self) -> None:
         self.generator.cancel()

@@ -9,13 +9,14 @@ from dataclasses import asdict, dataclass
 class Stats:
     """A snapshot taken after every token. Bytes are exact integers."""
 
-    prompt_tokens: int = 0  # tokens prefilled this turn
+    prompt_tokens: int = 0  # tokens of this turn's whole prompt
+    prompt_tokens_cached: int = 0  # of which reused from the cache (not prefilled)
     generation_tokens: int = 0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     kv_tokens: int = 0  # tokens the growing layers keep now
     kv_evicted: int = 0  # tokens dropped by a window policy so far
-    kv_tokens_seen: int = 0  # tokens fed through the cache since it was created
+    kv_tokens_seen: int = 0  # tokens the cache holds a trace of (kept + evicted)
     kv_bytes_actual: int = 0  # sum of the caches' nbytes (what MLX holds)
     kv_bytes_predicted: int | None = None  # the memory model's allocated bytes
     kv_bytes_logical: int | None = None  # the memory model's kept-token bytes

@@ -1,32 +1,72 @@
-"""Live KV accounting: what the caches hold next to what the memory model predicts.
+"""KV statistics read from the caches, beside the memory model's prediction for them.
 
-Per token this costs one predictor step (O(distinct cache kinds)) and a sum of nbytes
-over the layers, which reads array shapes only: no device sync.
+``kept``, ``evicted``, ``tokens_seen`` and ``nbytes`` come from the caches themselves (plain
+ints and array shapes: no device sync). The memory model is not advanced in step with the
+engine: each reading brings a predictor to the caches' token count (forward by the tokens
+fed since the last reading; rebuilt when a trim or a restore went back), so a prediction
+that drifts from what MLX holds shows up as ``kv_bytes_predicted != kv_bytes_actual``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mlxkv.engine.events import Stats
 from mlxkv.policy import KVPolicy
 
 
+@dataclass(frozen=True)
+class KVReading:
+    tokens_seen: int  # tokens the caches hold a trace of (kept + evicted)
+    kept: int
+    evicted: int
+    nbytes: int
+
+
+def read_caches(caches: list) -> KVReading:
+    """What the caches say they hold. Layers a policy governs expose ``kept`` /
+    ``evicted`` / ``tokens_seen``; the model's own caches only ``offset`` or ``size()``."""
+    ours = [c for c in caches if hasattr(c, "tokens_seen")]
+    if ours:
+        seen = max(c.tokens_seen for c in ours)
+        kept = max(c.kept for c in ours)
+        evicted = max(c.evicted for c in ours)
+    else:
+        seen = max((c.offset for c in caches if hasattr(c, "offset")), default=0)
+        kept = max((c.size() for c in caches), default=0)
+        evicted = max(seen - kept, 0)
+    return KVReading(seen, kept, evicted, sum(c.nbytes for c in caches))
+
+
 class KVAccounting:
     def __init__(self, loaded, policy: KVPolicy, caches: list):
         from mlxkv.memory import layout_for
-        from mlxkv.memory.predictor import KVPredictor
 
         self.caches = caches
         self.loaded = loaded
+        self.policy = policy
         if getattr(loaded, "layout", None) is None:
             loaded.layout = layout_for(loaded.config)  # once per model, not per cache
-        self.predictor = KVPredictor(loaded.layout, policy, 1, loaded.dtype)
-        self.last = self.predictor.snapshot()
+        self._predictor = self._new_predictor()
+        self.last = self._predictor.snapshot()
 
-    def advance(self, n: int, chunk: int | None = None) -> None:
-        """``n`` tokens went through the model in one call."""
-        self.last = self.predictor.advance(n)
+    def _new_predictor(self):
+        from mlxkv.memory.predictor import KVPredictor
+
+        return KVPredictor(self.loaded.layout, self.policy, 1, self.loaded.dtype)
+
+    def read(self) -> KVReading:
+        return read_caches(self.caches)
+
+    def predicted(self, tokens_seen: int):
+        """The memory model's figures for ``tokens_seen`` tokens (moved there lazily)."""
+        p = self._predictor
+        if tokens_seen < p.tokens_seen:  # a trim or a restore went back: start again
+            p = self._predictor = self._new_predictor()
+            self.last = p.snapshot()
+        if tokens_seen > p.tokens_seen:
+            self.last = p.advance(tokens_seen - p.tokens_seen)
+        return self.last
 
     def actual_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
@@ -34,13 +74,14 @@ class KVAccounting:
     def snapshot(self, stats: Stats) -> Stats:
         import mlx.core as mx
 
-        p = self.last
+        now = self.read()
+        p = self.predicted(now.tokens_seen)
         return replace(
             stats,
-            kv_tokens=p.kept_tokens,
-            kv_evicted=p.evicted_tokens,
-            kv_tokens_seen=p.tokens_seen,
-            kv_bytes_actual=self.actual_bytes(),
+            kv_tokens=now.kept,
+            kv_evicted=now.evicted,
+            kv_tokens_seen=now.tokens_seen,
+            kv_bytes_actual=now.nbytes,
             kv_bytes_predicted=p.allocated,
             kv_bytes_logical=p.logical,
             active_memory=mx.get_active_memory(),

@@ -1,8 +1,23 @@
-"""A generation session: one model, one cache policy, a cache that lives across turns.
+"""A generation session: one model, one cache policy, and the token ids its caches hold.
 
-The cache is described as a list of text chunks (prompt pieces and answers) with their
-token counts. A new turn's full prompt text either extends that text (only the new
-tokens are prefilled) or diverges from it (the cache is rebuilt from the whole prompt).
+The session owns ``tokens``: exactly the ids the caches have seen, in order. A new turn
+brings the token ids of its whole prompt; the session keeps the longest common prefix of
+what the caches hold and what the prompt needs (all but the prompt's last token, whose
+logits start the answer), removes the rest, and prefills only what follows.
+
+Removing the rest must leave the caches as an uncached run over the kept prefix would have
+left them. A full cache trims exactly. A window or sink cache that has evicted cannot bring
+back what it dropped, and recurrent states cannot be rewound; for those the session keeps a
+copy of the caches at the last turn boundary (the prompt prefilled, before its last token)
+and restores it. We chose the copy over a reserve of slots beyond the window because it is
+exact for every cache the model builds (SSM states included), costs nothing in the steady
+state (one cache's worth of memory, shared until the live cache writes), and makes the
+common case exact: a regenerate reuses the whole prompt, the next turn reuses the whole
+conversation. Only what neither reaches (a change inside an earlier answer) is rebuilt.
+
+Failure recovery lives here: a turn that breaks off while the model runs (an exception, or
+a caller that walks away mid-call) may leave layers out of step, so the caches are
+rebuilt; one that stops between model calls keeps them, and ``tokens`` stays exact.
 """
 
 from __future__ import annotations
@@ -53,10 +68,18 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @dataclass
-class _Chunk:
-    text: str
-    tokens: int
+class _Checkpoint:
+    tokens: list[int]  # what the caches held when the copy was taken
+    states: list
 
 
 @dataclass
@@ -81,8 +104,15 @@ class Generator:
         """Drop the cache (and everything it held)."""
         from mlxkv.caches import make_caches
 
-        self.caches = make_caches(self.loaded.model, self.policy)
-        self.chunks: list[_Chunk] = []
+        self._install(make_caches(self.loaded.model, self.policy), [])
+
+    def _install(self, caches: list, tokens: list[int]) -> None:
+        from mlxkv.caches import always_exact
+
+        self.caches = caches
+        self.tokens: list[int] = list(tokens)  # the ids the caches hold, in order
+        self._checkpoint: _Checkpoint | None = None
+        self._needs_checkpoint = not all(always_exact(c) for c in caches)
         self.kv = KVAccounting(self.loaded, self.policy, self.caches)
 
     def set_policy(self, policy: KVPolicy) -> None:
@@ -93,28 +123,8 @@ class Generator:
         self.reset()
 
     @property
-    def cached_text(self) -> str:
-        return "".join(c.text for c in self.chunks)
-
-    @property
     def cached_tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
-
-    def _encode(self, text: str, first: bool) -> list[int]:
-        tok = self.loaded.tokenizer
-        return encode_prompt(tok, text) if first else tok.encode(text, add_special_tokens=False)
-
-    def _keep_if_prefix_of(self, target: str) -> None:
-        """Keep the cache only while the text it holds is a prefix of ``target``.
-
-        A cache that diverges is rebuilt rather than trimmed: trimming keeps buffers the
-        predictor would have to re-derive, and a rebuild keeps predicted == actual by
-        construction. The cost is one prefill of the conversation, paid only when a turn
-        diverges from what the cache holds (regenerate, stop strings, templates that
-        reformat an answer), never on a plain next turn.
-        """
-        if self.chunks and not target.startswith(self.cached_text):
-            self.reset()
+        return len(self.tokens)
 
     def cancel(self) -> None:
         """Stop the current turn, or the next one if none is running yet."""
@@ -122,48 +132,115 @@ class Generator:
 
     def stats(self) -> Stats:
         """A snapshot of the cache between turns."""
-        return self._stats(0, 0, 0.0, 0.0)
+        return self._stats(0, 0, 0, 0.0, 0.0)
+
+    # -- prompt caches on disk ----------------------------------------------------------
+    def identity(self) -> dict:
+        """What a saved cache must match to be used here."""
+        return {
+            "model": self.loaded.name,
+            "policy": self.policy.to_dict(),
+            "dtype": self.loaded.dtype,
+        }
+
+    def save_cache(self, path) -> None:
+        """Write the caches, their token ids and the turn-boundary copy to ``path``
+        (atomically), so that a later session can go back as far as this one could."""
+        import copy
+
+        from mlxkv.caches import save_caches
+
+        caches = list(self.caches)
+        meta = dict(self.identity(), tokens=self.tokens, layers=len(caches))
+        cp = self._checkpoint
+        if cp is not None:
+            for c, state in zip(self.caches, cp.states, strict=True):
+                c = copy.copy(c)
+                c.state = state
+                caches.append(c)
+            meta["checkpoint_tokens"] = cp.tokens
+        save_caches(path, caches, meta)
+
+    def load_cache(self, path) -> None:
+        """Take the caches and token ids saved at ``path``; :class:`CacheError` (one line)
+        if it was made for another model, policy or dtype (this session is then unchanged)."""
+        from mlxkv.caches import load_caches, read_metadata
+
+        caches = load_caches(path, self.identity())
+        meta = read_metadata(path)
+        n = meta["layers"]
+        self._install(caches[:n], meta["tokens"])
+        if "checkpoint_tokens" in meta:
+            states = [c.state for c in caches[n:]]
+            self._checkpoint = _Checkpoint(list(meta["checkpoint_tokens"]), states)
+
+    # -- reuse -------------------------------------------------------------------------
+    def _reuse(self, ids: list[int]) -> int:
+        """Make the caches hold the longest usable prefix of ``ids``; returns its length."""
+        from mlxkv.caches import restore, trim_caches, trimmable
+
+        want = common_prefix(self.tokens, ids[:-1])  # the last prompt token is always fed
+        drop = len(self.tokens) - want
+        if drop == 0:
+            return want
+        if all(trimmable(c) >= drop for c in self.caches):
+            trim_caches(self.caches, drop)
+            del self.tokens[want:]
+            return want
+        cp = self._checkpoint
+        if cp is not None and len(cp.tokens) <= want and ids[: len(cp.tokens)] == cp.tokens:
+            restore(self.caches, cp.states)
+            self.tokens = list(cp.tokens)
+            return self._reuse(ids)  # and trim the rest exactly, if the copy holds more
+        self.reset()
+        return 0
+
+    def _take_checkpoint(self) -> None:
+        from mlxkv.caches import snapshot
+
+        if self._needs_checkpoint:
+            self._checkpoint = _Checkpoint(list(self.tokens), snapshot(self.caches))
 
     # -- generation --------------------------------------------------------------------
     def run(self, prompt_text: str, settings: GenerationSettings) -> Iterator[Event]:
-        """Generate a continuation of ``prompt_text`` (the whole conversation so far).
+        """Generate a continuation of ``prompt_text`` (the whole conversation so far)."""
+        if not prompt_text:
+            raise UserError("the prompt is empty; type something to send")
+        return self.run_tokens(encode_prompt(self.loaded.tokenizer, prompt_text), settings)
+
+    def run_tokens(self, ids: list[int], settings: GenerationSettings) -> Iterator[Event]:
+        """Generate a continuation of the prompt ``ids`` (the whole conversation so far).
 
         Yields PrefillProgress, TokenDelta and Notice events, then one Finished.
         """
-        if not prompt_text:
+        if not ids:
             raise UserError("the prompt is empty; type something to send")
-        finished = False
+        self._in_model = False
         try:
-            for event in self._run(prompt_text, settings):
-                finished = isinstance(event, Finished)
-                yield event
+            yield from self._run(list(ids), settings)
         except BaseException:
-            # A turn that failed (or was abandoned) half-way leaves the cache out of step
-            # with the chunks; after its Finished event the cache is consistent.
-            if not finished:
-                self.reset()
+            self._recover()
             raise
         finally:
+            self._in_model = False
             self._cancel.clear()  # a cancel covers one turn
 
-    def _run(self, prompt_text: str, settings: GenerationSettings) -> Iterator[Event]:
-        self._keep_if_prefix_of(prompt_text)
-        if self.chunks and self.cached_text == prompt_text:
-            # All of it is cached, but sampling needs the last token's logits: refeed.
+    def _recover(self) -> None:
+        """After a turn broke off: keep the caches when they hold exactly ``tokens``."""
+        held = {c.tokens_seen for c in self.caches if hasattr(c, "tokens_seen")}
+        if self._in_model or held - {len(self.tokens)}:
             self.reset()
-        new_text = prompt_text[len(self.cached_text) :]
-        new_ids = self._encode(new_text, first=not self.chunks)
-        yield from self._overflow_check(new_ids)
-        if not self.chunks:  # the overflow check may have rebuilt the cache
-            new_text = prompt_text
-            new_ids = self._encode(new_text, first=True)
-        yield from self._generate(new_text, new_ids, settings)
 
-    def _overflow_check(self, new_ids: list[int]) -> Iterator[Event]:
+    def _run(self, ids: list[int], settings: GenerationSettings) -> Iterator[Event]:
+        yield from self._overflow_check(ids)
+        cached = self._reuse(ids)
+        yield from self._generate(ids, cached, settings)
+
+    def _overflow_check(self, ids: list[int]) -> Iterator[Event]:
         from mlxkv.memory.context import past_trained_context
 
         limit = self.loaded.context_length
-        needed = self.cached_tokens + len(new_ids)
+        needed = len(ids)
         if not past_trained_context(limit, self.policy.window, needed + 1):  # + 1 reply token
             return
         if self.overflow == "stop":
@@ -178,7 +255,15 @@ class Generator:
             "the conversation is prefilled again"
         )
 
-    def _generate(self, new_text: str, new_ids: list[int], s: GenerationSettings):
+    def _model_call(self, tokens) -> None:
+        import mlx.core as mx
+
+        self._in_model = True
+        self.loaded.model(tokens[None], cache=self.caches)
+        mx.eval([c.state for c in self.caches])
+        self._in_model = False
+
+    def _generate(self, ids: list[int], cached: int, s: GenerationSettings):
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -193,30 +278,29 @@ class Generator:
         max_tokens, capped = s.max_tokens, False
         limit = self.loaded.context_length
         if limit and self.policy.window is None:
-            room = limit - self.cached_tokens - len(new_ids)
+            room = limit - len(ids)
             if room < max_tokens:
                 max_tokens, capped = max(room, 1), True
+        total = len(ids)
 
         # Chunked prefill of all but the last token (with progress and cancel);
         # mlx-lm's generate_step does the last token and the decoding.
         tic = time.perf_counter()
-        total, done = len(new_ids), 0
-        prompt = mx.array(new_ids)
+        prompt = mx.array(ids)
+        done = cached
         while total - done > 1:
             n = min(prefill_chunk(self.caches, s.prefill_step), total - done - 1)
-            model(prompt[None, done : done + n], cache=self.caches)
-            mx.eval([c.state for c in self.caches])
+            self._model_call(prompt[done : done + n])
+            self.tokens.extend(ids[done : done + n])
             done += n
-            self.kv.advance(n, chunk=n)
-            yield PrefillProgress(done, total, self._stats(done, 0, 0.0, 0.0))
+            yield PrefillProgress(
+                done - cached, total - cached, self._stats(total, cached, 0, 0.0, 0.0)
+            )
             if self._cancel.is_set():
-                self.chunks.append(_Chunk(tokenizer.decode(new_ids[:done]), done))
-                stats = self._stats(done, 0, 0.0, 0.0, "cancelled")
+                stats = self._stats(total, cached, 0, 0.0, 0.0, "cancelled")
                 yield Finished("", "cancelled", stats)
                 return
-        self.chunks.append(_Chunk(new_text, total))
-        answer = _Chunk("", 0)
-        self.chunks.append(answer)
+        self._take_checkpoint()
 
         detok = tokenizer.detokenizer
         detok.reset()
@@ -233,15 +317,21 @@ class Generator:
             logits_processors=processors,
             prompt_cache=self.caches,
         )
-        self.kv.advance(1, chunk=1)  # the last prompt token
-        for token, _ in steps:
+        while True:
+            self._in_model = True
+            token = next(steps, None)
+            self._in_model = False
+            if token is None:
+                break
+            token = token[0]
             # generate_step feeds each token to the cache before yielding it.
+            if not gen_ids:
+                self.tokens.append(ids[-1])
+            self.tokens.append(token)
             gen_ids.append(token)
-            answer.tokens += 1
-            self.kv.advance(1, chunk=1)
             now = time.perf_counter()
             if len(gen_ids) == 1:
-                prompt_tps, tic = total / (now - tic), now
+                prompt_tps, tic = (total - cached) / (now - tic), now
             else:
                 gen_tps = (len(gen_ids) - 1) / (now - tic)
             if token in eos:
@@ -255,7 +345,8 @@ class Generator:
                 break
             safe = stop.safe_length(text)
             delta, shown = text[shown:safe], max(shown, safe)
-            yield TokenDelta(delta, token, self._stats(total, len(gen_ids), prompt_tps, gen_tps))
+            stats = self._stats(total, cached, len(gen_ids), prompt_tps, gen_tps)
+            yield TokenDelta(delta, token, stats)
             if self._cancel.is_set():
                 reason = "cancelled"
                 break
@@ -265,16 +356,16 @@ class Generator:
             detok.finalize()
             text = detok.text
         # The cache holds every generated token, stop strings and EOS included.
-        answer.text = tokenizer.decode(gen_ids)
-        stats = self._stats(total, len(gen_ids), prompt_tps, gen_tps, reason)
+        stats = self._stats(total, cached, len(gen_ids), prompt_tps, gen_tps, reason)
         if shown < len(text):
             yield TokenDelta(text[shown:], -1, stats)
         yield Finished(text, reason, stats)
 
-    def _stats(self, prompt_tokens, n_gen, prompt_tps, gen_tps, reason=None) -> Stats:
+    def _stats(self, prompt_tokens, cached, n_gen, prompt_tps, gen_tps, reason=None) -> Stats:
         return self.kv.snapshot(
             Stats(
                 prompt_tokens=prompt_tokens,
+                prompt_tokens_cached=cached,
                 generation_tokens=n_gen,
                 prompt_tps=prompt_tps,
                 generation_tps=gen_tps,

@@ -1,0 +1,128 @@
+"""``mlxkv generate --messages CONV.json --prompt-cache FILE`` on the default model: a
+regenerate prefills (almost) nothing, a new user turn prefills only that turn, for the full
+and the sink + window policies; and the refusals a user sees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+TOPICS = ["lighthouses", "bread", "rivers", "the moon", "chess", "bees", "glass", "trains"]
+
+
+def conversation() -> list[dict]:
+    """About 1,000 tokens of chat: a system prompt and eight exchanges."""
+    msgs = [{"role": "system", "content": "You are a patient teacher who answers briefly."}]
+    for t in TOPICS:
+        msgs.append({"role": "user", "content": f"Tell me something about {t}. " * 6})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": f"Here is a short note about {t}: people have studied {t} "
+                "for a long time, and there is always more to learn about them. " * 3,
+            }
+        )
+    msgs.append({"role": "user", "content": "Which of these topics is the oldest?"})
+    return msgs
+
+
+def generate(tmp_path, messages, policy_args, cache="c.safetensors") -> dict:
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps(messages))
+    out = run_cli(
+        "generate", "--messages", str(conv), "--prompt-cache", str(tmp_path / cache),
+        "--max-tokens", "16", "--temp", "0", "--json", *policy_args,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "policy_args",
+    [[], ["--kv-window", "256", "--kv-sinks", "4"]],
+    ids=["full", "sink 4 + window 256"],
+)
+def test_regenerate_and_next_turn_prefill_only_what_is_new(default_model, tmp_path, policy_args):
+    msgs = conversation()
+    first = generate(tmp_path, msgs, policy_args)
+    assert first["prompt_tokens"] > 900 and first["prompt_tokens_cached"] == 0
+    if policy_args:
+        assert first["kv_evicted"] > 0  # the window has slid: a naive trim would be wrong
+
+    again = generate(tmp_path, msgs, policy_args)  # regenerate the same answer
+    assert again["prompt_tokens"] == first["prompt_tokens"]
+    assert again["prompt_tokens"] - again["prompt_tokens_cached"] <= 2
+    assert again["text"] == first["text"]  # greedy, and the cache was exact
+    assert again["kv_bytes_actual"] == again["kv_bytes_predicted"]
+
+    turn = "And which one is the newest?"
+    more = msgs + [
+        {"role": "assistant", "content": again["text"]},
+        {"role": "user", "content": turn},
+    ]
+    nxt = generate(tmp_path, more, policy_args)
+    prefilled = nxt["prompt_tokens"] - nxt["prompt_tokens_cached"]
+    turn_tokens = len(default_model.tokenizer.encode(turn))
+    # the new user turn, its template (<|im_end|>, newlines, role headers) and nothing else
+    assert turn_tokens < prefilled <= turn_tokens + 12
+    assert nxt["kv_bytes_actual"] == nxt["kv_bytes_predicted"]
+
+    fresh = generate(tmp_path, more, policy_args, cache="fresh.safetensors")
+    assert fresh["prompt_tokens_cached"] == 0
+    assert fresh["text"] == nxt["text"]  # the reused cache answers as an uncached run
+
+
+@pytest.mark.model
+def test_a_cache_file_from_another_policy_is_refused_and_kept(default_model_path, tmp_path):
+    msgs = [{"role": "user", "content": "Hi"}]
+    generate(tmp_path, msgs, ["--kv-window", "64"])
+    before = (tmp_path / "c.safetensors").read_bytes()
+    conv = tmp_path / "conv.json"
+    out = run_cli(
+        "generate", "--messages", str(conv), "--prompt-cache", str(tmp_path / "c.safetensors"),
+        "--max-tokens", "4",
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "made with policy=" in out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr
+    assert (tmp_path / "c.safetensors").read_bytes() == before
+
+
+@pytest.mark.model
+def test_max_kv_size_keeps_that_many_tokens_in_total(default_model_path):
+    out = run_cli(
+        "generate", "--prompt", "Write a long story about a lighthouse keeper.",
+        "--max-kv-size", "64", "--max-tokens", "60", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["kv_tokens"] == 64
+    assert r["policy"]["window"] + r["policy"]["sinks"] == 64
+    assert r["kv_evicted"] == r["prompt_tokens"] + r["generation_tokens"] - 64
+
+
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        ("[]", [], "non-empty JSON list"),
+        ("{", [], "not valid JSON"),
+        ('[{"role": "robot", "content": "x"}]', [], "message 0 must be"),
+        ('[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]', [],
+         "system message may only come first"),
+        ('[{"role": "user", "content": "a"}]', ["--prompt", "x"], "one of them"),
+        ('[{"role": "user", "content": "a"}]', ["--raw"], "does not apply to --messages"),
+        ('[{"role": "user", "content": "a"}]', ["--prompt-cache", "c.bin"],
+         "must end in .safetensors"),
+        ('[{"role": "user", "content": "a"}]', ["--max-kv-size", "4"], "counts the 4 sink"),
+    ],
+)  # fmt: skip
+def test_bad_messages_one_line_exit_2(tmp_path, content, args, message):
+    conv = tmp_path / "conv.json"
+    conv.write_text(content)
+    out = run_cli("generate", "--messages", str(conv), *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1

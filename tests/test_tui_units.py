@@ -17,7 +17,7 @@ from tui import plot, slash
 from tui.conversations import ConversationStore, read_conversation
 from tui.engine import ChatGenerator
 from tui.fmt import human_bytes, versus
-from tui.panel import memory_bar
+from tui.panel import figures, memory_bar
 from tui.pipe import EventPipe
 
 
@@ -196,3 +196,11 @@ def test_chat_is_an_entry_point_not_an_import():
 
     assert cli.commands()["chat"] == "tui.command"
     assert "chat" not in cli.COMMANDS
+
+
+def test_panel_says_how_much_of_the_prompt_the_cache_held():
+    fresh = figures(Stats(prompt_tokens=1107, prompt_tps=50.0)).plain
+    assert "1,107 tok" in fresh and "cached" not in fresh
+    again = figures(Stats(prompt_tokens=1107, prompt_tokens_cached=1106, prompt_tps=50.0)).plain
+    assert "1,106/1,107 cached" in again
+    assert max(len(line) for line in again.splitlines()) <= 43  # the panel's inner width

@@ -33,7 +33,7 @@ def figures(s: Stats) -> Text:
         ("logical", Text(human_bytes(s.kv_bytes_logical)), "kept tokens"),
         ("kept", Text(tokens(s.kv_tokens)), f"evicted {tokens(s.kv_evicted)}"),
         ("context", Text(tokens(s.kv_tokens_seen)), f"limit {tokens(s.context_limit)}"),
-        ("prompt", Text(f"{s.prompt_tps:.1f} tok/s"), f"{s.prompt_tokens} tok"),
+        ("prompt", Text(f"{s.prompt_tps:.1f} tok/s"), prompt_remark(s)),
         ("generate", Text(f"{s.generation_tps:.1f} tok/s"), f"{s.generation_tokens} tok"),
     ]
     out = Text(no_wrap=True, overflow="ellipsis")
@@ -44,6 +44,14 @@ def figures(s: Stats) -> Text:
         if n < len(rows) - 1:
             out.append("\n")
     return out
+
+
+def prompt_remark(s: Stats) -> str:
+    """The turn's prompt tokens, and how many of them the cache already held (short: the
+    panel is 43 columns wide)."""
+    if s.prompt_tokens_cached:
+        return f"{tokens(s.prompt_tokens_cached)}/{tokens(s.prompt_tokens)} cached"
+    return f"{tokens(s.prompt_tokens)} tok"
 
 
 def policy_line(s: Stats) -> Text:

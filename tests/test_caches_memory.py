@@ -49,7 +49,7 @@ def test_nbytes_equals_prediction(model, policy, batch):
         tokens = mx.full((batch, n), 3, dtype=mx.int32)
         mx.eval(model(tokens, cache=caches))
         seen += n
-        predicted = pb.allocated_bytes(policy, 1, 128, 128, 4, seen, batch, n)
+        predicted = pb.allocated_bytes(policy, 1, 128, 128, 4, seen, batch)
         assert sum(c.nbytes for c in caches) == len(caches) * predicted, seen
         assert caches[0].kept == pb.kept_tokens(policy, seen)
         assert caches[0].evicted == pb.evicted_tokens(policy, seen)

@@ -64,7 +64,7 @@ def test_default_model_exact_bytes(model):
         for n in schedule:
             mx.eval(model(mx.array(tokens[seen : seen + n])[None], cache=caches))
             seen += n
-            predicted = pb.allocated_bytes(policy, 3, 64, 64, 4, seen, 1, n)
+            predicted = pb.allocated_bytes(policy, 3, 64, 64, 4, seen, 1)
             assert sum(c.nbytes for c in caches) == 30 * predicted, (policy, seen)
             assert caches[0].kept == pb.kept_tokens(policy, seen) <= (policy.kept_tokens or seen)
 

@@ -76,7 +76,7 @@ def _step(cache, naive, n, uid0, frame):
 
 def _bytes(policy, cache, peak):
     n = peak if cache.evicted else cache.tokens_seen  # an evicting ring never shrinks
-    return policy_bytes.allocated_bytes(policy, 1, 2, 1, 4, n, 1, 1)
+    return policy_bytes.allocated_bytes(policy, 1, 2, 1, 4, n, 1)
 
 
 ops = hs.lists(
@@ -139,4 +139,4 @@ def test_quantized_counters_and_bytes(sinks, extra, bits, group, chunks):
         cache.update_and_fetch(x, x)
         seen += n
         assert cache.kept == policy_bytes.kept_tokens(policy, seen)
-        assert cache.nbytes == policy_bytes.allocated_bytes(policy, 2, 64, 64, 4, seen, 1, n)
+        assert cache.nbytes == policy_bytes.allocated_bytes(policy, 2, 64, 64, 4, seen, 1)

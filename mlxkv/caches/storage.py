@@ -10,8 +10,8 @@ re-rotation needs), and attention must use ``queries(q)`` against decoded keys
 
 * :class:`FloatStore` keeps tokens as they came; the frame is the model's.
 * :class:`QuantStore` quantizes per token in groups along head_dim (mlx-lm's layout).
-* :class:`RotatedKeyStore` (keys): subtracts a per-channel offset ``mu`` (the mean key of the
-  first update, per head), applies an orthonormal Hadamard rotation ``H`` of head_dim, then
+* :class:`RotatedKeyStore` (keys): subtracts a per-channel offset ``mu`` (the first token's
+  key, per head), applies an orthonormal Hadamard rotation ``H`` of head_dim, then
   quantizes like :class:`QuantStore`. Key outliers sit in a few channels and persist across
   tokens; the offset removes their constant part and the rotation spreads the rest over all
   channels, so one group no longer has to span them. Attention stays exact up to the
@@ -26,19 +26,10 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from mlxkv.memory.policy_bytes import STEP, capacity, round_up  # the one allocation rule
 from mlxkv.policy import PolicyError
 
-STEP = 256
-
-
-def round_up(n: int, step: int = STEP) -> int:
-    return (n + step - 1) // step * step
-
-
-def capacity(tokens: int, limit: int | None) -> int:
-    """Slots allocated when ``tokens`` must be held and at most ``limit`` ever are."""
-    cap = round_up(tokens)
-    return cap if limit is None else min(cap, limit)
+__all__ = ["STEP", "capacity", "round_up"]  # used by the caches as ``storage.capacity`` etc.
 
 
 class FloatStore:
@@ -157,8 +148,10 @@ def rotates(head_dim: int) -> bool:
 class RotatedKeyStore(QuantStore):
     """Keys centred by a per-channel offset and Hadamard-rotated, then quantized per token.
 
-    ``offset`` (B, H, 1, D) is the mean key of the first ``encode`` (the first update), in
-    the keys' dtype; it is part of the cache state and saved with it.
+    ``offset`` (B, H, 1, D) is the first token's key (``offset_from = "mean"``: the mean key
+    of the first update, which benchmarks/long_ppl.py compares), in the keys' dtype; it is
+    part of the cache state and saved with it. The first token's key keeps chunked prefill
+    identical to token-by-token decoding, whatever the chunk size.
     """
 
     scheme = "rotated"
@@ -170,7 +163,7 @@ class RotatedKeyStore(QuantStore):
     def _rotate(self, x: mx.array) -> mx.array:
         return _hadamard(x) if rotates(x.shape[-1]) else x
 
-    offset_from = "first"  # experiment switch: "first" token's key or "mean" of first update
+    offset_from = "first"
 
     def encode(self, x: mx.array):
         if self.offset is None:

@@ -10,7 +10,7 @@ Signatures (``dtype_bytes`` is the model/KV activation dtype: 4 fp32, 2 fp16/bf1
     evicted_tokens(policy, tokens_seen) -> int
     logical_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes, tokens_seen, batch)
     allocated_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes, tokens_seen,
-                    batch, last_chunk)
+                    batch)
 
 Rules (``S`` sinks, ``W`` window, ``n`` tokens seen):
 
@@ -28,9 +28,9 @@ Rules (``S`` sinks, ``W`` window, ``n`` tokens seen):
   quantized in the ``rotated`` scheme (the per-channel key offset). Zero when ``n == 0``.
 * Allocation depends only on ``n``: mlxkv's caches grow to ``round_up(n, 256)`` (not
   mlx-lm's history-dependent rule) and drop chunk-time buffers when an update returns, so
-  ``last_chunk`` does not change the result; it stays in the signature for the contract.
-  (During a multi-token update a window cache briefly also holds the attended chunk; that
-  is activation memory, not cache memory.)
+  the size of the last chunk does not change the result. (During a multi-token update a
+  window cache briefly also holds the attended chunk; that is activation memory, not cache
+  memory.)
 * After ``trim`` a window cache may keep fewer tokens than ``kept_tokens`` says (its
   ``kept`` counter is exact); allocation follows the same rule with ``n`` = tokens seen.
 """
@@ -40,8 +40,15 @@ from __future__ import annotations
 STEP = 256
 
 
-def _round_up(n: int) -> int:
-    return (n + STEP - 1) // STEP * STEP
+def round_up(n: int, step: int = STEP) -> int:
+    return (n + step - 1) // step * step
+
+
+def capacity(tokens: int, limit: int | None) -> int:
+    """Slots allocated when ``tokens`` must be held and at most ``limit`` ever are: the
+    rule the caches allocate by (``mlxkv.caches.storage`` imports it from here)."""
+    cap = round_up(tokens)
+    return cap if limit is None else min(cap, limit)
 
 
 def kept_tokens(policy, tokens_seen: int) -> int:
@@ -92,10 +99,7 @@ def slots(policy, tokens_seen: int) -> int:
     """Token slots the cache allocates after ``tokens_seen`` tokens."""
     if tokens_seen <= 0:
         return 0
-    cap = _round_up(tokens_seen)
-    if policy.window is None:
-        return cap
-    return min(cap, policy.window + policy.sinks)
+    return capacity(tokens_seen, policy.kept_tokens)
 
 
 def logical_bytes(
@@ -120,7 +124,6 @@ def allocated_bytes(
     dtype_bytes: int,
     tokens_seen: int,
     batch: int = 1,
-    last_chunk: int = 1,
 ) -> int:
     """Exactly the ``nbytes`` of the cache mlxkv builds for one such layer."""
     if tokens_seen <= 0:

@@ -78,11 +78,9 @@ class _PolicyGroup:
         self.shape = (spec.kv_heads, spec.k_head_dim, spec.v_head_dim, spec.elem_bytes(kv_dtype))
         self.batch = batch
         self.seen = 0
-        self.last = 0
 
     def update(self, n: int) -> None:
         self.seen += n
-        self.last = n
 
     def logical(self) -> int:
         h, k, v, b = self.shape
@@ -90,9 +88,7 @@ class _PolicyGroup:
 
     def allocated(self) -> int:
         h, k, v, b = self.shape
-        return self.count * self.pb.allocated_bytes(
-            self.policy, h, k, v, b, self.seen, self.batch, self.last
-        )
+        return self.count * self.pb.allocated_bytes(self.policy, h, k, v, b, self.seen, self.batch)
 
     def kept(self) -> int | None:
         return self.pb.kept_tokens(self.policy, self.seen)
@@ -105,7 +101,6 @@ class _PolicyGroup:
 
     def skip(self, tokens: int, n: int) -> None:
         self.seen += tokens
-        self.last = n
 
 
 def _tracker(spec: CacheSpec, policy: KVPolicy):

@@ -49,3 +49,26 @@ def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeo
         input=stdin,
         timeout=timeout,
     )
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail loudly if a run that should stop before loading tries to load."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("mlxkv.engine.loading.open_model", refuse)
+
+
+@pytest.fixture
+def preloaded(monkeypatch, default_model):
+    """The CLI gets the already loaded default model; the list counts the loads."""
+    loads = []
+
+    def fake_open(*a, **k):
+        loads.append(1)
+        return default_model
+
+    monkeypatch.setattr("mlxkv.engine.loading.open_model", fake_open)
+    return loads

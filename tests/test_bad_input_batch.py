@@ -4,40 +4,11 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 
 import pytest
 
 from mlxkv.cli import main
-
-
-def _write(path, lines):
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
-
-
-def _records(path):
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr("mlxkv.engine.loading.open_model", refuse)
-
-
-@pytest.fixture
-def preloaded(monkeypatch, default_model):
-    loads = []
-
-    def fake_open(*a, **k):
-        loads.append(1)
-        return default_model
-
-    monkeypatch.setattr("mlxkv.engine.loading.open_model", fake_open)
-    return loads
+from tests.batch_files import read_records, write_lines
 
 
 def _one_clean_line(err: str, words: str) -> None:
@@ -60,7 +31,7 @@ GOOD = [{"id": 1, "prompt": "hi"}]
     ],
 )
 def test_foreign_output_is_refused_and_byte_identical(tmp_path, capsys, no_model, content):
-    inp = _write(tmp_path / "good.jsonl", GOOD)
+    inp = write_lines(tmp_path / "good.jsonl", GOOD)
     out = tmp_path / "important.json"
     out.write_bytes(content)
     assert main(["batch", str(inp), "-o", str(out)]) == 2
@@ -73,7 +44,7 @@ def test_swapped_file_names_leave_the_input_whole(tmp_path, capsys, no_model):
     prompts = b'{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b"}'
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(prompts)
-    out = _write(tmp_path / "out.jsonl", [{"id": 1, "line": 1, "error": "x", "fp": "f"}])
+    out = write_lines(tmp_path / "out.jsonl", [{"id": 1, "line": 1, "error": "x", "fp": "f"}])
     before = out.read_bytes()
     assert main(["batch", str(out), "-o", str(inp)]) == 2
     _one_clean_line(capsys.readouterr().err, "not a batch record")
@@ -81,16 +52,16 @@ def test_swapped_file_names_leave_the_input_whole(tmp_path, capsys, no_model):
 
 
 def test_output_of_another_input_is_refused(tmp_path, capsys, no_model):
-    out = _write(tmp_path / "out.jsonl", [{"id": "zz", "line": 1, "text": "t", "fp": "f"}])
+    out = write_lines(tmp_path / "out.jsonl", [{"id": "zz", "line": 1, "text": "t", "fp": "f"}])
     before = out.read_bytes()
-    inp = _write(tmp_path / "in.jsonl", GOOD)
+    inp = write_lines(tmp_path / "in.jsonl", GOOD)
     assert main(["batch", str(inp), "-o", str(out)]) == 2
     _one_clean_line(capsys.readouterr().err, "belongs to another input")
     assert out.read_bytes() == before
 
 
 def test_output_that_is_not_a_regular_file(tmp_path, capsys, no_model):
-    inp = _write(tmp_path / "in.jsonl", GOOD)
+    inp = write_lines(tmp_path / "in.jsonl", GOOD)
     assert main(["batch", str(inp), "-o", "/dev/full"]) == 2
     _one_clean_line(capsys.readouterr().err, "not a regular file")
 
@@ -100,7 +71,7 @@ def test_non_utf8_line_becomes_an_error_record(tmp_path, capsys, no_model):
     inp.write_bytes(b'{"id": 1, "prompt": "caf\xe9"}\n{"id": 2}\n')
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(inp), "-o", str(out)]) == 1
-    recs = _records(out)
+    recs = read_records(out)
     assert [r["line"] for r in recs] == [1, 2]
     assert "not UTF-8" in recs[0]["error"] and "exactly one" in recs[1]["error"]
     assert "Traceback" not in capsys.readouterr().err
@@ -111,7 +82,7 @@ def test_stdin_input(tmp_path, capsys, monkeypatch, no_model):
     monkeypatch.setattr("sys.stdin", stdin)
     out = tmp_path / "out.jsonl"
     assert main(["batch", "-", "-o", str(out)]) == 1
-    assert _records(out)[0]["id"] == "s"
+    assert read_records(out)[0]["id"] == "s"
 
 
 def test_closed_stdin(tmp_path, capsys, monkeypatch, no_model):
@@ -123,13 +94,13 @@ def test_closed_stdin(tmp_path, capsys, monkeypatch, no_model):
 
 
 def test_changed_settings_rerun_or_strict_refuses(tmp_path, capsys, no_model):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x", "max_tokens": 0}])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x", "max_tokens": 0}])
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(inp), "-o", str(out)]) == 1
     assert main(["batch", str(inp), "-o", str(out)]) == 1
-    assert len(_records(out)) == 1  # same run: nothing added
+    assert len(read_records(out)) == 1  # same run: nothing added
     assert main(["batch", str(inp), "-o", str(out), "--temp", "0.5"]) == 1
-    recs = _records(out)
+    recs = read_records(out)
     assert len(recs) == 2 and recs[0]["fp"] != recs[1]["fp"]  # a new record for the new run
     before = out.read_bytes()
     capsys.readouterr()
@@ -137,13 +108,13 @@ def test_changed_settings_rerun_or_strict_refuses(tmp_path, capsys, no_model):
     assert main(args) == 2
     _one_clean_line(capsys.readouterr().err, "1 lines changed")
     assert out.read_bytes() == before
-    _write(inp, [{"id": 1, "prompt": "y", "max_tokens": 0}])  # the prompt changed
+    write_lines(inp, [{"id": 1, "prompt": "y", "max_tokens": 0}])  # the prompt changed
     assert main(["batch", str(inp), "-o", str(out), "--temp", "0.5"]) == 1
-    assert len(_records(out)) == 3
+    assert len(read_records(out)) == 3
 
 
 def test_disk_full_is_one_line_and_keeps_what_was_written(tmp_path, capsys, monkeypatch, no_model):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1}, {"id": 2}])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1}, {"id": 2}])
     out = tmp_path / "out.jsonl"
     real_write = __import__("os").write
     calls = []
@@ -157,13 +128,13 @@ def test_disk_full_is_one_line_and_keeps_what_was_written(tmp_path, capsys, monk
     monkeypatch.setattr("mlxkv.engine.batch_output.os.write", full_after_one)
     assert main(["batch", str(inp), "-o", str(out)]) == 2
     _one_clean_line(capsys.readouterr().err, "disk is full")
-    assert [r["line"] for r in _records(out)] == [1]
+    assert [r["line"] for r in read_records(out)] == [1]
 
 
 @pytest.mark.model
 def test_error_records_exit_1_and_retry_errors(tmp_path, capsys, preloaded):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
-    inp = _write(
+    inp = write_lines(
         tmp_path / "in.jsonl",
         [{"id": 1, "messages": msgs, "system": "both"}, {"id": 2}],  # fails at run, at parse
     )
@@ -176,7 +147,7 @@ def test_error_records_exit_1_and_retry_errors(tmp_path, capsys, preloaded):
     assert out.read_bytes() == before and len(preloaded) == 1
     assert "--retry-errors" in capsys.readouterr().err
     assert main(["batch", str(inp), "-o", str(out), "--retry-errors"]) == 1
-    recs = _records(out)
+    recs = read_records(out)
     assert out.read_bytes().startswith(before)
     # Line 1 ran again (a new record); line 2 is an input error, not retried.
     assert [r["line"] for r in recs] == [2, 1, 1] and len(preloaded) == 2

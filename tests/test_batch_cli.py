@@ -16,37 +16,7 @@ import time
 import pytest
 
 from mlxkv.cli import main
-
-
-def _write(path, lines):
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
-
-
-def _records(path):
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail loudly if a run that should stop before loading tries to load."""
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr("mlxkv.engine.loading.open_model", refuse)
-
-
-@pytest.fixture
-def preloaded(monkeypatch, default_model):
-    loads = []
-
-    def fake_open(*a, **k):
-        loads.append(1)
-        return default_model
-
-    monkeypatch.setattr("mlxkv.engine.loading.open_model", fake_open)
-    return loads
+from tests.batch_files import read_records, write_lines
 
 
 # -- the whole run cannot proceed: exit 2, one line, nothing written ---------------------------
@@ -54,8 +24,8 @@ def preloaded(monkeypatch, default_model):
     "setup, words",
     [
         (lambda d: d / "missing.jsonl", "does not exist"),
-        (lambda d: _write(d / "empty.jsonl", [""]), "is empty"),
-        (lambda d: _write(d / "prose.jsonl", ["Dear reader,", "hello"]), "not JSONL"),
+        (lambda d: write_lines(d / "empty.jsonl", [""]), "is empty"),
+        (lambda d: write_lines(d / "prose.jsonl", ["Dear reader,", "hello"]), "not JSONL"),
     ],
 )
 def test_unusable_input_exits_2(tmp_path, capsys, no_model, setup, words):
@@ -67,27 +37,27 @@ def test_unusable_input_exits_2(tmp_path, capsys, no_model, setup, words):
 
 
 def test_output_in_missing_directory_exits_2(tmp_path, capsys, no_model):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     assert main(["batch", str(inp), "-o", str(tmp_path / "nope" / "out.jsonl")]) == 2
     assert "output directory" in capsys.readouterr().err
     assert not (tmp_path / "nope").exists()
 
 
 def test_output_is_input_exits_2(tmp_path, capsys, no_model):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     assert main(["batch", str(inp), "-o", str(inp)]) == 2
     assert "is the input file" in capsys.readouterr().err
     assert json.loads(inp.read_text()) == {"id": 1, "prompt": "hi"}
 
 
 def test_bad_batch_size_exits_2(tmp_path, capsys, no_model):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     assert main(["batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "--batch-size", "0"]) == 2
     assert "--batch-size" in capsys.readouterr().err
 
 
 def test_foreign_output_file_is_refused_untouched(tmp_path, capsys, no_model):
-    inp = _write(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     out = tmp_path / "out.jsonl"
     out.write_text("precious\n")
     assert main(["batch", str(inp), "-o", str(out)]) == 2
@@ -97,14 +67,14 @@ def test_foreign_output_file_is_refused_untouched(tmp_path, capsys, no_model):
 
 # -- only bad lines: error records, exit 1, no model load, resume adds nothing ---------------
 def test_bad_lines_become_records_without_loading(tmp_path, capsys, no_model):
-    inp = _write(
+    inp = write_lines(
         tmp_path / "in.jsonl",
         ["{oops", {"id": "a"}, {"id": "b", "prompt": "x", "colour": 1}, {"id": "a"}],
     )
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(inp), "-o", str(out), "--stats"]) == 1
     cap = capsys.readouterr()
-    recs = _records(out)
+    recs = read_records(out)
     assert [r["line"] for r in recs] == [1, 2, 3, 4]
     assert all("error" in r for r in recs)
     assert "id" not in recs[0] and recs[1]["id"] == "a"
@@ -130,7 +100,7 @@ QUESTIONS = [
 
 @pytest.mark.model
 def test_mixed_input_end_to_end(tmp_path, capsys, preloaded):
-    inp = _write(
+    inp = write_lines(
         tmp_path / "in.jsonl",
         [
             {"id": "fr", "prompt": QUESTIONS[0], "max_tokens": 12},
@@ -144,7 +114,7 @@ def test_mixed_input_end_to_end(tmp_path, capsys, preloaded):
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(inp), "-o", str(out), "--batch-size", "2", "--stats"]) == 1
     cap = capsys.readouterr()
-    by_line = {r["line"]: r for r in _records(out)}
+    by_line = {r["line"]: r for r in read_records(out)}
     assert sorted(by_line) == [1, 2, 3, 4, 5, 6]
     assert "Paris" in by_line[1]["text"] and by_line[1]["id"] == "fr"
     for line in (1, 3, 5):
@@ -165,10 +135,10 @@ def test_resume_after_a_torn_write(tmp_path, capsys, preloaded):
     """Simulated kill: the output ends mid-record. The re-run cuts the torn line, redoes
     that one result, keeps the others byte for byte and writes each id exactly once."""
     lines = [{"id": f"q{i}", "prompt": q, "max_tokens": 8} for i, q in enumerate(QUESTIONS)]
-    inp = _write(tmp_path / "in.jsonl", lines)
+    inp = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(inp), "-o", str(out), "--batch-size", "3"]) == 0
-    full = _records(out)
+    full = read_records(out)
     kept = out.read_text().splitlines(keepends=True)[:2]
     torn = out.read_text().splitlines(keepends=True)[2][:25]
     out.write_text("".join(kept) + torn)
@@ -179,7 +149,7 @@ def test_resume_after_a_torn_write(tmp_path, capsys, preloaded):
     assert "torn last line" in err and "2 lines already in" in err
     text = out.read_text()
     assert text.startswith("".join(kept))
-    again = _records(out)
+    again = read_records(out)
     assert sorted(r["id"] for r in again) == sorted(r["id"] for r in full)
     # Greedy: the redone results equal the first run's.
     strip = {"latency_s", "prompt_tps", "generation_tps"}
@@ -197,7 +167,7 @@ def test_resume_after_a_torn_write(tmp_path, capsys, preloaded):
 def test_bounded_and_quantized_policies_run_batched(tmp_path, capsys, preloaded, flags):
     """No "one by one" fallback; --stats puts the batch's KV bytes next to the prediction."""
     lines = [{"id": i, "prompt": q, "max_tokens": 6} for i, q in enumerate(QUESTIONS[:2])]
-    inp = _write(tmp_path / "in.jsonl", lines)
+    inp = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(inp), "-o", str(out), "--stats", *flags]) == 0
     cap = capsys.readouterr()
@@ -206,7 +176,7 @@ def test_bounded_and_quantized_policies_run_batched(tmp_path, capsys, preloaded,
     assert stats["batched"] is True
     assert stats["kv_bytes_actual_peak"] == stats["kv_bytes_predicted_peak"] > 0
     assert stats["kv_steps_mismatched"] == 0
-    assert all(r["generation_tokens"] > 0 for r in _records(out))
+    assert all(r["generation_tokens"] > 0 for r in read_records(out))
 
 
 @pytest.mark.model
@@ -218,7 +188,7 @@ def test_kill_9_then_resume(tmp_path, default_model_path):
         {"id": i, "prompt": f"Write a short poem about the number {i}.", "max_tokens": 24}
         for i in range(12)
     ]
-    inp = _write(tmp_path / "in.jsonl", lines)
+    inp = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "mlxkv", "batch", str(inp), "-o", str(out), "--batch-size", "4"]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
@@ -227,9 +197,9 @@ def test_kill_9_then_resume(tmp_path, default_model_path):
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before = len(_records(out)) if out.read_bytes().endswith(b"\n") else None
+    done_before = len(read_records(out)) if out.read_bytes().endswith(b"\n") else None
     assert subprocess.run(cmd, capture_output=True, timeout=900).returncode == 0
-    recs = _records(out)
+    recs = read_records(out)
     assert sorted(r["id"] for r in recs) == list(range(12))
     assert all("text" in r for r in recs)
     if done_before is not None:

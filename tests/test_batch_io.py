@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mlxkv.engine.batch_input import BadLine, Job, find_duplicates, parse_line, read_input
 from mlxkv.engine.batch_output import ResultLog
 from mlxkv.errors import UserError
+from tests.batch_files import read_records
 
 
 # -- input lines -------------------------------------------------------------------------------
@@ -104,8 +105,6 @@ def test_duplicates_point_at_the_first_line():
 
 
 # -- the output log ----------------------------------------------------------------------------
-def _records(path):
-    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def test_log_appends_whole_lines_and_reads_them_back(tmp_path):
@@ -116,7 +115,7 @@ def test_log_appends_whole_lines_and_reads_them_back(tmp_path):
     with ResultLog(out) as log:
         assert [(r.line, r.id, r.error) for r in log.existing] == [(1, "a", False), (2, None, True)]
         assert log.records == 2 and log.torn_bytes == 0
-    assert _records(out)[0]["text"] == "é"
+    assert read_records(out)[0]["text"] == "é"
 
 
 def test_log_cuts_a_torn_last_line(tmp_path):
@@ -128,7 +127,7 @@ def test_log_cuts_a_torn_last_line(tmp_path):
         assert log.torn_bytes == len(torn)
         assert [r.id for r in log.existing] == ["a"]
         log.append({"id": "b", "line": 2, "text": "y"})
-    assert [r["id"] for r in _records(out)] == ["a", "b"]
+    assert [r["id"] for r in read_records(out)] == ["a", "b"]
 
 
 def test_log_refuses_a_foreign_file_and_leaves_it_alone(tmp_path):
@@ -175,5 +174,5 @@ def test_log_survives_a_killed_writer(tmp_path):
     os.waitpid(pid, 0)
     with ResultLog(out) as log:
         n = log.records
-    recs = _records(out)
+    recs = read_records(out)
     assert len(recs) == n and [r["id"] for r in recs] == list(range(n))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.batch_files import read_records
 from tests.conftest import run_cli
 
 BIN = Path(sys.executable).parent
@@ -218,10 +219,6 @@ def test_plan_hosts_uses_each_hosts_memory(default_model_path):
     assert d["max_batch"] == d["per_host"][2]["max_batch"] == 0
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-
-
 def test_data_parallel_batch_writes_the_single_process_records(tmp_path):
     """Two ranks, each a whole default model: rank 0 hands out the prompts and writes one
     output whose texts are the single-process run's; a re-run has nothing left to do."""
@@ -239,13 +236,13 @@ def test_data_parallel_batch_writes_the_single_process_records(tmp_path):
     stats = last_json(two)
     assert stats["ranks"] == 2 and stats["shard"] == "data"
     assert stats["results"] == 4 and stats["results_by_rank"] == [2, 2]
-    single = {r["id"]: r["text"] for r in _records(tmp_path / "one.jsonl")}
-    split = _records(out)
+    single = {r["id"]: r["text"] for r in read_records(tmp_path / "one.jsonl")}
+    split = read_records(out)
     assert sorted(r["id"] for r in split) == [0, 1, 2, 3]
     assert {r["id"]: r["text"] for r in split} == single
     again = launch(2, 41610, "batch", str(src), "-o", str(out), *flags)
     assert "nothing left to run" in again.stderr, again.stderr
-    assert _records(out) == split
+    assert read_records(out) == split
 
 
 def _rank_pid(rank: int, marker: str) -> int | None:
@@ -286,7 +283,7 @@ def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tm
     try:
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline and job.poll() is None:
-            if out.exists() and len(_records(out)) >= 2:
+            if out.exists() and len(read_records(out)) >= 2:
                 break
             time.sleep(0.2)
         pid = _rank_pid(1, str(out))
@@ -300,16 +297,16 @@ def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tm
     stop_lines = [ln for ln in err.splitlines() if ln.startswith("mlxkv batch: error:")]
     assert len(stop_lines) == 1, err
     assert f"are safe in {out}; run the same command again to resume" in stop_lines[0]
-    kept = _records(out)
+    kept = read_records(out)
     assert 2 <= len(kept) < n
     assert len({r["id"] for r in kept}) == len(kept)
 
     rerun = launch(2, 41710, "batch", str(src), "-o", str(out), *flags)
     assert f"resuming: {len(kept)} lines already in {out}" in rerun.stderr, rerun.stderr
-    final = _records(out)
+    final = read_records(out)
     assert final[: len(kept)] == kept  # nothing rewritten
     assert sorted(r["id"] for r in final) == sorted(x["id"] for x in lines)  # once each
-    expected = {r["id"]: r["text"] for r in _records(tmp_path / "ref.jsonl")}
+    expected = {r["id"]: r["text"] for r in read_records(tmp_path / "ref.jsonl")}
     assert {r["id"]: r["text"] for r in final} == expected
 
 
@@ -341,5 +338,5 @@ def test_batch_over_a_tensor_split_model_writes_the_single_process_records(tmp_p
     out = tmp_path / "three.jsonl"
     three = launch(3, 41800, "batch", str(src), "-o", str(out), *flags, "--shard", "tensor")
     assert "error:" not in three.stderr and "Traceback" not in three.stderr, three.stderr
-    single = {r["id"]: r["text"] for r in _records(tmp_path / "one.jsonl")}
-    assert {r["id"]: r["text"] for r in _records(out)} == single
+    single = {r["id"]: r["text"] for r in read_records(tmp_path / "one.jsonl")}
+    assert {r["id"]: r["text"] for r in read_records(out)} == single

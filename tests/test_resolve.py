@@ -100,5 +100,10 @@ def test_pull_prints_the_folder_last_and_models_marks_it(isolated, default_model
 def test_cli_errors_are_one_line_with_exit_2(isolated):
     out = run_cli("pull", "nohub", env=isolated)
     assert out.returncode == 2
-    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
-    assert out.stderr.startswith("mlxkv pull: error: could not download 'nohub'")
+    assert "Traceback" not in out.stderr
+    # What was tried (one status line), then the error in one line.
+    assert out.stderr.splitlines() == [
+        "mlxkv: downloading nobody/nothing-here from the Hugging Face hub ...",
+        out.stderr.splitlines()[-1],
+    ]
+    assert out.stderr.splitlines()[-1].startswith("mlxkv pull: error: could not download 'nohub'")

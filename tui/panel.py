@@ -131,7 +131,7 @@ class KVPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("KV cache", classes="title")
-        yield Figure(1, id="kv-policy")
+        yield Figure(2, id="kv-policy")  # a quantized policy takes two lines
         yield Figure(1, id="kv-sampling")
         yield Figure(8, id="kv-figures")
         yield Static("Memory (MLX)", classes="title")

@@ -3,14 +3,13 @@ context, and answers in closed form for any context."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
 
 import pytest
 
-from mlxkv.commands import plan
+from tests.test_plan import plan_json, run_plan
 
 DATA = Path(__file__).parent / "data" / "configs"
 LLAMA31 = str(DATA / "mac" / "llama-3.1-8b-instruct.json")
@@ -22,17 +21,6 @@ MiB = 2**20
 @pytest.fixture(autouse=True)
 def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
-
-
-def run_plan(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="mlxkv plan")
-    plan.add_arguments(parser)
-    return plan.run(parser.parse_args(list(argv)))
-
-
-def plan_json(capsys, *argv: str) -> tuple[int, dict]:
-    code = run_plan(*argv, "--json")
-    return code, json.loads(capsys.readouterr().out)
 
 
 def with_flags(argv: list[str], flags: list[str]) -> list[str]:

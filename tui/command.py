@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
         "--metrics",
         default=os.environ.get("MLXKV_TUI_METRICS"),
         metavar="PATH",
-        help="write UI timings (load, first paint, key latency, tok/s) as JSON to PATH",
+        help="write UI timings (load, first paint, key latency, tok/s) as JSON to PATH "
+        "(a new file, or one an earlier --metrics run wrote; any other file is refused)",
     )
     add_model_flags(p)
     add_overflow_flag(p)

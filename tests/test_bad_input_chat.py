@@ -4,11 +4,10 @@ traceback), and every user file left byte-identical."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from tests.bad_input import refused, snapshot
+from tests.bad_input import refused, snapshot, truncated_copy
 
 
 @pytest.fixture(autouse=True)
@@ -57,13 +56,7 @@ def test_missing_gguf(capsys, tmp_path):
 
 
 def test_truncated_weights(capsys, tmp_path, default_model_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for f in default_model_path.iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
-            shutil.copy(f, folder / f.name)
-    with open(default_model_path / "model.safetensors", "rb") as src:
-        (folder / "model.safetensors").write_bytes(src.read(1 << 20))
+    folder = truncated_copy(default_model_path, tmp_path / "model")
     before = snapshot(folder)
     assert "truncated" in refused(capsys, "chat", str(folder))
     assert snapshot(folder) == before

@@ -14,14 +14,15 @@ memory. Policies:
 * ``sink``           mlxkv: ``sinks`` sinks + ``window``, StreamingLLM positions
 * quantized variants: a base (``full``, ``window``, ``sink``) plus ``-q<b>`` (keys and
   values at b bits) or ``-k<b>v<b>`` (separate widths), optionally ``-g<G>`` (key group
-  size), ``-vg<G>`` (value group size) and a key scheme: none (mlxkv's default, ``rotated``:
-  centred + Hadamard, per-token groups), ``-plain`` (per-token groups of the raw keys, as
-  mlx-lm's ``QuantizedKVCache`` stores them), ``-mean`` (rotated, the offset is the mean
-  key of the first chunk instead of the first token's key) or ``-kivi`` (full policy only:
-  keys per channel in groups of G consecutive tokens with the newest incomplete group in
-  full precision, as KIVI does; a fake-quantized cache: attention sees the dequantized
-  keys/values exactly as a KIVI cache would give them to each query). E.g. ``full-q4``,
-  ``sink-k4v2-vg32``, ``full-q4-kivi``, ``sink-q3-plain``.
+  size), ``-vg<G>`` (value group size) and a key scheme: none (mlxkv's default, ``kivi``:
+  keys per channel in groups of G consecutive tokens, the newest incomplete group in full
+  precision), ``-rotated`` (centred + Hadamard, per-token groups), ``-plain`` (per-token
+  groups of the raw keys, as mlx-lm's ``QuantizedKVCache`` stores them), ``-mean``
+  (rotated, the offset is the mean key of the first chunk instead of the first token's key)
+  or ``-kivifake`` (full policy only: a fake-quantized KIVI cache, :class:`KiviFakeCache`,
+  which attention sees through the same keys/values a KIVI cache gives each query; a
+  cross-check of the real cache). E.g. ``full-q4``, ``sink-k4v2-vg32``, ``full-q4-rotated``,
+  ``sink-q3-plain``.
 * ``rotating``       mlx-lm ``RotatingKVCache(window + sinks, keep=sinks)`` with its decode
   semantics (sinks kept at their first positions, query positions unbounded). Evaluated
   exactly but in chunks with mlxkv's cache and an identity rotation: token-by-token
@@ -55,7 +56,7 @@ POLICIES = {
 BASES = {"full": dict(), "window": dict(window="W+S"), "sink": dict(window="W", sinks="S")}
 QUANT = re.compile(
     r"^(?P<base>full|window|sink)-(?:q(?P<b>\d)|k(?P<kb>\d)v(?P<vb>\d))"
-    r"(?:-g(?P<g>\d+))?(?:-vg(?P<vg>\d+))?(?:-(?P<scheme>plain|mean|kivi))?$"
+    r"(?:-g(?P<g>\d+))?(?:-vg(?P<vg>\d+))?(?:-(?P<scheme>plain|rotated|mean|kivi|kivifake))?$"
 )
 DEFAULT = "full,window,sink,rotating,rotating-chunked,sink-q8,sink-q4,full-q8,full-q4"
 
@@ -73,9 +74,11 @@ def parse_policy(name: str):
     if m["vg"]:
         q["value_group_size"] = int(m["vg"])
     scheme = m["scheme"]
-    if scheme == "kivi" and m["base"] != "full":
+    if scheme == "kivifake" and m["base"] != "full":
         return None
-    q["key_scheme"] = "plain" if scheme == "plain" else "rotated"
+    q["key_scheme"] = {"plain": "plain", "rotated": "rotated", "mean": "rotated"}.get(
+        scheme, "kivi"
+    )
     return BASES[m["base"]], q, scheme
 
 
@@ -160,7 +163,7 @@ def build_caches(model, name: str, window: int, sinks: int):
     from mlxkv.policy import KVPolicy
 
     spec, quant, scheme = parse_policy(name)
-    if scheme == "kivi":
+    if scheme == "kivifake":
         g = quant["group_size"]
         vg = quant.get("value_group_size", g)
         return [KiviFakeCache(quant["key_bits"], quant["value_bits"], g, vg) for _ in model.layers]

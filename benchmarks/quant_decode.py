@@ -7,10 +7,10 @@ Decode: every cache is prefilled with the same ``--context`` tokens of the text,
 caches take turns decoding ``--steps`` greedy tokens (mlx-lm's ``generate_step``), for
 ``--rounds`` rounds, so machine load hits every side alike; the median tokens/s per cache
 and the ratio to mlx-lm's ``QuantizedKVCache(bits)`` are printed. Caches: mlxkv's default
-(rotated keys), mlxkv's plain keys, mlx-lm's ``QuantizedKVCache``.
+(KIVI keys), mlxkv's rotated keys, mlx-lm's ``QuantizedKVCache``.
 
 Prefill peak: the process's peak MLX memory while prefilling ``--context`` tokens in chunks
-of ``--chunk`` into an unquantized full cache and into the quantized one (each from a reset
+of ``--chunk`` into an unquantized full cache and into mlxkv's quantized ones (each from a reset
 peak, the weights already loaded).
 """
 
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
         print(f"note: the text has only {len(tokens)} tokens", file=sys.stderr)
     b = args.bits
     sides = {
-        "mlxkv rotated": lambda: make_caches(model, KVPolicy(bits=b)),
-        "mlxkv plain": lambda: make_caches(model, KVPolicy(bits=b, key_scheme="plain")),
+        "mlxkv kivi": lambda: make_caches(model, KVPolicy(bits=b)),
+        "mlxkv rotated": lambda: make_caches(model, KVPolicy(bits=b, key_scheme="rotated")),
         "mlx-lm QuantizedKVCache": lambda: [QuantizedKVCache(64, b) for _ in model.layers],
     }
     make_caches(model, KVPolicy(bits=b))  # routes the model's attention once, up front
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     peaks = {}
     for name, make in [("unquantized full", lambda: make_caches(model, KVPolicy()))] + list(
         sides.items()
-    )[:1]:
+    )[:2]:
         caches = make()
         mx.reset_peak_memory()
         prefill(caches)

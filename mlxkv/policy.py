@@ -8,23 +8,26 @@ A policy says what every layer whose cache grows with the sequence keeps:
 * ``bits=b``                 keys and values quantized to b bits (shorthand for both widths)
 * ``key_bits`` / ``value_bits``  separate widths (``None``: that tensor stays unquantized);
   keys in groups of ``group_size``, values in groups of ``value_group_size`` (default: the same)
-* ``key_scheme``             how keys are quantized: ``rotated`` (default: minus a per-channel
-  offset, then a Hadamard rotation of head_dim, then per-token groups; see
-  ``mlxkv.caches.storage``) or ``plain`` (per-token groups of the raw keys, like mlx-lm)
+* ``key_scheme``             how keys are quantized: ``kivi`` (default: per channel, in groups
+  of ``group_size`` consecutive tokens, the newest incomplete group in full precision; see
+  ``mlxkv.caches.kivi``), ``rotated`` (minus a per-channel offset, then a Hadamard rotation of
+  head_dim, then per-token groups; see ``mlxkv.caches.storage``; what batches use) or
+  ``plain`` (per-token groups of the raw keys, like mlx-lm)
 
 Layers that already have a shorter window, SSM and linear-attention states are left alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mlxkv.errors import UserError
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SINKS = 4
-KEY_SCHEMES = ("rotated", "plain")
+KEY_SCHEMES = ("kivi", "rotated", "plain")
+DEFAULT_KEY_SCHEME = "kivi"
 
 
 class PolicyError(UserError, ValueError):
@@ -40,7 +43,7 @@ class KVPolicy:
     key_bits: int | None = None
     value_bits: int | None = None
     value_group_size: int | None = None
-    key_scheme: str = "rotated"
+    key_scheme: str = DEFAULT_KEY_SCHEME
 
     def __post_init__(self):
         # ``bits`` sets both widths; afterwards it is the widest one (None: unquantized), so
@@ -125,13 +128,19 @@ class KVPolicy:
             key_bits=key_bits,
             value_bits=value_bits,
             value_group_size=value_group_size,
-            key_scheme=key_scheme or "rotated",
+            key_scheme=key_scheme or DEFAULT_KEY_SCHEME,
         )
 
     @property
     def kept_tokens(self) -> int | None:
         """Tokens a growing layer keeps at most (None: unbounded)."""
         return None if self.window is None else self.window + self.sinks
+
+    def for_batches(self) -> KVPolicy:
+        """The policy batched generation runs: batched caches have no KIVI form yet, so KIVI
+        keys become ``rotated`` keys (same widths and groups; also for a policy that does not
+        quantize keys, so that quantizing it later stays in the batches' scheme)."""
+        return replace(self, key_scheme="rotated") if self.key_scheme == "kivi" else self
 
     def describe(self) -> str:
         parts = []

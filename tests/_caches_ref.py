@@ -83,6 +83,30 @@ def quantized_frame(kk, qq, vv, offset, policy):
     return kk, qq, _qdq(vv, policy.value_bits, policy.value_group_size)
 
 
+def kivi_groups(k: mx.array, sinks: int, group_size: int, bits: int) -> mx.array:
+    """Keys (B, H, T, D) with every complete group of ``group_size`` ring tokens (tokens
+    ``sinks..``, groups fixed by the token index) quantized and dequantized per channel
+    along the tokens; sinks and the incomplete last group as they were."""
+    T = k.shape[2]
+    done = (T - sinks) // group_size * group_size if T > sinks else 0
+    if not done:
+        return k
+    ring = k[:, :, sinks : sinks + done, :].swapaxes(-1, -2)
+    ring = _qdq(ring, bits, group_size).swapaxes(-1, -2)
+    return mx.concatenate([k[:, :, :sinks, :], ring, k[:, :, sinks + done :, :]], axis=2)
+
+
+def kivi_keys(k_abs, kq, t: int, idx: list[int], sinks: int, group_size: int) -> mx.array:
+    """The keys a KIVI cache gives query ``t`` for token indices ``idx`` (window tokens):
+    tokens of earlier groups from ``kq`` (quantized), its own group from ``k_abs``."""
+    own = (t - sinks) // group_size
+    cols = [
+        kq[:, :, k : k + 1, :] if (k - sinks) // group_size < own else k_abs[:, :, k : k + 1, :]
+        for k in idx
+    ]
+    return mx.concatenate(cols, axis=2)
+
+
 def feed(model, tokens, caches, chunks) -> mx.array:
     """Logits for ``tokens`` fed through ``caches`` in the given chunk sizes."""
     tokens = mx.array(tokens)
@@ -121,6 +145,9 @@ def reference_logits(
         rep = attn.n_heads // attn.n_kv_heads
         k_abs = attn.rope(k)
         rot = rotation_of(attn.rope)
+        kivi = policy is not None and policy.key_bits is not None and policy.key_scheme == "kivi"
+        if kivi:
+            kq = kivi_groups(k_abs, sinks, policy.group_size, policy.key_bits)
         outs = []
         for t in range(T):
             idx = kept_indices(t, sinks, window)
@@ -136,10 +163,19 @@ def reference_logits(
                     idx_w = idx[sinks:]
                 else:
                     idx_w = idx
-                parts.append(k_abs[:, :, idx_w, :])
+                if kivi:  # sinks stay in full precision
+                    if not (sinks and d):
+                        parts.append(k_abs[:, :, : min(sinks, len(idx_w)), :])
+                        idx_w = [i for i in idx_w if i >= sinks]
+                    if idx_w:
+                        parts.append(kivi_keys(k_abs, kq, t, idx_w, sinks, policy.group_size))
+                else:
+                    parts.append(k_abs[:, :, idx_w, :])
                 kk = mx.concatenate(parts, axis=2)
                 qq = attn.rope(q[:, :, t : t + 1, :], offset=t)
-            if policy is not None:
+            if kivi:
+                vv = _qdq(v[:, :, idx, :], policy.value_bits, policy.value_group_size)
+            elif policy is not None:
                 kk, qq, vv = quantized_frame(kk, qq, v[:, :, idx, :], k_abs[:, :, :1, :], policy)
             else:
                 kk = _qdq(kk, bits, group_size)

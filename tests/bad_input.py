@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from mlxkv.cli import main
@@ -24,3 +25,15 @@ def refused(capsys, *argv: str, code: int = 2) -> str:
     assert len(lines) == 1, err
     assert "Traceback" not in err and lines[0].startswith("mlxkv")
     return lines[0]
+
+
+def truncated_copy(model: Path, folder: Path) -> Path:
+    """``model`` copied into ``folder`` with its weights cut at 1 MiB (an interrupted
+    download)."""
+    folder.mkdir()
+    for f in model.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, folder / f.name)
+    with open(model / "model.safetensors", "rb") as src:
+        (folder / "model.safetensors").write_bytes(src.read(1 << 20))
+    return folder

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import io
-import shutil
 
 import pytest
 
 from mlxkv.models.registry import load_registry
-from tests.bad_input import refused, snapshot
+from tests.bad_input import refused, snapshot, truncated_copy
 
 
 @pytest.fixture(autouse=True)
@@ -80,13 +79,7 @@ def test_home_that_is_a_file(capsys, monkeypatch, tmp_path):
 
 def test_truncated_weights(capsys, tmp_path, default_model_path):
     """An interrupted download: the file is shorter than its header says."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for f in default_model_path.iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
-            shutil.copy(f, folder / f.name)
-    with open(default_model_path / "model.safetensors", "rb") as src:
-        (folder / "model.safetensors").write_bytes(src.read(1 << 20))
+    folder = truncated_copy(default_model_path, tmp_path / "model")
     before = snapshot(folder)
     err = refused(capsys, "generate", "-p", "hi", "-m", str(folder))
     assert "truncated" in err and "download" in err

@@ -24,8 +24,8 @@ POLICIES = [
     KVPolicy(),
     KVPolicy(window=16, sinks=4),
     KVPolicy(window=16),
-    KVPolicy(bits=4),
-    KVPolicy(window=16, sinks=4, bits=4),
+    KVPolicy(bits=4).for_batches(),  # batches keep the rotated key scheme
+    KVPolicy(window=16, sinks=4, bits=4).for_batches(),
 ]
 
 

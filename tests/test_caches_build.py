@@ -13,7 +13,7 @@ from mlx_lm.utils import _get_classes
 
 from mlxkv.caches import (
     FullKVCache,
-    QuantizedStreamingKVCache,
+    KiviKVCache,
     StreamingKVCache,
     check_policy,
     make_caches,
@@ -216,7 +216,7 @@ def test_quantized_caches_get_the_models_attention_calls():
 
     model = tiny_llama(layers=1)
     caches = make_caches(model, KVPolicy(window=20, sinks=4, bits=4, group_size=32))
-    assert type(caches[0]) is QuantizedStreamingKVCache
+    assert type(caches[0]) is KiviKVCache
     assert llama.scaled_dot_product_attention is routed_attention
     calls = []
     attend = caches[0].attend

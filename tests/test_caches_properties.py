@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
+from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.rotation import Rotation
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
 from mlxkv.memory import policy_bytes
@@ -131,8 +132,40 @@ def test_kept_tokens_positions_and_masks(sinks, extra, full, rebase, ops):
 )
 def test_quantized_counters_and_bytes(sinks, extra, bits, group, chunks):
     window = sinks + extra
-    policy = KVPolicy(window, sinks, bits, group)
+    policy = KVPolicy(window, sinks, bits, group, key_scheme="rotated")
     cache = QuantizedStreamingKVCache(window, sinks, ROT, bits, group)
+    seen = 0
+    for n in chunks:
+        x = mx.zeros((1, 2, n, 64))
+        cache.update_and_fetch(x, x)
+        seen += n
+        assert cache.kept == policy_bytes.kept_tokens(policy, seen)
+        assert cache.nbytes == policy_bytes.allocated_bytes(policy, 2, 64, 64, 4, seen, 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sinks=hs.integers(0, 4),
+    extra=hs.one_of(hs.none(), hs.integers(1, 300)),
+    key_bits=hs.sampled_from([2, 3, 4, 5, 6, 8]),
+    value_bits=hs.sampled_from([None, 2, 4, 8]),
+    group=hs.sampled_from([32, 64, 128]),
+    chunks=hs.lists(hs.integers(1, 300), min_size=1, max_size=8),
+)
+def test_kivi_counters_and_bytes(sinks, extra, key_bits, value_bits, group, chunks):
+    """KIVI layout (transposed packed keys, per-channel scales, residual, whole-group ring):
+    ``nbytes`` equals the memory model after every update, whatever the chunking."""
+    window = None if extra is None else sinks + extra
+    sinks = 0 if window is None else sinks
+    policy = KVPolicy(
+        window,
+        sinks,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=group,
+        value_group_size=32,
+    )
+    cache = KiviKVCache.for_policy(policy, ROT)
     seen = 0
     for n in chunks:
         x = mx.zeros((1, 2, n, 64))

@@ -14,12 +14,14 @@ from mlxkv.caches.streaming import StreamingKVCache
 from mlxkv.policy import KVPolicy
 from tests._caches_ref import feed, tiny_llama
 
+# the per-token key schemes (KIVI keys have their own tests: test_caches_kivi.py)
+ROT = dict(key_scheme="rotated")
 SCHEMES = [
-    dict(bits=4, group_size=32),
+    dict(bits=4, group_size=32, **ROT),
     dict(bits=4, group_size=32, key_scheme="plain"),
-    dict(key_bits=4, value_bits=2, group_size=32),
-    dict(key_bits=3, value_bits=8, group_size=64, value_group_size=32),
-    dict(key_bits=4, group_size=32),
+    dict(key_bits=4, value_bits=2, group_size=32, **ROT),
+    dict(key_bits=3, value_bits=8, group_size=64, value_group_size=32, **ROT),
+    dict(key_bits=4, group_size=32, **ROT),
     dict(value_bits=4, group_size=32),
 ]
 SHAPES = [dict(), dict(window=24), dict(window=20, sinks=4)]
@@ -75,7 +77,7 @@ def test_attention_on_the_packed_store_matches_dequantized_reference(model, poli
 
 
 def test_rotated_keys_are_centred_on_the_first_token(model):
-    caches = make_caches(model, KVPolicy(bits=4, group_size=32))
+    caches = make_caches(model, KVPolicy(bits=4, group_size=32, **ROT))
     feed(model, TOKENS[:10], caches, [10])
     store = caches[0].kstore
     assert isinstance(store, RotatedKeyStore)

@@ -83,10 +83,11 @@ def expected_logical(c, policy: KVPolicy, spec) -> int:
         return sum(expected_logical(x, KVPolicy(), spec) for x in c.caches)
     if name == "ArraysCache":
         return c.nbytes
-    if c.keys is None:
+    held = c.values if name == "KiviKVCache" else c.keys  # KIVI keys are stored transposed
+    if held is None:
         return 0
     if hasattr(c, "kept"):  # mlxkv's caches count the tokens they keep
-        k = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
+        k = held[0] if isinstance(held, (tuple, list)) else held
         batch, heads = k.shape[0], k.shape[1]
         row = _row(spec.k_head_dim, policy.key_bits, policy.group_size, 4) + _row(
             spec.v_head_dim, policy.value_bits, policy.value_group_size, 4

@@ -6,7 +6,6 @@ come back through an EventPipe and are applied here, on the UI thread, in order.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import traceback
@@ -25,7 +24,7 @@ from mlxkv.engine.events import Finished, Notice, PrefillProgress, TokenDelta
 from mlxkv.errors import UserError
 from mlxkv.paths import home
 from mlxkv.policy import KVPolicy
-from tui import slash
+from tui import metrics, slash
 from tui.chat_view import ChatLog, MessageView, Note
 from tui.conversations import ConversationStore, policy_from_dict, read_conversation
 from tui.cpu import split_cpu
@@ -711,8 +710,8 @@ class ChatApp(App):
                 "max": max(lat) * 1000,
                 "median": sorted(lat)[len(lat) // 2] * 1000,
             }
-        data["panel_renders"] = self.panel.renders
-        self.metrics_path.write_text(json.dumps(data, indent=2))
+        data[metrics.MARK] = self.panel.renders
+        metrics.write_metrics(self.metrics_path, data)
 
     async def action_quit(self) -> None:
         self._stop.set()

@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
         "--metrics",
         default=os.environ.get("MLXKV_TUI_METRICS"),
         metavar="PATH",
-        help="write UI timings (load, first paint, key latency, tok/s) as JSON to PATH",
+        help="write UI timings (load, first paint, key latency, tok/s) as JSON to PATH "
+        "(a new file, or one an earlier --metrics run wrote; any other file is refused)",
     )
     add_model_flags(p)
     add_overflow_flag(p)
@@ -52,14 +53,17 @@ def run(args) -> int:
 
 def build_app(args):
     """The chat app for parsed ``mlxkv chat`` arguments (not started)."""
+    from mlxkv.models.resolve import check_name
     from tui.app import ChatApp
     from tui.conversations import ConversationStore, policy_from_dict
     from tui.engine import ChatEngine, real_opener
+    from tui.metrics import check_metrics_path
 
     if args.model_name and args.model and args.model_name != args.model:
         raise UserError(f"two models given: {args.model_name!r} and --model {args.model!r}")
     model = args.model_name or args.model
     policy = policy_from_args(args)  # bad flags fail here, before the screen opens
+    metrics_path = check_metrics_path(args.metrics)
     settings = settings_from_args(args)
     store, resume = ConversationStore(), None
     if args.resume:
@@ -70,8 +74,9 @@ def build_app(args):
         model = model or resume.get("model_arg") or resume.get("model")
         if resume.get("policy"):
             policy = policy_from_dict(resume["policy"])
+    check_name(model)  # a name that cannot resolve fails here, not on the screen
     opener = real_opener(dtype=args.dtype, force=args.force, overflow=args.on_overflow)
     engine = ChatEngine(
         opener, settings, policy=policy, system=args.system, given=given_sampling(args)
     )
-    return ChatApp(engine, model=model, metrics_path=args.metrics, store=store, resume=resume)
+    return ChatApp(engine, model=model, metrics_path=metrics_path, store=store, resume=resume)

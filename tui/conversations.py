@@ -135,6 +135,11 @@ def read_conversation(path: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot load conversation {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"cannot load conversation {path}: not UTF-8 text (byte {e.start}); "
+            "it is not a conversation file"
+        ) from None
     if text.lstrip().startswith("# Chat with"):
         raise UserError(
             f"{path} is a Markdown export (for reading), not a conversation; "

@@ -9,6 +9,7 @@ Every cache built here exposes ``kept`` / ``evicted`` / ``tokens_seen`` (plain i
 from mlxkv.caches.build import PolicyPlan, cache_for, check_policy, make_caches, plan_policy
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.persist import load_caches, read_metadata, register_with_mlx_lm, save_caches
 from mlxkv.caches.snapshot import always_exact, restore, snapshot
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache, prefill_chunk
@@ -18,6 +19,7 @@ __all__ = [
     "CacheError",
     "always_exact",
     "FullKVCache",
+    "KiviKVCache",
     "PolicyPlan",
     "QuantizedStreamingKVCache",
     "StreamingKVCache",

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from mlxkv.caches.attention import route_attention
 from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.rotation import (
     Identity,
     NotRepositionable,
@@ -27,6 +28,7 @@ from mlxkv.caches.rotation import (
 )
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
 from mlxkv.errors import one_line
+from mlxkv.memory.policy_bytes import uses_kivi
 from mlxkv.policy import KVPolicy, PolicyError
 
 
@@ -162,10 +164,12 @@ def plan_policy(model, policy: KVPolicy, caches: list | None = None) -> PolicyPl
                     f"{name}: --kv-bits is not supported: its attention uses learned sink "
                     "logits, which mlx-lm's quantized attention does not support"
                 )
-            for flag, g in (
-                ("--kv-group-size", policy.group_size),
-                ("--kv-value-group-size", policy.value_group_size),
-            ):
+            same = policy.value_group_size == policy.group_size
+            vflag = "--kv-group-size" if same else "--kv-value-group-size"
+            groups = [(vflag, policy.value_group_size)]
+            if not uses_kivi(policy):  # KIVI key groups run along tokens, not head_dim
+                groups.insert(0, ("--kv-group-size", policy.group_size))
+            for flag, g in groups:
                 bad = [d for d in info.head_dims if d % g]
                 if bad:
                     raise PolicyError(
@@ -243,6 +247,13 @@ def cache_for(
     still trim exactly after it has evicted (speculative decoding rewinds that many)."""
     if mla:  # positions live in the "values" (decoupled RoPE key): never rotate keys
         rotation = None
+    if uses_kivi(policy):
+        if reserve:
+            raise PolicyError(
+                "KIVI keys cannot keep an undo log (a quantized group cannot be rewound); "
+                "use key_scheme='rotated' for speculative decoding"
+            )
+        return KiviKVCache.for_policy(policy, rotation, rebase_every)
     if policy.bits is not None:
         return QuantizedStreamingKVCache.for_policy(policy, rotation, rebase_every, reserve)
     if policy.window is None:

@@ -19,10 +19,11 @@ from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
 
 FORMAT = "2"
-MLXKV_CLASSES = (FullKVCache, StreamingKVCache, QuantizedStreamingKVCache)
+MLXKV_CLASSES = (FullKVCache, StreamingKVCache, QuantizedStreamingKVCache, KiviKVCache)
 
 
 def register_with_mlx_lm() -> None:

@@ -31,8 +31,9 @@ angles at position 3e5 are off by ~1e-2 rad; after a rebase positions stay below
 ``S + W + rebase_every``).
 
 Quantized variant (:class:`QuantizedStreamingKVCache`): keys and values each go through a
-store (``mlxkv.caches.storage``) with their own width and group size; keys by default in the
-``rotated`` scheme (centred, Hadamard-rotated, per-token groups). The layout is the same
+store (``mlxkv.caches.storage``) with their own width and group size; keys in the per-token
+``rotated`` (centred, Hadamard-rotated) or ``plain`` scheme; mlxkv's default KIVI keys have
+their own cache, :mod:`mlxkv.caches.kivi`. The layout is the same
 ring of slots, so windows, sinks, chunked prefill, trim and rebase work unchanged; sinks are
 re-encoded from the full-precision copy (exact re-rotation, no compounding).
 
@@ -555,7 +556,7 @@ class StreamingKVCache(_BaseCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """The same cache (window, sinks, positions) with keys and values stored at ``bits``
-        in mlxkv's default key scheme (mlx-lm's ``maybe_quantize_kv_cache`` calls it; the
+        with rotated per-token keys (mlx-lm's ``maybe_quantize_kv_cache`` calls it; the
         model's attention must be routed, see :mod:`mlxkv.caches.attention`)."""
         if self.quantized:
             # mlx-lm's generate calls this after every step once the start is reached

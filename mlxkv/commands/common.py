@@ -68,7 +68,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="B",
-        help=f"quantize keys and values to B bits ({', '.join(map(str, SUPPORTED_BITS))})",
+        help=f"quantize keys and values to B bits ({', '.join(map(str, SUPPORTED_BITS))}); "
+        "keys per channel in groups of --kv-group-size tokens, the newest < G tokens kept in "
+        "full precision (KIVI); values per token. Batches use Hadamard-rotated per-token keys",
     )
     g.add_argument(
         "--kv-key-bits",
@@ -89,7 +91,8 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="G",
-        help=f"quantization group size ({', '.join(map(str, SUPPORTED_GROUP_SIZES))}; default 64)",
+        help=f"quantization group size ({', '.join(map(str, SUPPORTED_GROUP_SIZES))}; default "
+        "64): tokens per key group (KIVI), channels per value group",
     )
     g.add_argument(
         "--kv-value-group-size",

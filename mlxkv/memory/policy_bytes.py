@@ -26,6 +26,13 @@ Rules (``S`` sinks, ``W`` window, ``n`` tokens seen):
   full-precision copy of the sink keys that re-positioning rotates from; quantized policies
   keep it unquantized too), and ``offset = k_head_dim * dtype_bytes`` when keys are
   quantized in the ``rotated`` scheme (the per-channel key offset). Zero when ``n == 0``.
+* KIVI keys (``key_scheme == "kivi"`` with quantized keys, ``mlxkv.caches.kivi``) have
+  their own layout: ``C = kivi_ring_slots(n)`` ring slots (``round_up(n - S, 256)``, at most
+  ``G * ceil(W / G)`` for a window; 0 while ``n <= S``); per head, keys take
+  ``C * D * b / 8`` packed bytes plus ``2 * D * (C / G) * dtype_bytes`` of per-channel scales
+  and biases, a full-precision residual of ``G * D * dtype_bytes`` once ``C > 0``, and values
+  ``(S + C)`` slots of ``row(v_head_dim)``; plus the sink copy as above. Logical bytes count
+  the kept tokens at the packed key width plus one scale and bias per channel and group.
 * Allocation depends only on ``n``: mlxkv's caches grow to ``round_up(n, 256)`` (not
   mlx-lm's history-dependent rule) and drop chunk-time buffers when an update returns, so
   the size of the last chunk does not change the result. (During a multi-token update a
@@ -66,6 +73,33 @@ def _row(bits, group_size: int, head_dim: int, dtype_bytes: int) -> int:
     if bits is None:
         return head_dim * dtype_bytes
     return head_dim * bits // 32 * 4 + 2 * (head_dim // group_size) * dtype_bytes
+
+
+def uses_kivi(policy) -> bool:
+    """Whether keys are stored per channel along tokens (KIVI) under ``policy``."""
+    return policy.key_bits is not None and policy.key_scheme == "kivi"
+
+
+def kivi_ring_limit(window: int | None, group_size: int) -> int | None:
+    """Ring slots of a KIVI window: whole groups covering the window (None: full cache)."""
+    return None if window is None else -(-window // group_size) * group_size
+
+
+def kivi_ring_slots(tokens_seen: int, sinks: int, window: int | None, group_size: int) -> int:
+    """Ring slots a KIVI cache allocates after ``tokens_seen`` tokens (the sinks are apart)."""
+    ring = tokens_seen - sinks
+    return 0 if ring <= 0 else capacity(ring, kivi_ring_limit(window, group_size))
+
+
+def _kivi_bytes(policy, k_head_dim, v_head_dim, dtype_bytes, tokens_seen) -> int:
+    """Allocated bytes of one KIVI layer, one KV head, batch 1."""
+    S, G, b = policy.sinks, policy.group_size, policy.key_bits
+    C = kivi_ring_slots(tokens_seen, S, policy.window, G)
+    keys = C * k_head_dim * b // 8 + 2 * k_head_dim * (C // G) * dtype_bytes
+    residual = G * k_head_dim * dtype_bytes if C else 0
+    values = (S + C) * value_row_bytes(policy, v_head_dim, dtype_bytes)
+    sink_copy = S * k_head_dim * dtype_bytes
+    return keys + residual + values + sink_copy
 
 
 def key_row_bytes(policy, head_dim: int, dtype_bytes: int) -> int:
@@ -128,6 +162,10 @@ def allocated_bytes(
     """Exactly the ``nbytes`` of the cache mlxkv builds for one such layer."""
     if tokens_seen <= 0:
         return 0
+    if uses_kivi(policy):
+        return (
+            batch * kv_heads * _kivi_bytes(policy, k_head_dim, v_head_dim, dtype_bytes, tokens_seen)
+        )
     per = token_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes)
     fixed = fixed_bytes(policy, kv_heads, k_head_dim, dtype_bytes)
     return batch * (slots(policy, tokens_seen) * per + fixed)

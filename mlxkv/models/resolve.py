@@ -144,30 +144,24 @@ def resolve(
     return resolved
 
 
-def _resolve(model, offline_ok, on_status) -> ResolvedModel:
-    name = model or registry.default_alias()
+def _classify(name: str):
+    """What MODEL names, decided from local facts only (no download, no conversion):
+    ("folder", path) | ("gguf", path) | ("alias", entry) | ("repo", name). Raises the
+    one-line error for a name that cannot resolve."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not _has_config(path):
             raise UserError(f"{path} is a folder without config.json; it is not an MLX model")
-        return ResolvedModel(path, "local folder")
+        return "folder", path
     if name.lower().endswith(".gguf"):
-        return _gguf(path, on_status)
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        return "gguf", path
     entry = registry.lookup(name)
     if entry:
-        return _alias(entry, offline_ok, on_status)
+        return "alias", entry
     if looks_like_repo_id(name) and not path.exists():
-        cached = _hub_cached(name)
-        if cached:
-            return ResolvedModel(cached, f"Hugging Face cache ({name})")
-        try:
-            on_status(f"downloading {name} from the Hugging Face hub ...")
-            return ResolvedModel(hub_download(name), f"hub ({name})")
-        except Exception as e:
-            raise UserError(
-                f"could not download '{name}' from the Hugging Face hub ({one_line(e)}); "
-                "check the repo id and your connection, or use a local model"
-            ) from None
+        return "repo", name
     if path.exists():
         raise UserError(f"{path} is neither a model folder nor a .gguf file")
     aliases = ", ".join(registry.load_registry().models)
@@ -175,6 +169,35 @@ def _resolve(model, offline_ok, on_status) -> ResolvedModel:
         f"unknown model '{name}': not a local folder, .gguf file, registry alias ({aliases}) "
         "or Hugging Face repo id (owner/name); see 'mlxkv models'"
     )
+
+
+def check_name(model: str | None) -> None:
+    """Refuse at once, with the error ``resolve`` would give, a MODEL that cannot resolve;
+    downloads and conversions are left to ``resolve`` (a UI checks before it opens)."""
+    kind, what = _classify(model or registry.default_alias())
+    if kind == "folder":
+        check_model_folder(what)  # reads the safetensors headers only
+
+
+def _resolve(model, offline_ok, on_status) -> ResolvedModel:
+    kind, what = _classify(model or registry.default_alias())
+    if kind == "folder":
+        return ResolvedModel(what, "local folder")
+    if kind == "gguf":
+        return _gguf(what, on_status)
+    if kind == "alias":
+        return _alias(what, offline_ok, on_status)
+    cached = _hub_cached(what)
+    if cached:
+        return ResolvedModel(cached, f"Hugging Face cache ({what})")
+    try:
+        on_status(f"downloading {what} from the Hugging Face hub ...")
+        return ResolvedModel(hub_download(what), f"hub ({what})")
+    except Exception as e:
+        raise UserError(
+            f"could not download '{what}' from the Hugging Face hub ({one_line(e)}); "
+            "check the repo id and your connection, or use a local model"
+        ) from None
 
 
 def _hub_config(repo: str) -> Path:

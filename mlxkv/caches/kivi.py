@@ -1,0 +1,588 @@
+"""KIVI keys: quantized per channel, in groups of G consecutive tokens (arXiv:2402.02750).
+
+Key outliers sit in a few channels and persist across tokens, so a group that runs along the
+token axis of one channel holds values of one scale, where a group along head_dim has to span
+the outliers. Values stay quantized per token (groups along head_dim), as in
+:class:`mlxkv.caches.storage.QuantStore`.
+
+Layout (``S`` sinks, window ``W`` or None for a full cache, group ``G``):
+
+* sinks: the first ``S`` tokens' keys in full precision, as the model rotated them
+  (positions 0..S-1); attention rotates them forward by the evicted count (exact
+  StreamingLLM positions, as :class:`~mlxkv.caches.streaming.StreamingKVCache` does). Their
+  values sit in value slots ``[0, S)``.
+* the ring: token ``k >= S`` has ring position ``u % C`` with ``u = k - S`` (``C`` ring slots:
+  ``G * ceil(W / G)`` for a window, growing in 256-token steps for a full cache). Keys are
+  stored transposed, ``K^T`` (B, H, D, C), quantized along the token axis: ``mx.quantize`` on
+  groups of ``G`` ring positions gives a scale and a bias per channel and group. Group
+  ``u // G`` lives in group slot ``(u // G) % (C / G)``: boundaries are fixed by the
+  absolute token index, so chunked prefill equals token-by-token decoding exactly. Values
+  of token ``k`` sit in value slot ``S + u % C``.
+* the residual: the newest ``< G`` ring tokens' keys (the group being filled) in full
+  precision, (B, H, G, D). A group is quantized once its last token is in.
+
+What a query at token ``t`` sees: the sinks, and the window tokens before ``t``'s group as
+quantized keys, its own group's tokens up to ``t`` in full precision; values always as
+quantized. With a window, tokens older than the window inside the oldest kept group are
+masked out, so the attention set is exactly the unquantized sink + window policy's.
+
+Decoding (one token) multiplies on the packed ring: ``mx.quantized_matmul(q, K^T,
+transpose=False)`` gives ``q @ K^T`` without a dequantized copy; the residual's float scores
+replace the positions of the group being filled (the rest of that group slot still holds
+the tail of the group ``C`` tokens older, which the window may still see). Prefill chunks
+attend with the fused kernel over dense keys: for each query the tokens of earlier groups
+as quantized and the tokens of its own group in full precision (two copies of the chunk's
+groups; the mask shows each query its own). Only the caller's chunk is ever dense.
+
+Trim is exact within the residual (and anywhere before the first ring token); a trim into a
+quantized group is not, so it is refused (the engine restores a copy instead). A rebase (every
+``rebase_every`` evictions) dequantizes the ring, rotates it back and quantizes it again.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from mlxkv.caches import storage as st
+from mlxkv.caches.rotation import Rotation
+from mlxkv.caches.streaming import (
+    DEFAULT_REBASE_EVERY,
+    SINK_PREFILL_CHUNK,
+    _rotation_from_state,
+    _rotation_state,
+)
+from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
+from mlxkv.policy import PolicyError
+
+
+def _expand(x, rep: int):
+    if rep == 1:
+        return x
+    if isinstance(x, (tuple, list)):
+        return tuple(mx.expand_dims(a, -3) for a in x)
+    return mx.expand_dims(x, -3)
+
+
+class KiviKVCache(_BaseCache):
+    """Sinks + window (or a full cache) with KIVI keys and per-token quantized values."""
+
+    scheme = "kivi"
+
+    def __init__(
+        self,
+        window: int | None,
+        sinks: int = 0,
+        rotation=None,
+        key_bits: int = 4,
+        group_size: int = 64,
+        value_bits: int | None = 4,
+        value_group_size: int | None = None,
+        rebase_every: int | None = None,
+    ):
+        if window is None and sinks:
+            raise ValueError("sinks need a window")
+        if sinks and rotation is None:
+            raise ValueError("sinks need the layer's rotation to be re-positioned")
+        self.window, self.sinks, self.rotation = window, sinks, rotation
+        if rebase_every is None and window is not None:
+            rebase_every = max(sinks + window, DEFAULT_REBASE_EVERY)
+        self.rebase_every = rebase_every
+        self.key_bits, self.group_size = key_bits, group_size
+        self.vstore = st.store_for(value_bits, value_group_size or group_size)
+        self.ring = None  # (packed, scales, biases) of K^T, (B, H, D, C) before packing
+        self.residual = None  # (B, H, G, D)
+        self.values = None  # value store, slots [0, S) sinks then C ring slots
+        self.sink_keys = None  # (B, H, S, D), rotated at positions 0..S-1
+        self._n = self._evicted = self._base = 0
+        self._fetched = None
+
+    # ---- counters the engine reads ----
+    @property
+    def offset(self) -> int:
+        return self._n - self._base
+
+    @property
+    def tokens_seen(self) -> int:
+        return self._n
+
+    @property
+    def kept(self) -> int:
+        return self._n - self._evicted
+
+    @property
+    def evicted(self) -> int:
+        return self._evicted
+
+    def size(self) -> int:
+        return self.kept
+
+    def empty(self) -> bool:
+        return self.values is None
+
+    @property
+    def limit(self) -> int | None:
+        return None if self.window is None else self.sinks + self.window
+
+    @property
+    def quantized(self) -> bool:
+        return True
+
+    @property
+    def value_bits(self) -> int | None:
+        return self.vstore.bits if self.vstore.quantized else None
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            st.nbytes(self.ring)
+            + st.nbytes(self.residual)
+            + st.nbytes(self.values)
+            + st.nbytes(self.sink_keys)
+        )
+
+    def describe_stores(self) -> dict:
+        keys = {"bits": self.key_bits, "group_size": self.group_size, "scheme": self.scheme}
+        return {"keys": keys, "values": self.vstore.describe()}
+
+    # ---- arithmetic ----
+    def _ring_slots(self, n: int) -> int:
+        return kivi_ring_slots(n, self.sinks, self.window, self.group_size)
+
+    @property
+    def _cmax(self) -> int | None:
+        return kivi_ring_limit(self.window, self.group_size)
+
+    def _pos(self, u: int) -> int:
+        """Ring position of ring token ``u`` (= token ``S + u``)."""
+        return u if self.window is None else u % self._cmax
+
+    def _d(self, t: int) -> int:
+        """Evicted count once token ``t`` is in."""
+        if self.window is None:
+            return 0
+        return max(self._evicted, t + 1 - self.sinks - self.window)
+
+    def prefill_chunk(self, step: int) -> int:
+        """Like the float sink cache: big chunks up to the limit, small ones once evicting
+        (each chunk query gets its own shifted copy of the sinks)."""
+        if not self.sinks or self.window is None:
+            return step
+        room = self.limit - self._n
+        return min(step, room) if room > 0 else min(step, SINK_PREFILL_CHUNK)
+
+    def _chunk_geometry(self, P: int, N: int):
+        """Ranges (relative to the first ring token) that a chunk [P, P+N) attends to."""
+        S, G = self.sinks, self.group_size
+        u0, u1 = max(0, P - S), max(0, P + N - S)
+        r0 = u0 // G * G  # start of the group being filled at P
+        e = u1 // G * G  # end of the complete groups after the chunk
+        # quantized keys are seen only by queries of later groups: up to the last one's
+        e_seen = min(e, max(0, (u1 - 1) // G * G))
+        lo = 0 if self.window is None else max(0, P - self.window + 1 - S)
+        lo = min(lo, e_seen)
+        d_first, d_end = self._d(P), self._d(P + N - 1)
+        m = d_end - d_first + 1 if S else 0
+        return u0, u1, r0, e, e_seen, lo, d_first, d_end, m
+
+    # ---- masks, built before the update ----
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if N == 1:
+            return self._decode_mask(window_size)
+        return self._chunk_mask(N, window_size)
+
+    def _decode_mask(self, window_size):
+        S, t = self.sinks, self._n
+        n = t + 1
+        oldest = S + self._d(t)
+        parts = []
+        if S:
+            j = mx.arange(S)
+            vis = j <= t
+            if window_size is not None:
+                vis = vis & (j > t - window_size)
+            parts.append(vis)
+        C = self._ring_slots(n)
+        if C:
+            r = mx.arange(C)
+            ut = t - S
+            if self.window is None:
+                u = r
+            else:
+                u = ut - ((ut - r) % self._cmax)
+            k = S + u
+            vis = (u >= 0) & (u <= ut) & (k >= oldest)
+            if window_size is not None:
+                vis = vis & (k > t - window_size)
+            parts.append(vis)
+        if not parts:
+            return None
+        return mx.concatenate(parts)[None]
+
+    def _chunk_mask(self, N: int, window_size):
+        S, G, P = self.sinks, self.group_size, self._n
+        u0, u1, r0, _, e, lo, d_first, _, m = self._chunk_geometry(P, N)
+        t = mx.arange(P, P + N)[:, None]
+        dt = mx.maximum(t + 1 - S - (self.window or 0), self._evicted) if self.window else 0
+        oldest = S + dt
+        parts = []
+        if S:
+            idx = mx.arange(S * m)[None]
+            j, c = idx // m, idx % m
+            vis = (j <= t) & ((dt - d_first) == c)
+            if window_size is not None:
+                vis = vis & (j > t - window_size)
+            parts.append(vis)
+        own = mx.where(t >= S, (t - S) // G, -1)  # the query's group (-1: a sink query)
+        segments = ((lo, e, False), (r0, u1, True)) if u1 > u0 else ()
+        for a, b, same in segments:
+            u = mx.arange(a, b)[None]
+            k = S + u
+            vis = (k <= t) & (k >= oldest) & (t >= S)
+            vis = vis & (((u // G) == own) if same else ((u // G) < own))
+            if window_size is not None:
+                vis = vis & (k > t - window_size)
+            parts.append(vis)
+        return mx.concatenate(parts, axis=1)
+
+    # ---- storage ----
+    def _ensure(self, keys: mx.array, values: mx.array, n: int):
+        """Allocate for ``n`` tokens held (the rule ``policy_bytes`` predicts)."""
+        B, H, _, D = keys.shape
+        S, G, b = self.sinks, self.group_size, self.key_bits
+        C = self._ring_slots(n)
+        if self.values is None:
+            self.values = self.vstore.zeros(values, S + C)
+            if S:
+                self.sink_keys = mx.zeros((B, H, S, D), keys.dtype)
+        elif st.tokens_of(self.values) < S + C:
+            extra = S + C - st.tokens_of(self.values)
+            self.values = st.grow(self.values, self.vstore.zeros(values, extra))
+        have = 0 if self.ring is None else self.ring[1].shape[-1] * G
+        if C > have:
+            extra = C - have
+            grow = (
+                mx.zeros((B, H, D, extra * b // 32), mx.uint32),
+                mx.zeros((B, H, D, extra // G), keys.dtype),
+                mx.zeros((B, H, D, extra // G), keys.dtype),
+            )
+            if self.ring is None:
+                self.ring = grow
+                self.residual = mx.zeros((B, H, G, D), keys.dtype)
+            else:
+                self.ring = tuple(
+                    mx.concatenate([a, z], axis=-1) for a, z in zip(self.ring, grow, strict=True)
+                )
+
+    def _quantize_groups(self, k: mx.array):
+        """``mx.quantize`` of keys (B, H, n*G, D) per channel along tokens."""
+        kt = mx.contiguous(k.swapaxes(-1, -2))
+        return tuple(mx.quantize(kt, group_size=self.group_size, bits=self.key_bits))
+
+    def _dequantize(self, q) -> mx.array:
+        kt = mx.dequantize(*q, group_size=self.group_size, bits=self.key_bits)
+        return kt.swapaxes(-1, -2)
+
+    def _write_groups(self, first_group: int, q, groups: int) -> None:
+        """Write ``groups`` quantized groups (group indices from ``first_group``) into their
+        group slots (only the newest ``C / G`` matter when a chunk outruns the ring)."""
+        G, b = self.group_size, self.key_bits
+        nslots = None if self.window is None else self._cmax // G
+        words = G * b // 32
+        for i in range(0 if nslots is None else max(0, groups - nslots), groups):
+            s = first_group + i if nslots is None else (first_group + i) % nslots
+            self.ring[0][..., s * words : (s + 1) * words] = q[0][..., i * words : (i + 1) * words]
+            self.ring[1][..., s : s + 1] = q[1][..., i : i + 1]
+            self.ring[2][..., s : s + 1] = q[2][..., i : i + 1]
+
+    def _write_values(self, u_first: int, enc) -> None:
+        """Write encoded values of ring tokens ``u_first..`` into their slots (wrapping)."""
+        n = st.tokens_of(enc)
+        C = self._cmax
+        skip = 0 if C is None else max(0, n - C)
+        u, done = u_first + skip, skip
+        while done < n:
+            p = self._pos(u)
+            length = n - done if C is None else min(n - done, C - p)
+            st.write(self.values, self.sinks + p, st.take(enc, done, done + length))
+            u, done = u + length, done + length
+
+    def _ring_keys(self, a: int, b: int) -> list:
+        """Dequantized keys (B, H, n, D) of ring tokens [a, b), in pieces (the ring wraps);
+        only the groups that hold them are dequantized."""
+        G, words = self.group_size, self.key_bits * self.group_size // 32
+        out = []
+        while a < b:
+            p = self._pos(a)
+            length = b - a if self._cmax is None else min(b - a, self._cmax - p)
+            g0, g1 = p // G, -(-(p + length) // G)
+            part = (
+                self.ring[0][..., g0 * words : g1 * words],
+                self.ring[1][..., g0:g1],
+                self.ring[2][..., g0:g1],
+            )
+            out.append(self._dequantize(part)[..., p - g0 * G : p - g0 * G + length, :])
+            a += length
+        return out
+
+    def _shifted_sinks(self) -> mx.array:
+        d = self._evicted - self._base
+        return self.sink_keys if d == 0 else self.rotation.shift(self.sink_keys, d)
+
+    # ---- updates ----
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        P, N, S = self._n, keys.shape[2], self.sinks
+        self._ensure(keys, values, P + N)
+        if P < S:  # sink tokens: full precision keys, values in slots [0, S)
+            self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
+            st.write(self.values, P, self.vstore.encode(values[..., : S - P, :]))
+        if N == 1:
+            return self._decode_step(keys, values)
+        return self._chunk(keys, values)
+
+    def _decode_step(self, keys, values):
+        t, S, G = self._n, self.sinks, self.group_size
+        self._n = t + 1
+        self._evicted = self._d(t)
+        if t >= S:
+            u = t - S
+            i = u % G
+            self.residual[..., i : i + 1, :] = keys
+            self._write_values(u, self.vstore.encode(values))
+            if i == G - 1:  # the group is complete: quantize it now (attention uses the residual)
+                self._write_groups(u // G, self._quantize_groups(self.residual), 1)
+        sinks = self._shifted_sinks() if S else None  # this step's frame, before a rebase
+        self._fetched = ("decode", t, self.residual, sinks)
+        out = self.ring, self.values
+        self._maybe_rebase()
+        return out
+
+    def _chunk(self, keys, values):
+        P, N, S, G = self._n, keys.shape[2], self.sinks, self.group_size
+        u0, u1, r0, e, e_seen, lo, d_first, d_end, m = self._chunk_geometry(P, N)
+        vdec = self.vstore.decode
+        parts_k, parts_v = [], []
+        if S:
+            B, H, _, D = keys.shape
+            copies = self.rotation.shifted_copies(self.sink_keys, d_first - self._base, m)
+            parts_k.append(copies.reshape(B, H, S * m, D))
+            sv = vdec(st.take(self.values, 0, S))
+            cv = mx.broadcast_to(sv[..., None, :], (*sv.shape[:3], m, sv.shape[-1]))
+            parts_v.append(cv.reshape(B, H, S * m, sv.shape[-1]))
+        if u1 > u0:  # ring tokens in this chunk
+            skip = N - (u1 - u0)  # the chunk's sink tokens
+            new_k = keys[..., skip:, :]
+            enc_v = self.vstore.encode(values[..., skip:, :])
+            held = self.residual[..., : u0 - r0, :]  # the group being filled, before P
+            raw = new_k if u0 == r0 else mx.concatenate([held, new_k], axis=2)
+            # values of ring tokens [a, u1) in token order
+            a = min(lo, r0)
+            pieces = [vdec(p) for p in self._ring_value_pieces(a, u0)] + [vdec(enc_v)]
+            v_line = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
+            if e > r0:
+                q = self._quantize_groups(raw[..., : e - r0, :])
+            if e_seen > lo:  # earlier groups, as quantized
+                if lo < r0:
+                    parts_k += self._ring_keys(lo, min(r0, e_seen))
+                if e_seen > r0:
+                    dq = self._dequantize(q)
+                    parts_k.append(dq[..., max(0, lo - r0) : e_seen - r0, :])
+                parts_v.append(v_line[..., lo - a : e_seen - a, :])
+            parts_k.append(raw)  # the groups being filled, in full precision
+            parts_v.append(v_line[..., r0 - a : u1 - a, :])
+        out = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+        # keep what the next token needs
+        if u1 > u0:
+            self._write_values(u0, enc_v)
+            if e > r0:
+                self._write_groups(r0 // G, q, (e - r0) // G)
+            if u1 > e:
+                self.residual[..., : u1 - e, :] = raw[..., e - r0 :, :]
+        self._n = P + N
+        self._evicted = d_end
+        self._fetched = ("dense", P)
+        self._maybe_rebase()
+        return out
+
+    def _ring_value_pieces(self, a: int, b: int) -> list:
+        out = []
+        while a < b:
+            p = self._pos(a)
+            length = b - a if self._cmax is None else min(b - a, self._cmax - p)
+            out.append(st.take(self.values, self.sinks + p, self.sinks + p + length))
+            a += length
+        return out
+
+    def _maybe_rebase(self):
+        if not isinstance(self.rotation, Rotation) or self.window is None:
+            return
+        R = self._evicted - self._base
+        if R < self.rebase_every:
+            return
+        ring = self.rotation.shift(self._dequantize(self.ring), -R)
+        self.ring = self._quantize_groups(ring)
+        self.residual = self.rotation.shift(self.residual, -R)
+        self._base += R
+
+    # ---- attention ----
+    def attend(self, queries, keys, values, scale: float, mask, sinks=None) -> mx.array:
+        if sinks is not None:
+            raise ValueError("quantized KV caches do not support learned attention sinks")
+        if self._fetched is None or self._fetched[0] == "dense":
+            return self._attend_dense(queries, keys, values, scale, mask)
+        _, t, residual, sink_keys = self._fetched
+        S, G = self.sinks, self.group_size
+        B, n_q, L, D = queries.shape
+        n_kv = self.values[0].shape[1] if isinstance(self.values, tuple) else self.values.shape[1]
+        rep = n_q // n_kv
+        q = queries * scale
+        if rep > 1:
+            q = q.reshape(B, n_kv, rep, L, D)
+        parts = []
+        if S:
+            parts.append(q @ _expand(sink_keys, rep).swapaxes(-1, -2))
+        if t >= S:
+            ring = _expand(keys, rep)
+            s_ring = mx.quantized_matmul(
+                q, *ring, transpose=False, group_size=G, bits=self.key_bits
+            )
+            s_res = q @ _expand(residual, rep).swapaxes(-1, -2)
+            u = t - S
+            j = self._pos(u) // G * G
+            blk = mx.where(mx.arange(G) <= u % G, s_res, s_ring[..., j : j + G])
+            parts += [s_ring[..., :j], blk, s_ring[..., j + G :]]
+        scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        if mask is not None:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        p = mx.softmax(scores, axis=-1, precise=True)
+        v = values if t >= S else st.take(values, 0, S)
+        out = self.vstore.weigh(p, _expand(v, rep))
+        if rep > 1:
+            out = out.reshape(B, n_q, L, out.shape[-1])
+        return out
+
+    def _attend_dense(self, queries, keys, values, scale: float, mask) -> mx.array:
+        """The fused kernel, one block of queries per key group: each block sees the keys of
+        its own group in full precision and those before as quantized, so the score matrix
+        of one block (``G`` rows) is all that is live at a time, and prefill's peak stays
+        below the unquantized cache's (whose chunk scores are ``N`` rows wide)."""
+        N = queries.shape[2]
+        rows = self._query_blocks(N)
+        if len(rows) == 1 or not isinstance(mask, mx.array):
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask
+            )
+        outs = [
+            mx.fast.scaled_dot_product_attention(
+                queries[..., a:b, :], keys, values, scale=scale, mask=mask[..., a:b, :]
+            )
+            for a, b in rows
+        ]
+        return mx.concatenate(outs, axis=2)
+
+    def _query_blocks(self, N: int) -> list[tuple[int, int]]:
+        """Row ranges of the last chunk's queries that share a key group (sink queries,
+        then one range per group)."""
+        if self._fetched is None or len(self._fetched) < 2:
+            return [(0, N)]
+        P, S, G = self._fetched[1], self.sinks, self.group_size
+        cuts = {0, N}
+        if P < S < P + N:
+            cuts.add(S - P)
+        first = max(S, P)
+        k = S + ((first - S) // G + 1) * G
+        while k < P + N:
+            cuts.add(k - P)
+            k += G
+        cuts = sorted(cuts)
+        return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+    # ---- trim ----
+    def trimmable(self) -> int:
+        """Tokens that can be removed exactly: those in the residual (the group being filled),
+        or all of them while every token is a sink; none once the window has evicted."""
+        if self._evicted:
+            return 0
+        if self._n <= self.sinks:
+            return self._n
+        return (self._n - self.sinks) % self.group_size
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable() > 0
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, self.trimmable()))
+        self._n -= n
+        if self._n == 0:
+            self.ring = self.residual = self.values = self.sink_keys = None
+            return n
+        C = self._ring_slots(self._n)
+        if st.tokens_of(self.values) > self.sinks + C:
+            self.values = st.shrink(self.values, self.sinks + C)
+        if self.ring is not None and self.ring[1].shape[-1] * self.group_size > C:
+            if C == 0:
+                self.ring = self.residual = None
+            else:
+                g, words = C // self.group_size, C * self.key_bits // 32
+                self.ring = (
+                    mx.contiguous(self.ring[0][..., :words]),
+                    mx.contiguous(self.ring[1][..., :g]),
+                    mx.contiguous(self.ring[2][..., :g]),
+                )
+        return n
+
+    # ---- state ----
+    @property
+    def state(self):
+        return {
+            "ring": self.ring,
+            "residual": self.residual,
+            "values": self.values,
+            "sink_keys": self.sink_keys,
+            "window": self.window,
+            "sinks": self.sinks,
+            "tokens_seen": self._n,
+            "evicted": self._evicted,
+            "base": self._base,
+            "rebase_every": self.rebase_every,
+            "rotation": _rotation_state(self.rotation),
+            "key_scheme": self.scheme,
+            "key_bits": self.key_bits,
+            "key_group_size": self.group_size,
+            "value_bits": self.value_bits,
+            "value_group_size": self.vstore.group_size if self.vstore.quantized else None,
+        }
+
+    @state.setter
+    def state(self, v):
+        v = dict(v)
+        if v.get("key_scheme") != self.scheme:
+            raise PolicyError(
+                f"a {v.get('key_scheme')!r} key state cannot be loaded into a KIVI cache"
+            )
+        self.window, self.sinks = v["window"], v["sinks"]
+        self._n, self._evicted, self._base = v["tokens_seen"], v["evicted"], v["base"]
+        self.rebase_every = v["rebase_every"]
+        self.rotation = _rotation_from_state(v["rotation"])
+        self.key_bits, self.group_size = v["key_bits"], v["key_group_size"]
+        self.vstore = st.store_for(v["value_bits"], v["value_group_size"] or self.group_size)
+        ring = v["ring"]
+        self.ring = None if ring is None else tuple(ring)
+        vals = v["values"]
+        self.values = tuple(vals) if isinstance(vals, list) else vals
+        self.residual, self.sink_keys = v["residual"], v["sink_keys"]
+        self._fetched = None
+
+    @classmethod
+    def for_policy(cls, policy, rotation=None, rebase_every=None) -> KiviKVCache:
+        return cls(
+            policy.window,
+            policy.sinks,
+            rotation,
+            policy.key_bits,
+            policy.group_size,
+            policy.value_bits,
+            policy.value_group_size,
+            rebase_every,
+        )

@@ -71,8 +71,12 @@ def test_the_first_token_costs_no_model_call_of_its_own(default_model, monkeypat
     body = type(default_model.model.model)
     calls = []
     call = body.__call__
-    monkeypatch.setattr(body, "__call__", lambda self, x, *a, **k: (calls.append(x.shape[1]),
-                                                                    call(self, x, *a, **k))[1])  # fmt: skip
+
+    def counted(self, x, *args, **kwargs):
+        calls.append(x.shape[1])
+        return call(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(body, "__call__", counted)
     gen = Generator(default_model)
     ids = encode_prompt(default_model.tokenizer, chat_prompt(default_model))
     out = list(gen.run_tokens(ids, GenerationSettings(max_tokens=1)))

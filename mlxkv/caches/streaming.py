@@ -71,6 +71,12 @@ DEFAULT_REBASE_EVERY = 4096
 # Measured on the default model, 2-core CPU (tok/s for chunk 32/64/96/256/512):
 # 49.7/49.6/47.7/36.5/26.2, vs mlx-lm RotatingKVCache(1024, keep=4) at 512: 53.2.
 SINK_PREFILL_CHUNK = 64
+# Decoding moves the sinks one position per token. mx.fast.rope has no fused CPU kernel (a
+# call is a dozen small ops: ~0.1 ms for 4 sinks), so rotating them every step cost ~6% of a
+# decode step on the default model. Instead one call rotates the next SINK_SHIFTS_AHEAD
+# shifts at once (the chunk path's shifted copies: the same rotation, bit for bit) and each
+# step writes one of them.
+SINK_SHIFTS_AHEAD = 32
 
 
 @dataclass
@@ -160,6 +166,7 @@ class StreamingKVCache(_BaseCache):
         self.reserve = reserve
         self._undo: list[_Undo] = []
         self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
+        self._ahead = None  # (first shift, sink keys rotated for the next shifts), decode only
 
     # ---- counters the engine reads (plain ints, no device sync) ----
     @property
@@ -328,10 +335,16 @@ class StreamingKVCache(_BaseCache):
         part = s if (a == 0 and b == st.tokens_of(s)) else st.take(s, a, b)
         return store.decode(part) if self._dense else part
 
-    def _set_sink_shift(self, d: int):
+    def _set_sink_shift(self, d: int, ahead: bool = False):
         if not self.sinks or d == self._sink_shift:
             return
-        rotated = self.rotation.shift(self.sink_keys, d)
+        if not ahead:
+            rotated = self.rotation.shift(self.sink_keys, d)
+        else:
+            if self._ahead is None or not 0 <= d - self._ahead[0] < SINK_SHIFTS_AHEAD:
+                copies = self.rotation.shifted_copies(self.sink_keys, d, SINK_SHIFTS_AHEAD)
+                self._ahead = (d, copies)
+            rotated = self._ahead[1][..., d - self._ahead[0], :]
         st.write(self.keys, 0, self.kstore.encode(rotated))
         self._sink_shift = d
 
@@ -341,6 +354,7 @@ class StreamingKVCache(_BaseCache):
         self._dense = N > 1 and self.quantized
         self._chunk_layout = False
         if P < S:  # sink tokens keep their original rotation in the side copy
+            self._ahead = None
             self._ensure(keys, values, min(P + N, self.limit))
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
         if self._temporal(P, N):
@@ -364,7 +378,7 @@ class StreamingKVCache(_BaseCache):
         st.write(self.values, slot, self.vstore.encode(values))
         self._evicted = self._d(t, self._evicted)
         self._n = t + 1
-        self._set_sink_shift(self._evicted - self._base)
+        self._set_sink_shift(self._evicted - self._base, ahead=True)
         out = self.keys, self.values
         self._maybe_rebase()  # builds new buffers; ``out`` keeps this step's frame
         return out
@@ -627,6 +641,7 @@ class StreamingKVCache(_BaseCache):
         self._dense = False
         self._undo = []
         self._chunk_layout = False
+        self._ahead = None
 
 
 class QuantizedStreamingKVCache(StreamingKVCache):

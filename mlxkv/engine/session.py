@@ -255,13 +255,23 @@ class Generator:
             "the conversation is prefilled again"
         )
 
-    def _model_call(self, tokens) -> None:
+    def _model_call(self, tokens, logits: bool = False):
+        """Feed ``tokens`` to the caches; with ``logits``, return the last position's logits
+        (evaluated together with the caches)."""
         import mlx.core as mx
 
+        from mlxkv.models.head import last_logits
+
         self._in_model = True
-        self.loaded.model(tokens[None], cache=self.caches)
-        mx.eval([c.state for c in self.caches])
+        if logits:
+            out = last_logits(self.loaded.model, tokens[None], self.caches)[:, -1, :]
+            mx.eval(out, [c.state for c in self.caches])
+        else:
+            out = None
+            self.loaded.model(tokens[None], cache=self.caches)
+            mx.eval([c.state for c in self.caches])
         self._in_model = False
+        return out
 
     def _generate(self, ids: list[int], cached: int, s: GenerationSettings):
         import mlx.core as mx
@@ -283,16 +293,29 @@ class Generator:
                 max_tokens, capped = max(room, 1), True
         total = len(ids)
 
-        # Chunked prefill of all but the last token (with progress and cancel);
-        # mlx-lm's generate_step does the last token and the decoding.
+        # Chunked prefill (with progress and cancel). The last chunk ends with the prompt's
+        # last token and gives the logits of the first answer token, for that position
+        # only: the prompt costs no extra one-token model call. Caches that keep a copy
+        # at the turn boundary (the prompt without its last token) take that copy first and
+        # the last token alone.
         tic = time.perf_counter()
         prompt = mx.array(ids)
         done = cached
-        while total - done > 1:
-            n = min(prefill_chunk(self.caches, s.prefill_step), total - done - 1)
-            self._model_call(prompt[done : done + n])
+        boundary = total - 1 if self._needs_checkpoint else total
+        if done == total - 1:
+            self._take_checkpoint()
+        last = False
+        while not last:
+            if done >= boundary:  # only the prompt's last token is left
+                n = total - done
+            else:
+                n = min(prefill_chunk(self.caches, s.prefill_step), boundary - done)
+            last = done + n == total
+            logits = self._model_call(prompt[done : done + n], logits=last)
             self.tokens.extend(ids[done : done + n])
             done += n
+            if done == total - 1:
+                self._take_checkpoint()
             yield PrefillProgress(
                 done - cached, total - cached, self._stats(total, cached, 0, 0.0, 0.0)
             )
@@ -300,7 +323,14 @@ class Generator:
                 stats = self._stats(total, cached, 0, 0.0, 0.0, "cancelled")
                 yield Finished("", "cancelled", stats)
                 return
-        self._take_checkpoint()
+
+        # The first token: mlx-lm's generate_step sampling (processors see the prompt's
+        # last token, as when generate_step fed it), then generate_step decodes from it.
+        history = prompt[-1:]
+        for p in processors:
+            logits = p(history, logits)
+        y = sampler(logits - mx.logsumexp(logits, keepdims=True))
+        history_fn = [_with_history(p, history) for p in processors]
 
         detok = tokenizer.detokenizer
         detok.reset()
@@ -309,25 +339,24 @@ class Generator:
         gen_ids: list[int] = []
         shown, text, reason = 0, "", None
         prompt_tps = gen_tps = 0.0
-        steps = generate_step(
-            prompt[done:],
-            model,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=self.caches,
-        )
+        steps = None  # generate_step, started after the first token
+        pending = None  # a yielded token the caches have not been fed yet
         while True:
-            self._in_model = True
-            token = next(steps, None)
-            self._in_model = False
-            if token is None:
-                break
-            token = token[0]
-            # generate_step feeds each token to the cache before yielding it.
-            if not gen_ids:
-                self.tokens.append(ids[-1])
-            self.tokens.append(token)
+            if steps is None:
+                token = y.item()
+                pending = token
+            else:
+                self._in_model = True
+                token = next(steps, None)
+                self._in_model = False
+                if pending is not None:  # generate_step's first step fed it
+                    self.tokens.append(pending)
+                    pending = None
+                if token is None:
+                    break
+                token = token[0]
+                # generate_step feeds each token to the cache before yielding it.
+                self.tokens.append(token)
             gen_ids.append(token)
             now = time.perf_counter()
             if len(gen_ids) == 1:
@@ -350,6 +379,20 @@ class Generator:
             if self._cancel.is_set():
                 reason = "cancelled"
                 break
+            if len(gen_ids) >= max_tokens:
+                break
+            if steps is None:
+                steps = generate_step(
+                    y,
+                    model,
+                    max_tokens=max_tokens - 1,
+                    sampler=sampler,
+                    logits_processors=history_fn,
+                    prompt_cache=self.caches,
+                )
+        if pending is not None:  # the caches hold every generated token, as below
+            self._model_call(mx.array([pending]))
+            self.tokens.append(pending)
         if reason is None:
             reason = "context" if capped else "length"
         if reason != "stop_string":
@@ -374,3 +417,10 @@ class Generator:
                 finish_reason=reason,
             )
         )
+
+
+def _with_history(processor, history):
+    """``processor`` seeing ``history`` before the tokens generate_step passes it."""
+    import mlx.core as mx
+
+    return lambda tokens, logits: processor(mx.concatenate([history, tokens]), logits)

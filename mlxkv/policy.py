@@ -11,7 +11,7 @@ A policy says what every layer whose cache grows with the sequence keeps:
 * ``key_scheme``             how keys are quantized: ``kivi`` (default: per channel, in groups
   of ``group_size`` consecutive tokens, the newest incomplete group in full precision; see
   ``mlxkv.caches.kivi``), ``rotated`` (minus a per-channel offset, then a Hadamard rotation of
-  head_dim, then per-token groups; see ``mlxkv.caches.storage``; what batches use) or
+  head_dim, then per-token groups; see ``mlxkv.caches.storage``) or
   ``plain`` (per-token groups of the raw keys, like mlx-lm)
 
 Layers that already have a shorter window, SSM and linear-attention states are left alone.
@@ -19,7 +19,7 @@ Layers that already have a shorter window, SSM and linear-attention states are l
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from mlxkv.errors import UserError
 
@@ -135,12 +135,6 @@ class KVPolicy:
     def kept_tokens(self) -> int | None:
         """Tokens a growing layer keeps at most (None: unbounded)."""
         return None if self.window is None else self.window + self.sinks
-
-    def for_batches(self) -> KVPolicy:
-        """The policy batched generation runs: batched caches have no KIVI form yet, so KIVI
-        keys become ``rotated`` keys (same widths and groups; also for a policy that does not
-        quantize keys, so that quantizing it later stays in the batches' scheme)."""
-        return replace(self, key_scheme="rotated") if self.key_scheme == "kivi" else self
 
     def describe(self) -> str:
         parts = []

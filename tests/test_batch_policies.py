@@ -24,8 +24,8 @@ POLICIES = [
     KVPolicy(),
     KVPolicy(window=16, sinks=4),
     KVPolicy(window=16),
-    KVPolicy(bits=4).for_batches(),  # batches keep the rotated key scheme
-    KVPolicy(window=16, sinks=4, bits=4).for_batches(),
+    KVPolicy(bits=4, key_scheme="rotated"),  # KIVI rows: tests/test_batch_kivi.py
+    KVPolicy(window=16, sinks=4, bits=4, key_scheme="rotated"),
 ]
 
 
@@ -179,7 +179,11 @@ def test_greedy_batched_is_token_identical_to_the_generator(default_model, polic
     assert kv["kv_bytes_actual_peak"] == kv["kv_bytes_predicted_peak"] > 0
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
+# plan takes --kv-bits (the default KIVI keys): the unquantized policies and KIVI batches
+PLANNED = POLICIES[:3] + [KVPolicy(bits=4), KVPolicy(window=16, sinks=4, bits=4)]
+
+
+@pytest.mark.parametrize("policy", PLANNED, ids=lambda p: p.describe())
 def test_plan_batch_predicts_the_batched_allocation(policy, default_model, capsys):
     """``mlxkv plan --batch 3 --context 300`` with a policy == the nbytes of a batch of three
     rows at 300 tokens (every layer of the default model: 3 KV heads of 64)."""
@@ -232,6 +236,6 @@ def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, po
     assert runner.prefixes.hits == 3
     assert runner.prefixes.prefilled_tokens > 64  # the template's head and the document
     for i, q in enumerate(asks):
-        session = ChatSession(Generator(default_model, policy), settings)
+        session = ChatSession(Generator(default_model, runner.policy), settings)
         ref = [e for e in session.send(q) if isinstance(e, Finished)][0]
         assert (got[i].text, got[i].finish_reason) == (ref.text, ref.finish_reason)

@@ -29,7 +29,9 @@ import mlx.core as mx
 
 from mlxkv.caches import storage as st
 from mlxkv.caches.attention import attention
+from mlxkv.caches.batched_kivi import BatchedKiviKVCache
 from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.rotation import Rotation
 from mlxkv.caches.streaming import (
     DEFAULT_REBASE_EVERY,
@@ -95,6 +97,8 @@ class BatchedKVCache:
     def merge(cls, caches: list) -> BatchedKVCache:
         """One batched cache holding ``caches`` (single-sequence caches of one layer) as rows."""
         first = caches[0]
+        if isinstance(first, KiviKVCache):
+            return BatchedKiviKVCache.merge(caches)
         if isinstance(first, FullKVCache):
             out = BatchedKVCache(None, 0, None, st.FloatStore())
         elif isinstance(first, StreamingKVCache):
@@ -392,7 +396,11 @@ class QuantizedBatchedKVCache(BatchedKVCache):
 def batched_form(caches: list) -> str | None:
     """None if these single-sequence caches (one model's layers) can be batched, else why."""
     kinds = sorted(
-        {type(c).__name__ for c in caches if not isinstance(c, (FullKVCache, StreamingKVCache))}
+        {
+            type(c).__name__
+            for c in caches
+            if not isinstance(c, (FullKVCache, StreamingKVCache, KiviKVCache))
+        }
     )
     if kinds:
         return f"{', '.join(kinds)} caches have no batched form"
@@ -415,7 +423,7 @@ def copy_caches(caches: list) -> list:
     out = []
     for c in caches:
         d = copy.copy(c)
-        for name in ("keys", "values", "sink_keys"):
+        for name in ("keys", "values", "sink_keys", "ring", "residual"):
             v = getattr(c, name, None)
             if v is not None:
                 setattr(d, name, tuple(map(mx.array, v)) if isinstance(v, tuple) else mx.array(v))

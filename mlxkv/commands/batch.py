@@ -255,7 +255,7 @@ def run(args) -> int:
     from mlxkv.engine.batch_input import read_input
     from mlxkv.engine.batch_output import ResultLog
 
-    policy = policy_from_args(args).for_batches()  # batches keep the rotated key scheme
+    policy = policy_from_args(args)
     base = settings_from_args(args)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")

@@ -70,7 +70,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         metavar="B",
         help=f"quantize keys and values to B bits ({', '.join(map(str, SUPPORTED_BITS))}); "
         "keys per channel in groups of --kv-group-size tokens, the newest < G tokens kept in "
-        "full precision (KIVI); values per token. Batches use Hadamard-rotated per-token keys",
+        "full precision (KIVI); values per token",
     )
     g.add_argument(
         "--kv-key-bits",

@@ -27,8 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-window", metavar="W", help="keep the last W tokens of growing layers")
     a("--kv-sinks", metavar="S", help="attention-sink tokens kept with a window; default 4")
     a("--kv-bits", metavar="b", help="quantize growing layers' keys and values to b bits (2-8): "
-      "keys per channel in groups of tokens (KIVI; --batch > 1: rotated per-token keys, as "
-      "batches run them), values per token")  # fmt: skip
+      "keys per channel in groups of tokens (KIVI), values per token")  # fmt: skip
     a("--kv-key-bits", metavar="b", help="bits for keys only (overrides --kv-bits)")
     a("--kv-value-bits", metavar="b", help="bits for values only (overrides --kv-bits)")
     a("--kv-group-size", metavar="g", help="quantization group size; default 64")
@@ -87,8 +86,6 @@ def _estimate(args):
         value_bits=_int(args.kv_value_bits, "--kv-value-bits", None, 1),
         value_group_size=_int(args.kv_value_group_size, "--kv-value-group-size", None, 1),
     )
-    if batch > 1:  # what ``mlxkv batch`` runs: batched caches keep the rotated key scheme
-        policy = policy.for_batches()
     if args.kv_dtype is not None and args.kv_dtype not in KV_DTYPES:
         raise BadInput(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got '{args.kv_dtype}'")
     return estimate_model(

@@ -68,7 +68,6 @@ def why_not_batched(
     from mlxkv.caches import make_caches
     from mlxkv.caches.batched import batched_form
 
-    policy = policy.for_batches()
     caches = make_caches(loaded.model, policy)
     if _uses_rows(policy) if row_loop is None else row_loop:
         why = batched_form(caches)
@@ -245,7 +244,7 @@ class BatchRunner:
         if batch_size < 1:
             raise UserError(f"--batch-size must be at least 1, got {batch_size}")
         self.loaded = loaded
-        self.policy = (policy or KVPolicy()).for_batches()
+        self.policy = policy or KVPolicy()
         self.batch_size = batch_size
         self.prefill_step = prefill_step
         self.prefill_batch_size = max(1, min(prefill_batch_size, batch_size))

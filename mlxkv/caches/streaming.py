@@ -62,7 +62,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from mlxkv.caches import storage as st
 from mlxkv.caches.attention import attention
 from mlxkv.caches.errors import CacheError
-from mlxkv.caches.rotation import Identity, Rotation
+from mlxkv.caches.rotation import Identity, Rotation, ShiftsAhead
 
 DEFAULT_REBASE_EVERY = 4096
 # A chunk of N tokens through an evicting sink cache attends to S * N extra keys (one
@@ -71,12 +71,6 @@ DEFAULT_REBASE_EVERY = 4096
 # Measured on the default model, 2-core CPU (tok/s for chunk 32/64/96/256/512):
 # 49.7/49.6/47.7/36.5/26.2, vs mlx-lm RotatingKVCache(1024, keep=4) at 512: 53.2.
 SINK_PREFILL_CHUNK = 64
-# Decoding moves the sinks one position per token. mx.fast.rope has no fused CPU kernel (a
-# call is a dozen small ops: ~0.1 ms for 4 sinks), so rotating them every step cost ~6% of a
-# decode step on the default model. Instead one call rotates the next SINK_SHIFTS_AHEAD
-# shifts at once (the chunk path's shifted copies: the same rotation, bit for bit) and each
-# step writes one of them.
-SINK_SHIFTS_AHEAD = 32
 
 
 @dataclass
@@ -166,7 +160,7 @@ class StreamingKVCache(_BaseCache):
         self.reserve = reserve
         self._undo: list[_Undo] = []
         self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
-        self._ahead = None  # (first shift, sink keys rotated for the next shifts), decode only
+        self._ahead = ShiftsAhead()  # decoding's sink rotations, several steps at a time
 
     # ---- counters the engine reads (plain ints, no device sync) ----
     @property
@@ -338,13 +332,10 @@ class StreamingKVCache(_BaseCache):
     def _set_sink_shift(self, d: int, ahead: bool = False):
         if not self.sinks or d == self._sink_shift:
             return
-        if not ahead:
-            rotated = self.rotation.shift(self.sink_keys, d)
+        if ahead:
+            rotated = self._ahead.get(self.rotation, self.sink_keys, d)
         else:
-            if self._ahead is None or not 0 <= d - self._ahead[0] < SINK_SHIFTS_AHEAD:
-                copies = self.rotation.shifted_copies(self.sink_keys, d, SINK_SHIFTS_AHEAD)
-                self._ahead = (d, copies)
-            rotated = self._ahead[1][..., d - self._ahead[0], :]
+            rotated = self.rotation.shift(self.sink_keys, d)
         st.write(self.keys, 0, self.kstore.encode(rotated))
         self._sink_shift = d
 
@@ -354,7 +345,7 @@ class StreamingKVCache(_BaseCache):
         self._dense = N > 1 and self.quantized
         self._chunk_layout = False
         if P < S:  # sink tokens keep their original rotation in the side copy
-            self._ahead = None
+            self._ahead.clear()
             self._ensure(keys, values, min(P + N, self.limit))
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
         if self._temporal(P, N):
@@ -641,7 +632,7 @@ class StreamingKVCache(_BaseCache):
         self._dense = False
         self._undo = []
         self._chunk_layout = False
-        self._ahead = None
+        self._ahead = ShiftsAhead()
 
 
 class QuantizedStreamingKVCache(StreamingKVCache):

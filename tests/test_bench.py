@@ -136,3 +136,13 @@ def test_gate_lets_a_decode_timing_run_alone():
         elif event == "in":
             assert not alone
     assert log.count("X") == 3 and overlapped
+
+
+def test_a_regenerated_report_keeps_the_sections_measured_elsewhere():
+    from mlxkv.bench.report import ELSEWHERE, keep_measured_elsewhere
+
+    hand = f"{ELSEWHERE}\n\n## BLAS: prefill speed\n\n| a | b |\n"
+    previous = "# old report\n\n## 1. old numbers\n\n" + hand
+    assert keep_measured_elsewhere("# new report\n", previous) == "# new report\n\n" + hand
+    assert keep_measured_elsewhere("# new report\n", "# old, nothing kept\n") == "# new report\n"
+    assert keep_measured_elsewhere("# new report\n", None) == "# new report\n"

@@ -420,3 +420,16 @@ def _prediction(res):
             table,
         ),  # fmt: skip
     ]
+
+
+# Sections below this line in benchmarks.md come from other scripts (benchmarks/*.py):
+# a regenerated report keeps them as they are.
+ELSEWHERE = "<!-- Measured by other scripts (below): mlxkv bench keeps these sections. -->"
+
+
+def keep_measured_elsewhere(rendered: str, previous: str | None) -> str:
+    """``rendered`` followed by the part of ``previous`` from the ELSEWHERE line on."""
+    if not previous or ELSEWHERE not in previous:
+        return rendered
+    kept = previous[previous.index(ELSEWHERE) :]
+    return rendered.rstrip("\n") + "\n\n" + kept

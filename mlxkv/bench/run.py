@@ -221,5 +221,6 @@ def write(res: dict, out: Path) -> Path:
 
     (out / "bench-results.json").write_text(json.dumps(res, indent=1, default=float) + "\n")
     path = out / "benchmarks.md"
-    path.write_text(report.render(res))
+    previous = path.read_text(encoding="utf-8") if path.is_file() else None
+    path.write_text(report.keep_measured_elsewhere(report.render(res), previous))
     return path

@@ -21,7 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import mlxkv  # noqa: F401  (routes MLX to OpenBLAS on Linux before MLX loads)
+from mlxkv.backend import setup_blas
+
+setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 
 def main(argv=None) -> int:

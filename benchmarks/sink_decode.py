@@ -15,16 +15,19 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import RotatingKVCache
+from mlxkv.backend import setup_blas
 
-import mlxkv  # noqa: F401  (routes MLX to OpenBLAS on Linux before MLX loads)
-from mlxkv.bench.corpus import token_stream
-from mlxkv.caches import make_caches
-from mlxkv.models.loader import load
-from mlxkv.models.resolve import resolve
-from mlxkv.policy import KVPolicy
+setup_blas()  # route MLX to OpenBLAS before anything imports MLX
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
+
+from mlxkv.bench.corpus import token_stream  # noqa: E402
+from mlxkv.caches import make_caches  # noqa: E402
+from mlxkv.models.loader import load  # noqa: E402
+from mlxkv.models.resolve import resolve  # noqa: E402
+from mlxkv.policy import KVPolicy  # noqa: E402
 
 loaded = load(resolve(None).path)
 model = loaded.model

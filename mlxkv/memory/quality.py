@@ -25,10 +25,12 @@ PERPLEXITY = {
     "full-q8": (25.71, FULL_PPL),
     "full-q4": (26.01, FULL_PPL),  # tokens 1-8192, KIVI keys
     "full-q3": (27.53, FULL_PPL),
+    "full-q2": (46.04, FULL_PPL),
     "sink": (26.53, FULL_PPL),
     "sink-q8": (26.53, FULL_PPL),
     "sink-q4": (26.77, FULL_PPL),  # tokens 1-8192, KIVI keys
     "sink-q3": (28.05, FULL_PPL),
+    "sink-q2": (38.31, FULL_PPL),
     "sink-k4v2": (30.61, FULL_PPL),  # value groups of 64 (the default)
     "window": (40.99, FULL_PPL),
 }

@@ -42,13 +42,13 @@ quantized group is not, so it is refused (the engine restores a copy instead). A
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
 
 from mlxkv.caches import storage as st
 from mlxkv.caches.rotation import Rotation
 from mlxkv.caches.streaming import (
     DEFAULT_REBASE_EVERY,
     SINK_PREFILL_CHUNK,
+    SinkWindowCounters,
     _rotation_from_state,
     _rotation_state,
 )
@@ -64,7 +64,7 @@ def _expand(x, rep: int):
     return mx.expand_dims(x, -3)
 
 
-class KiviKVCache(_BaseCache):
+class KiviKVCache(SinkWindowCounters):
     """Sinks + window (or a full cache) with KIVI keys and per-token quantized values."""
 
     scheme = "kivi"
@@ -97,32 +97,8 @@ class KiviKVCache(_BaseCache):
         self._n = self._evicted = self._base = 0
         self._fetched = None
 
-    # ---- counters the engine reads ----
-    @property
-    def offset(self) -> int:
-        return self._n - self._base
-
-    @property
-    def tokens_seen(self) -> int:
-        return self._n
-
-    @property
-    def kept(self) -> int:
-        return self._n - self._evicted
-
-    @property
-    def evicted(self) -> int:
-        return self._evicted
-
-    def size(self) -> int:
-        return self.kept
-
     def empty(self) -> bool:
         return self.values is None
-
-    @property
-    def limit(self) -> int | None:
-        return None if self.window is None else self.sinks + self.window
 
     @property
     def quantized(self) -> bool:

@@ -124,7 +124,39 @@ def prefill_chunk(caches, step: int) -> int:
     return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
 
 
-class StreamingKVCache(_BaseCache):
+class SinkWindowCounters(_BaseCache):
+    """The counters the engine reads from a sink + window cache (plain ints, no device
+    sync): ``_n`` tokens seen, ``_evicted`` dropped, ``_base`` positions rebased away."""
+
+    window: int | None
+    sinks: int
+    _n = _evicted = _base = 0
+
+    @property
+    def offset(self) -> int:
+        return self._n - self._base
+
+    @property
+    def tokens_seen(self) -> int:
+        return self._n
+
+    @property
+    def kept(self) -> int:
+        return self._n - self._evicted
+
+    @property
+    def evicted(self) -> int:
+        return self._evicted
+
+    def size(self) -> int:
+        return self.kept
+
+    @property
+    def limit(self) -> int | None:
+        return None if self.window is None else self.sinks + self.window
+
+
+class StreamingKVCache(SinkWindowCounters):
     """S attention sinks + a window of W tokens (or everything when ``window`` is None)."""
 
     def __init__(
@@ -162,32 +194,8 @@ class StreamingKVCache(_BaseCache):
         self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
         self._ahead = ShiftsAhead()  # decoding's sink rotations, several steps at a time
 
-    # ---- counters the engine reads (plain ints, no device sync) ----
-    @property
-    def offset(self) -> int:
-        return self._n - self._base
-
-    @property
-    def tokens_seen(self) -> int:
-        return self._n
-
-    @property
-    def kept(self) -> int:
-        return self._n - self._evicted
-
-    @property
-    def evicted(self) -> int:
-        return self._evicted
-
-    def size(self) -> int:
-        return self.kept
-
     def empty(self) -> bool:
         return self.keys is None
-
-    @property
-    def limit(self) -> int | None:
-        return None if self.window is None else self.sinks + self.window
 
     @property
     def nbytes(self) -> int:

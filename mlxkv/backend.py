@@ -25,7 +25,7 @@ OPENBLAS_INSTALL = "apt-get install libopenblas0-pthread"
 CHOICES = ("auto", "reference", "cmeel", "system")
 # auto: the first of these that loads. Order from docs/benchmarks.md (prefill, this machine).
 AUTO_ORDER = ("cmeel", "system")
-_state = {"blas": "reference"}
+_state = {"blas": "reference", "threads": 1}
 
 
 def system_openblas() -> Path | None:
@@ -96,12 +96,32 @@ def missing_cpu_features(lib: ctypes.CDLL) -> list[str]:
     return [f for f in need if f not in have] if have else []
 
 
-def _load(lib: Path, one_thread: bool = False) -> str | None:
+def default_threads() -> int:
+    """OpenBLAS threads when the user sets none: the cores this process may use that the
+    machine is not already busy with (1-minute load average), at least one; one under
+    ``mlx.launch`` (MLX_RANK set), where the ranks on a host share its cores.
+
+    On a quiet 2-core machine two threads prefill about 1.3x faster than one; with one other
+    busy process, two threads ran 2x slower than one (docs/benchmarks.md#blas-threads)."""
+    if os.environ.get("MLX_RANK") is not None:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return max(1, min(cores, int(cores - busy + 0.5)))
+
+
+def _load(lib: Path) -> str | None:
     """Load ``lib`` so its symbols serve MLX; None on success, else why not.
 
     Loaded privately first to ask OpenBLAS which CPU it was built for; made global (what
-    routes MLX's calls to it) only when this CPU can run it. ``one_thread``: unless the
-    user set OPENBLAS_NUM_THREADS, run its matmuls on one thread."""
+    routes MLX's calls to it) only when this CPU can run it. Unless the user set
+    OPENBLAS_NUM_THREADS, its matmuls run on :func:`default_threads` threads."""
     try:
         private = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
     except OSError as e:
@@ -110,16 +130,13 @@ def _load(lib: Path, one_thread: bool = False) -> str | None:
     if missing:
         return f"built for CPUs with {', '.join(missing)}, which this CPU lacks"
     ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
-    if one_thread and not os.environ.get("OPENBLAS_NUM_THREADS"):
+    if not os.environ.get("OPENBLAS_NUM_THREADS"):
         set_threads = getattr(private, "openblas_set_num_threads", None)
         if set_threads is not None:
-            set_threads(1)
+            set_threads(default_threads())
+    get_threads = getattr(private, "openblas_get_num_threads", None)
+    _state["threads"] = get_threads() if get_threads is not None else 1
     return None
-
-
-# The cmeel build's worker threads spin: on a busy machine an fp32 matmul ran 10x slower
-# with its default two threads than with one (docs/benchmarks.md#blas); Debian's does not.
-_ONE_THREAD = {"cmeel": True, "system": False}
 
 
 def setup_blas() -> str:
@@ -140,7 +157,7 @@ def setup_blas() -> str:
     if choice == "auto":
         for source in AUTO_ORDER:
             lib = _find(source)
-            if lib is not None and _load(lib, _ONE_THREAD[source]) is None:
+            if lib is not None and _load(lib) is None:
                 _state["blas"] = str(lib)
                 break
         return _state["blas"]
@@ -156,7 +173,7 @@ def setup_blas() -> str:
                 f"MLXKV_BLAS={choice}: no such library; use one of {', '.join(CHOICES)} "
                 "or the path of a BLAS .so"
             )
-    why = _load(lib, _ONE_THREAD.get(choice, False))
+    why = _load(lib)
     if why:
         raise UserError(f"MLXKV_BLAS={choice}: cannot use {lib}: {why}")
     _state["blas"] = str(lib)
@@ -166,3 +183,8 @@ def setup_blas() -> str:
 def blas() -> str:
     """The BLAS MLX's CPU matmuls go to: a library path, 'reference' or 'accelerate'."""
     return _state["blas"]
+
+
+def blas_threads() -> int:
+    """Threads the OpenBLAS in use runs its matmuls on; 1 where mlxkv loaded none."""
+    return _state["threads"]

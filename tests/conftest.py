@@ -11,6 +11,9 @@ import pytest
 
 from mlxkv.backend import setup_blas
 
+# One BLAS thread for the suite and every process it starts: the default thread count
+# follows the machine's load, and references must not change with it (summation order).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 

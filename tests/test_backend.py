@@ -10,12 +10,11 @@ import pytest
 from mlxkv import backend
 
 
-def _py(code: str, **env) -> subprocess.CompletedProcess:
+def _py(code: str, drop: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}
-    )
+    full = {**{k: v for k, v in os.environ.items() if k not in drop}, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full)
 
 
 MAPPED = (
@@ -78,3 +77,60 @@ def test_builds_for_other_cpus_are_refused(monkeypatch, config, flags, missing):
     monkeypatch.setattr(backend, "_cpu_flags", lambda: flags)
     got = backend.missing_cpu_features(_FakeOpenBLAS(config))
     assert got[: len(missing)] == missing and bool(got) == bool(missing)
+
+
+@pytest.mark.parametrize(
+    "cores, load, rank, threads",
+    [
+        (2, 0.0, None, 2),
+        (2, 0.4, None, 2),
+        (2, 0.7, None, 1),
+        (2, 6.0, None, 1),
+        (8, 2.2, None, 6),
+        (8, 0.0, "0", 1),
+    ],
+)
+def test_default_threads_are_the_idle_cores(monkeypatch, cores, load, rank, threads):
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(backend.os, "getloadavg", lambda: (load, load, load))
+    if rank is None:
+        monkeypatch.delenv("MLX_RANK", raising=False)
+    else:
+        monkeypatch.setenv("MLX_RANK", rank)
+    assert backend.default_threads() == threads
+
+
+THREADS = (
+    "import os; from mlxkv import backend; {patch}backend.setup_blas(); "
+    "import ctypes; lib = ctypes.CDLL(backend.blas()); "
+    "print(backend.blas_threads(), lib.openblas_get_num_threads())"
+)
+
+
+def _threads(patch: str = "", **env) -> str:
+    if backend.system_openblas() is None and backend.cmeel_openblas() is None:
+        pytest.skip("no OpenBLAS installed")
+    out = _py(THREADS.format(patch=patch), drop=("OPENBLAS_NUM_THREADS", "MLX_RANK"), **env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
+def test_a_quiet_machine_gets_a_thread_per_core():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    quiet = "os.getloadavg = lambda: (0.0, 0.0, 0.0); "
+    assert _threads(quiet, MLXKV_BLAS="") == f"{cores} {cores}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
+def test_ranks_under_mlx_launch_get_one_thread():
+    quiet = "os.getloadavg = lambda: (0.0, 0.0, 0.0); "
+    assert _threads(quiet, MLXKV_BLAS="", MLX_RANK="1") == "1 1"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
+def test_openblas_num_threads_wins():
+    busy = "os.getloadavg = lambda: (9.0, 9.0, 9.0); "
+    assert _threads(busy, MLXKV_BLAS="", OPENBLAS_NUM_THREADS="2") == "2 2"

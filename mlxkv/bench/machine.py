@@ -77,7 +77,7 @@ def load_average() -> tuple[float, float, float] | None:
 def describe() -> dict:
     import mlx.core as mx
 
-    from mlxkv.backend import blas
+    from mlxkv.backend import blas, blas_threads
 
     return {
         "cpu": _cpu_model(),
@@ -91,5 +91,6 @@ def describe() -> dict:
         "mlxkv_commit": _git_commit(),
         "device": str(mx.default_device()),
         "blas": blas(),
+        "blas_threads": blas_threads(),
         "load_average_start": load_average(),
     }

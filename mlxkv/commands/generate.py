@@ -147,7 +147,7 @@ class PrefillBar:
 
 
 def run(args) -> int:
-    from mlxkv.backend import blas
+    from mlxkv.backend import blas, blas_threads
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished, Notice, PrefillProgress, TokenDelta
     from mlxkv.engine.loading import open_model
@@ -234,6 +234,7 @@ def run(args) -> int:
             "dtype": loaded.dtype,
             "policy": policy.to_dict(),
             "blas": blas(),
+            "blas_threads": blas_threads(),
             **per_rank,
         }
         print(json.dumps(out, ensure_ascii=False))

@@ -51,6 +51,7 @@ from mlxkv.caches.streaming import (
     SinkWindowCounters,
     _rotation_from_state,
     _rotation_state,
+    sink_copies_mask,
 )
 from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
 from mlxkv.policy import PolicyError
@@ -201,14 +202,7 @@ class KiviKVCache(SinkWindowCounters):
         t = mx.arange(P, P + N)[:, None]
         dt = mx.maximum(t + 1 - S - (self.window or 0), self._evicted) if self.window else 0
         oldest = S + dt
-        parts = []
-        if S:
-            idx = mx.arange(S * m)[None]
-            j, c = idx // m, idx % m
-            vis = (j <= t) & ((dt - d_first) == c)
-            if window_size is not None:
-                vis = vis & (j > t - window_size)
-            parts.append(vis)
+        parts = [sink_copies_mask(S, m, t, dt - d_first, window_size)] if S else []
         own = mx.where(t >= S, (t - S) // G, -1)  # the query's group (-1: a sink query)
         segments = ((lo, e, False), (r0, u1, True)) if u1 > u0 else ()
         for a, b, same in segments:

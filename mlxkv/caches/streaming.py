@@ -124,6 +124,18 @@ def prefill_chunk(caches, step: int) -> int:
     return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
 
 
+def sink_copies_mask(S: int, m: int, t: mx.array, copy: mx.array, window_size) -> mx.array:
+    """Which of the S sinks' ``m`` rotated copies (laid out sink-major) the queries at
+    absolute positions ``t`` (a column) see: sink j when it is not in their future, and
+    only copy ``copy`` (per query: the one rotated for its own window start)."""
+    idx = mx.arange(S * m)[None]
+    j, c = idx // m, idx % m
+    vis = (j <= t) & (copy == c)
+    if window_size is not None:
+        vis = vis & (j > t - window_size)
+    return vis
+
+
 class SinkWindowCounters(_BaseCache):
     """The counters the engine reads from a sink + window cache (plain ints, no device
     sync): ``_n`` tokens seen, ``_evicted`` dropped, ``_base`` positions rebased away."""
@@ -305,14 +317,7 @@ class StreamingKVCache(SinkWindowCounters):
         t = mx.arange(P, P + N)[:, None]
         dt = mx.maximum(t + 1 - S - W, e0)
         oldest = S + dt
-        parts = []
-        if S:
-            idx = mx.arange(S * m)[None]
-            j, c = idx // m, idx % m
-            vis = (j <= t) & ((dt - d_first) == c)
-            if window_size is not None:
-                vis = vis & (j > t - window_size)
-            parts.append(vis)
+        parts = [sink_copies_mask(S, m, t, dt - d_first, window_size)] if S else []
         k = mx.arange(P - w_old, P + N)[None]
         vis = (k <= t) & (k >= oldest)
         if window_size is not None:

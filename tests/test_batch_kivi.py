@@ -14,6 +14,7 @@ from mlxkv.caches.batched_kivi import BatchedKiviKVCache
 from mlxkv.caches.rotation import Rotation
 from mlxkv.memory import policy_bytes
 from mlxkv.policy import KVPolicy
+from tests.kv_rows import prefill_random, random_kv
 
 H, D = 2, 64
 ROT = Rotation(D, False, 100000.0, 1.0)
@@ -30,16 +31,11 @@ def _single(policy, rebase_every=None):
 
 
 def _kv(n, seed):
-    k = mx.random.normal((1, H, n, D), key=mx.random.key(seed))
-    v = mx.random.normal((1, H, n, D), key=mx.random.key(seed + 1000))
-    return k, v
+    return random_kv(n, seed, H, D)
 
 
-def _prefill(c, n, seed, chunk=7):
-    k, v = _kv(n, seed)
-    for a in range(0, n, chunk):
-        c.update_and_fetch(k[..., a : a + chunk, :], v[..., a : a + chunk, :])
-    return c
+def _prefill(c, n, seed):
+    return prefill_random(c, n, seed, H, D)
 
 
 def _rows_equal(batched, singles):

@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from mlxkv.caches import storage as st
 from mlxkv.caches.attention import attention
+from mlxkv.caches.batch_rows import BatchRowCounters
 from mlxkv.caches.batched_kivi import BatchedKiviKVCache
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
@@ -75,21 +76,17 @@ def _put(s, slots: mx.array, v):
     return mx.put_along_axis(s, idx, v, axis=2)
 
 
-class BatchedKVCache:
+class BatchedKVCache(BatchRowCounters):
     """B rows of one layer's policy cache (window/sink/full, float or quantized)."""
 
     def __init__(self, window, sinks, rotation, store, rebase_every=None, value_store=None):
-        self.window, self.sinks = window, sinks
+        super().__init__(window, sinks)
         self.rotation = rotation
         self.kstore = store
         self.vstore = value_store or store
         self.rebase_every = rebase_every or DEFAULT_REBASE_EVERY
         self.keys = self.values = self.sink_keys = None
-        self.n: list[int] = []
-        self.evicted: list[int] = []
-        self.base: list[int] = []
         self.sink_shift: list[int] = []
-        self._offset = None
         self._no_offset: list[bool] = []  # rows whose key offset comes with their first token
 
     # ---- building from single-sequence caches ----
@@ -236,22 +233,8 @@ class BatchedKVCache:
             self.sink_keys = self.sink_keys[idx]
 
     # ---- the protocol mlx-lm models call ----
-    @property
-    def limit(self) -> int | None:
-        return None if self.window is None else self.sinks + self.window
-
     def _capacity(self, tokens: int) -> int:
         return st.capacity(tokens, self.limit) if tokens > 0 else 0
-
-    @property
-    def offset(self):
-        if self._offset is None:
-            self._offset = mx.array([n - b for n, b in zip(self.n, self.base, strict=True)])
-        return self._offset
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.n)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         if N != 1:

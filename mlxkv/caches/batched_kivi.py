@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.batch_rows import BatchRowCounters
 from mlxkv.caches.kivi import KiviKVCache, _expand
 from mlxkv.caches.rotation import Rotation
 from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
@@ -76,19 +77,16 @@ def _take_rows(s, idx: mx.array):
     return tuple(x[idx] for x in s) if isinstance(s, tuple) else s[idx]
 
 
-class BatchedKiviKVCache:
+class BatchedKiviKVCache(BatchRowCounters):
     """B rows of one layer's KIVI cache (full, window or sink + window)."""
 
     def __init__(self, like: KiviKVCache):
-        self.window, self.sinks, self.rotation = like.window, like.sinks, like.rotation
+        super().__init__(like.window, like.sinks)
+        self.rotation = like.rotation
         self.rebase_every = like.rebase_every
         self.key_bits, self.group_size = like.key_bits, like.group_size
         self.vstore = like.vstore.empty_like()
         self.ring = self.residual = self.values = self.sink_keys = None
-        self.n: list[int] = []
-        self.evicted: list[int] = []
-        self.base: list[int] = []
-        self._offset = None
         self._shapes = None  # (B=1, H, 1, D) keys and values standing for the rows' shapes
         self._step = None
 
@@ -196,20 +194,6 @@ class BatchedKiviKVCache:
         if self.window is None:
             return 0
         return max(self.evicted[b], t + 1 - self.sinks - self.window)
-
-    @property
-    def limit(self) -> int | None:
-        return None if self.window is None else self.sinks + self.window
-
-    @property
-    def offset(self):
-        if self._offset is None:
-            self._offset = mx.array([n - b for n, b in zip(self.n, self.base, strict=True)])
-        return self._offset
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.n)
 
     def empty(self) -> bool:
         return self.values is None

@@ -17,6 +17,7 @@ import ctypes
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 from mlxkv.errors import UserError
@@ -96,12 +97,28 @@ def missing_cpu_features(lib: ctypes.CDLL) -> list[str]:
     return [f for f in need if f not in have] if have else []
 
 
-def default_threads() -> int:
-    """OpenBLAS threads when the user sets none: the cores this process may use that the
-    machine is not already busy with (1-minute load average), at least one; one under
-    ``mlx.launch`` (MLX_RANK set), where the ranks on a host share its cores.
+def others_running(reads: int = 5) -> int:
+    """Tasks other than this process that want a CPU right now: the fewest runnable tasks
+    in a few reads of /proc/loadavg (a passing blip is not a competitor), less this one.
+    Unlike the load average, it forgets at once: the pip install before a first run is not
+    counted against it."""
+    counts = []
+    for i in range(reads):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
+        except (OSError, IndexError, ValueError):
+            return 0
+        if i + 1 < reads:
+            time.sleep(0.002)
+    return max(0, min(counts) - 1)
 
-    On a quiet 2-core machine two threads prefill about 1.3x faster than one; with one other
+
+def default_threads() -> int:
+    """OpenBLAS threads when the user sets none: the cores this process may use that other
+    running tasks leave free, at least one; one under ``mlx.launch`` (MLX_RANK set), where
+    the ranks on a host share its cores.
+
+    On a quiet 2-core machine two threads prefill about 1.3x faster than one; beside one
     busy process, two threads ran 2x slower than one (docs/benchmarks.md#blas-threads)."""
     if os.environ.get("MLX_RANK") is not None:
         return 1
@@ -109,11 +126,7 @@ def default_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except OSError:
-        busy = 0.0
-    return max(1, min(cores, int(cores - busy + 0.5)))
+    return max(1, min(cores, cores - others_running()))
 
 
 def _load(lib: Path) -> str | None:

@@ -80,19 +80,12 @@ def test_builds_for_other_cpus_are_refused(monkeypatch, config, flags, missing):
 
 
 @pytest.mark.parametrize(
-    "cores, load, rank, threads",
-    [
-        (2, 0.0, None, 2),
-        (2, 0.4, None, 2),
-        (2, 0.7, None, 1),
-        (2, 6.0, None, 1),
-        (8, 2.2, None, 6),
-        (8, 0.0, "0", 1),
-    ],
+    "cores, others, rank, threads",
+    [(2, 0, None, 2), (2, 1, None, 1), (2, 6, None, 1), (8, 2, None, 6), (8, 0, "0", 1)],
 )
-def test_default_threads_are_the_idle_cores(monkeypatch, cores, load, rank, threads):
+def test_default_threads_are_the_idle_cores(monkeypatch, cores, others, rank, threads):
     monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setattr(backend.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(backend, "others_running", lambda: others)
     if rank is None:
         monkeypatch.delenv("MLX_RANK", raising=False)
     else:
@@ -120,17 +113,30 @@ def test_a_quiet_machine_gets_a_thread_per_core():
     import os
 
     cores = len(os.sched_getaffinity(0))
-    quiet = "os.getloadavg = lambda: (0.0, 0.0, 0.0); "
+    quiet = "backend.others_running = lambda: 0; "
     assert _threads(quiet, MLXKV_BLAS="") == f"{cores} {cores}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
 def test_ranks_under_mlx_launch_get_one_thread():
-    quiet = "os.getloadavg = lambda: (0.0, 0.0, 0.0); "
+    quiet = "backend.others_running = lambda: 0; "
     assert _threads(quiet, MLXKV_BLAS="", MLX_RANK="1") == "1 1"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
 def test_openblas_num_threads_wins():
-    busy = "os.getloadavg = lambda: (9.0, 9.0, 9.0); "
+    busy = "backend.others_running = lambda: 9; "
     assert _threads(busy, MLXKV_BLAS="", OPENBLAS_NUM_THREADS="2") == "2 2"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/loadavg")
+def test_a_spinning_process_is_counted_as_running():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.5)
+        assert backend.others_running() >= 1
+    finally:
+        spin.kill()
+        spin.wait()

@@ -135,6 +135,8 @@ def _load(lib: Path) -> str | None:
     Loaded privately first to ask OpenBLAS which CPU it was built for; made global (what
     routes MLX's calls to it) only when this CPU can run it. Unless the user set
     OPENBLAS_NUM_THREADS, its matmuls run on :func:`default_threads` threads."""
+    # Counted before the library starts its own worker threads, which would count as busy.
+    threads = None if os.environ.get("OPENBLAS_NUM_THREADS") else default_threads()
     try:
         private = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
     except OSError as e:
@@ -143,10 +145,9 @@ def _load(lib: Path) -> str | None:
     if missing:
         return f"built for CPUs with {', '.join(missing)}, which this CPU lacks"
     ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
-    if not os.environ.get("OPENBLAS_NUM_THREADS"):
-        set_threads = getattr(private, "openblas_set_num_threads", None)
-        if set_threads is not None:
-            set_threads(default_threads())
+    set_threads = getattr(private, "openblas_set_num_threads", None)
+    if threads is not None and set_threads is not None:
+        set_threads(threads)
     get_threads = getattr(private, "openblas_get_num_threads", None)
     _state["threads"] = get_threads() if get_threads is not None else 1
     return None

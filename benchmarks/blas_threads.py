@@ -5,7 +5,7 @@ the README's first prompt for prefill (37 tokens with the chat template) and a 6
 answer for decode. The variants run interleaved in every round, so a change in the
 machine's speed during the run reaches them alike; the table gives medians over rounds.
 ``--busy N`` keeps N other processes spinning on the CPU meanwhile (a machine that is
-doing something else), after ``--settle`` seconds for the load average to see them.
+doing something else), started ``--settle`` seconds before the first run.
 
 Usage: python benchmarks/blas_threads.py [--rounds 8] [--busy 0] [--variant ENV ...]
 """
@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--busy", type=int, default=0, help="spinning processes beside the runs")
-    ap.add_argument("--settle", type=float, default=75.0, help="seconds to wait with --busy")
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds to wait with --busy")
     ap.add_argument("--variant", action="append", help="'default' or ENV=VALUE pairs")
     args = ap.parse_args()
     variants = args.variant or list(VARIANTS)

@@ -126,7 +126,7 @@ def default_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(cores, cores - others_running()))
+    return max(1, cores - others_running())
 
 
 def _load(lib: Path) -> str | None:

@@ -344,12 +344,7 @@ class BatchedKVCache(BatchRowCounters):
     # ---- accounting ----
     @property
     def nbytes(self) -> int:
-        return (
-            st.nbytes(self.keys)
-            + st.nbytes(self.values)
-            + st.nbytes(self.sink_keys)
-            + self.kstore.extra_nbytes()
-        )
+        return st.nbytes(self.keys, self.values, self.sink_keys) + self.kstore.extra_nbytes()
 
     @property
     def state(self):

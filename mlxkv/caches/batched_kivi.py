@@ -200,12 +200,7 @@ class BatchedKiviKVCache(BatchRowCounters):
 
     @property
     def nbytes(self) -> int:
-        return (
-            st.nbytes(self.ring)
-            + st.nbytes(self.residual)
-            + st.nbytes(self.values)
-            + st.nbytes(self.sink_keys)
-        )
+        return st.nbytes(self.ring, self.residual, self.values, self.sink_keys)
 
     @property
     def state(self):

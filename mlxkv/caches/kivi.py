@@ -111,12 +111,7 @@ class KiviKVCache(SinkWindowCounters):
 
     @property
     def nbytes(self) -> int:
-        return (
-            st.nbytes(self.ring)
-            + st.nbytes(self.residual)
-            + st.nbytes(self.values)
-            + st.nbytes(self.sink_keys)
-        )
+        return st.nbytes(self.ring, self.residual, self.values, self.sink_keys)
 
     def describe_stores(self) -> dict:
         keys = {"bits": self.key_bits, "group_size": self.group_size, "scheme": self.scheme}

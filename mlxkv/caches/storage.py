@@ -227,12 +227,13 @@ def grow(s, zeros):
     return concat([s, zeros])
 
 
-def nbytes(s) -> int:
-    if s is None:
-        return 0
-    if isinstance(s, _TRIPLE):
-        return sum(x.nbytes for x in s)
-    return s.nbytes
+def nbytes(*buffers) -> int:
+    """Bytes of the buffers (dense arrays, packed triples or None) together."""
+    return sum(
+        sum(x.nbytes for x in s) if isinstance(s, _TRIPLE) else s.nbytes
+        for s in buffers
+        if s is not None
+    )
 
 
 def shrink(s, tokens: int):

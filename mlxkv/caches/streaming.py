@@ -212,12 +212,7 @@ class StreamingKVCache(SinkWindowCounters):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers attention reads (what the memory model predicts)."""
-        return (
-            st.nbytes(self.keys)
-            + st.nbytes(self.values)
-            + st.nbytes(self.sink_keys)
-            + self.kstore.extra_nbytes()
-        )
+        return st.nbytes(self.keys, self.values, self.sink_keys) + self.kstore.extra_nbytes()
 
     @property
     def quantized(self) -> bool:
@@ -240,9 +235,7 @@ class StreamingKVCache(SinkWindowCounters):
     def undo_nbytes(self) -> int:
         """Bytes held by the undo log (0 unless ``reserve`` > 0); not part of ``nbytes``."""
         return sum(
-            r.keys.nbytes
-            + r.values.nbytes
-            + sum(st.nbytes(k) + st.nbytes(v) for *_, k, v in r.saved)
+            r.keys.nbytes + r.values.nbytes + sum(st.nbytes(k, v) for *_, k, v in r.saved)
             for r in self._undo
         )
 

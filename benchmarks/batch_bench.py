@@ -12,7 +12,7 @@ prefix sharing off) runs too.
 - mlxkv batch: the command's ``run`` (``mlxkv.cli.main``) given the loaded model, or with
   ``--subprocess`` the real CLI in a new process; its ``--stats`` elapsed time excludes
   the model load and includes prefill, decoding and writing the results file.
-- one by one: the engine's Generator (what ``mlxkv generate`` runs), prompt after prompt.
+- one by one: the engine's Session (what ``mlxkv generate`` runs), prompt after prompt.
 - mlx-lm: ``batch_generate`` with its defaults (completion batch 32, prefill batch 8).
 Throughput = generated tokens / wall time. The machine is shared, so the three run
 interleaved, round after round, and we report medians and the median of per-round ratios.
@@ -120,10 +120,10 @@ def run_mlxkv_batch(
 def run_one_by_one(loaded, qs, max_tokens, policy=None) -> dict:
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished
-    from mlxkv.engine.session import GenerationSettings, Generator
+    from mlxkv.engine.session import GenerationSettings, Session
 
     settings = GenerationSettings(max_tokens=max_tokens)
-    gen = Generator(loaded, policy) if policy else Generator(loaded)
+    gen = Session(loaded, policy) if policy else Session(loaded)
     tokens, tic = 0, time.perf_counter()
     for q in qs:
         gen.reset()

@@ -22,7 +22,7 @@ setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 def main(argv=None) -> int:
     from mlxkv.engine.events import Finished
     from mlxkv.engine.loading import open_model
-    from mlxkv.engine.session import GenerationSettings, Generator
+    from mlxkv.engine.session import GenerationSettings, Session
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1024)
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", default="64,512")
     args = p.parse_args(argv)
     loaded = open_model(None)
-    gen = Generator(loaded)
+    gen = Session(loaded)
     words = "The river runs past the old mill and the town. " * (args.tokens // 10 + 1)
     ids = loaded.tokenizer.encode(words)[: args.tokens]
     prompt = loaded.tokenizer.decode(ids)

@@ -9,7 +9,7 @@ import pytest
 from mlxkv.engine.batch import BatchRunner, Request, encode_prompt, why_not_batched
 from mlxkv.engine.chat import ChatSession
 from mlxkv.engine.events import Finished
-from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.policy import KVPolicy
 
 pytestmark = pytest.mark.model
@@ -30,7 +30,7 @@ def _chat_text(loaded, q):
 
 
 def _single(loaded, policy, q, settings) -> Finished:
-    session = ChatSession(Generator(loaded, policy), settings)
+    session = ChatSession(Session(loaded, policy), settings)
     return [e for e in session.send(q) if isinstance(e, Finished)][0]
 
 

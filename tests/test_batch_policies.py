@@ -3,7 +3,7 @@
 Unit level: rows prefilled alone, merged, decoded together, leaving and joining, must hold
 bit for bit what each row's own single cache holds (same slots, same sink rotation, same
 positions, same rebases), and allocate what the memory model predicts. Model level: greedy
-batched output is token-identical to the engine's ``Generator`` under each policy.
+batched output is token-identical to the engine's ``Session`` under each policy.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_greedy_batched_is_token_identical_to_the_generator(default_model, polic
     from mlxkv.engine.batch import BatchRunner, Request
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished
-    from mlxkv.engine.session import GenerationSettings, Generator
+    from mlxkv.engine.session import GenerationSettings, Session
 
     settings = GenerationSettings(max_tokens=20)
     reqs = [Request(i, _chat_text(default_model, q), settings) for i, q in enumerate(PROMPTS)]
@@ -156,7 +156,7 @@ def test_greedy_batched_is_token_identical_to_the_generator(default_model, polic
     tok = default_model.tokenizer
     reasons = set()
     for i, q in enumerate(PROMPTS):
-        session = ChatSession(Generator(default_model, policy), settings)
+        session = ChatSession(Session(default_model, policy), settings)
         ref = [e for e in session.send(q) if isinstance(e, Finished)][0]
         r = got[i]
         assert r.error is None
@@ -218,11 +218,11 @@ QUESTIONS = ["When was it built?", "What did the lamp burn?", "When did the last
 @pytest.mark.parametrize("policy", [KVPolicy(), KVPolicy(window=48, sinks=4)], ids=str)
 def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, policy):
     """Three questions about one document, batch size 2 (the third joins later): the
-    document is prefilled once, and every answer is the Generator's."""
+    document is prefilled once, and every answer is the Session's."""
     from mlxkv.engine.batch import BatchRunner, Request
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished
-    from mlxkv.engine.session import GenerationSettings, Generator
+    from mlxkv.engine.session import GenerationSettings, Session
 
     settings = GenerationSettings(max_tokens=12)
     asks = [f"{DOCUMENT}\n\n{q}" for q in QUESTIONS]
@@ -232,6 +232,6 @@ def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, po
     assert runner.prefixes.hits == 3
     assert runner.prefixes.prefilled_tokens > 64  # the template's head and the document
     for i, q in enumerate(asks):
-        session = ChatSession(Generator(default_model, runner.policy), settings)
+        session = ChatSession(Session(default_model, runner.policy), settings)
         ref = [e for e in session.send(q) if isinstance(e, Finished)][0]
         assert (got[i].text, got[i].finish_reason) == (ref.text, ref.finish_reason)

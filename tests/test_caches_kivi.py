@@ -156,12 +156,12 @@ def test_engine_greedy_answers_on_the_default_model(default_model):
     8-bit KIVI answers token for token like the unquantized cache; 4-bit still says Paris."""
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished
-    from mlxkv.engine.session import GenerationSettings, Generator
+    from mlxkv.engine.session import GenerationSettings, Session
 
     settings = GenerationSettings(max_tokens=24, temperature=0.0, prefill_step=16)
 
     def answer(policy):
-        *_, last = ChatSession(Generator(default_model, policy), settings).send(
+        *_, last = ChatSession(Session(default_model, policy), settings).send(
             "What is the capital of France?"
         )
         assert isinstance(last, Finished)

@@ -7,7 +7,7 @@ import pytest
 
 from mlxkv.engine.chat import ChatSession
 from mlxkv.engine.events import Finished, PrefillProgress, TokenDelta
-from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
 
@@ -23,7 +23,7 @@ def finish(events) -> Finished:
 
 
 def test_second_turn_prefills_only_its_new_tokens(default_model):
-    chat = ChatSession(Generator(default_model), GREEDY)
+    chat = ChatSession(Session(default_model), GREEDY)
     first = finish(chat.send("What is the capital of France?"))
     cached = chat.generator.cached_tokens
     assert cached == first.stats.prompt_tokens + first.stats.generation_tokens
@@ -35,17 +35,17 @@ def test_second_turn_prefills_only_its_new_tokens(default_model):
 
 
 def test_reused_cache_gives_the_same_answer_as_a_fresh_one(default_model):
-    chat = ChatSession(Generator(default_model), GREEDY)
+    chat = ChatSession(Session(default_model), GREEDY)
     finish(chat.send("Name a fruit."))
     reused = finish(chat.send("Name a colour."))
-    fresh = Generator(default_model)
+    fresh = Session(default_model)
     again = finish(fresh.run(chat.generator.loaded.tokenizer.apply_chat_template(
         chat.messages[:-1], tokenize=False, add_generation_prompt=True), GREEDY))  # fmt: skip
     assert again.text == reused.text
 
 
 def test_cancel_keeps_the_cut_answer_and_the_next_turn_works(default_model):
-    chat = ChatSession(Generator(default_model), GenerationSettings(max_tokens=200))
+    chat = ChatSession(Session(default_model), GenerationSettings(max_tokens=200))
     seen = 0
     events = chat.send("Write a long poem about the sea.")
     for ev in events:
@@ -64,7 +64,7 @@ def test_cancel_keeps_the_cut_answer_and_the_next_turn_works(default_model):
 
 
 def test_regenerate_replaces_the_last_answer(default_model):
-    chat = ChatSession(Generator(default_model), GREEDY)
+    chat = ChatSession(Session(default_model), GREEDY)
     a = finish(chat.send("What is the capital of France?"))
     b = finish(chat.regenerate())
     assert b.text == a.text  # greedy: the same answer again
@@ -73,19 +73,19 @@ def test_regenerate_replaces_the_last_answer(default_model):
 
 
 def test_regenerate_before_any_message_is_refused(default_model):
-    chat = ChatSession(Generator(default_model), GREEDY)
+    chat = ChatSession(Session(default_model), GREEDY)
     with pytest.raises(UserError, match="nothing to regenerate"):
         list(chat.regenerate())
 
 
 def test_stop_string_cuts_the_answer(default_model):
-    gen = Generator(default_model)
+    gen = Session(default_model)
     settings = GenerationSettings(max_tokens=40, stop=("rather a city",))
     out = finish(gen.run("The capital of France is Paris. The capital of France is", settings))
     assert out.finish_reason == "stop_string"
     assert out.text == "not a country, but "
     streamed = ""
-    for ev in Generator(default_model).run(
+    for ev in Session(default_model).run(
         "The capital of France is Paris. The capital of France is", settings
     ):
         if isinstance(ev, TokenDelta):
@@ -95,15 +95,15 @@ def test_stop_string_cuts_the_answer(default_model):
 
 def test_seed_makes_sampling_repeatable(default_model):
     s = GenerationSettings(max_tokens=20, temperature=1.0, seed=7)
-    a = finish(Generator(default_model).run("Once upon a time", s)).text
-    b = finish(Generator(default_model).run("Once upon a time", s)).text
-    c = finish(Generator(default_model).run("Once upon a time", GenerationSettings(
+    a = finish(Session(default_model).run("Once upon a time", s)).text
+    b = finish(Session(default_model).run("Once upon a time", s)).text
+    c = finish(Session(default_model).run("Once upon a time", GenerationSettings(
         max_tokens=20, temperature=1.0, seed=8))).text  # fmt: skip
     assert a == b and a != c
 
 
 def test_empty_message_is_refused_and_not_kept(default_model):
-    chat = ChatSession(Generator(default_model), GREEDY)
+    chat = ChatSession(Session(default_model), GREEDY)
     with pytest.raises(UserError, match="empty"):
         list(chat.send("  "))
     assert chat.messages == []
@@ -112,12 +112,12 @@ def test_empty_message_is_refused_and_not_kept(default_model):
 def test_context_overflow_stop_or_slide(default_model, monkeypatch):
     monkeypatch.setitem(default_model.config, "max_position_embeddings", 120)
     try:
-        chat = ChatSession(Generator(default_model, overflow="stop"), GREEDY)
+        chat = ChatSession(Session(default_model, overflow="stop"), GREEDY)
         long = "Tell me about " + "the sea, " * 60
         with pytest.raises(UserError, match="model's context is 120"):
             list(chat.send(long))
         assert chat.messages == []  # nothing half-kept
-        slide = ChatSession(Generator(default_model, overflow="slide"), GREEDY)
+        slide = ChatSession(Session(default_model, overflow="slide"), GREEDY)
         out = finish(slide.send(long))
         assert slide.generator.policy.window is not None
         assert out.stats.kv_bytes_actual == out.stats.kv_bytes_predicted
@@ -138,7 +138,7 @@ POLICIES = [
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
 def test_predicted_equals_actual_at_every_event(default_model, policy):
     chat = ChatSession(
-        Generator(default_model, policy), GenerationSettings(max_tokens=40, prefill_step=16)
+        Session(default_model, policy), GenerationSettings(max_tokens=40, prefill_step=16)
     )
     for text in ("Write two sentences about the moon.", "Now about the sun."):
         n = 0
@@ -154,7 +154,7 @@ def test_predicted_equals_actual_at_every_event(default_model, policy):
 
 
 def test_walking_away_between_tokens_keeps_a_consistent_cache(default_model):
-    gen = Generator(default_model)
+    gen = Session(default_model)
     finish(gen.run("Hello there.", GREEDY))
     events = gen.run("Hello there. How are you?", GenerationSettings(max_tokens=50))
     for ev in events:
@@ -169,7 +169,7 @@ def test_walking_away_between_tokens_keeps_a_consistent_cache(default_model):
 
 
 def test_a_model_failure_rebuilds_the_cache_and_the_next_turn_works(default_model, monkeypatch):
-    gen = Generator(default_model)
+    gen = Session(default_model)
     finish(gen.run("Hello there.", GREEDY))
     layer = default_model.model.layers[7]
     calls = {"n": 0}
@@ -192,7 +192,7 @@ def test_a_model_failure_rebuilds_the_cache_and_the_next_turn_works(default_mode
 
 
 def test_cancel_before_the_turn_starts_is_honoured(default_model):
-    gen = Generator(default_model)
+    gen = Session(default_model)
     gen.cancel()
     out = finish(gen.run("Write a long poem about the sea.", GenerationSettings(max_tokens=50)))
     assert out.finish_reason == "cancelled" and out.stats.generation_tokens <= 1

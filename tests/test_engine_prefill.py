@@ -9,7 +9,7 @@ from mlx_lm.generate import stream_generate
 
 from mlxkv.caches import make_caches
 from mlxkv.engine.events import TokenDelta
-from mlxkv.engine.session import GenerationSettings, Generator, encode_prompt
+from mlxkv.engine.session import GenerationSettings, Session, encode_prompt
 from mlxkv.models.head import head_split, last_logits
 from mlxkv.policy import KVPolicy
 
@@ -44,7 +44,7 @@ def test_last_logits_are_the_models_last_position(default_model):
 def test_greedy_tokens_are_mlx_lms(default_model, step):
     """Whole prompt in one chunk (512) or many (16): the tokens of mlx-lm's stream_generate,
     which feeds the prompt's last token in a call of its own."""
-    gen = Generator(default_model)
+    gen = Session(default_model)
     for prompt in (chat_prompt(default_model), TEXT):
         ours = [
             ev.token
@@ -77,7 +77,7 @@ def test_the_first_token_costs_no_model_call_of_its_own(default_model, monkeypat
         return call(self, x, *args, **kwargs)
 
     monkeypatch.setattr(body, "__call__", counted)
-    gen = Generator(default_model)
+    gen = Session(default_model)
     ids = encode_prompt(default_model.tokenizer, chat_prompt(default_model))
     out = list(gen.run_tokens(ids, GenerationSettings(max_tokens=1)))
     assert calls == [len(ids), 1]

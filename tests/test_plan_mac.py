@@ -233,7 +233,7 @@ def test_past_the_trained_context_plan_flags_what_generate_refuses(
     """One rule (mlxkv.memory.context): a prompt + 1 reply token past the trained context."""
     import re
 
-    from mlxkv.engine.session import GenerationSettings, Generator
+    from mlxkv.engine.session import GenerationSettings, Session
     from mlxkv.errors import UserError
     from mlxkv.policy import KVPolicy
 
@@ -241,7 +241,7 @@ def test_past_the_trained_context_plan_flags_what_generate_refuses(
     prompt = "Tell me about the sea and the sky. " * 3
     monkeypatch.setitem(default_model.config, "max_position_embeddings", 8)
     with pytest.raises(UserError) as refused:
-        list(Generator(default_model, overflow="stop").run(prompt, settings))
+        list(Session(default_model, overflow="stop").run(prompt, settings))
     needed = int(re.search(r"needs (\d+) tokens", str(refused.value)).group(1))
     config = dict(default_model.config)
     for limit, refuses in ((needed, True), (needed + 1, False)):
@@ -250,7 +250,7 @@ def test_past_the_trained_context_plan_flags_what_generate_refuses(
         (tmp_path / "config.json").write_text(json.dumps(config))
         _, d = plan_json(capsys, str(tmp_path / "config.json"), "--context", str(needed + 1))
         assert d["past_trained_context"] is refuses and d["trained_context"] == limit
-        events = Generator(default_model, overflow="stop").run(prompt, settings)
+        events = Session(default_model, overflow="stop").run(prompt, settings)
         if refuses:
             with pytest.raises(UserError, match=f"model's context is {limit}"):
                 list(events)
@@ -259,7 +259,7 @@ def test_past_the_trained_context_plan_flags_what_generate_refuses(
             list(events)
     # With a window neither refuses.
     monkeypatch.setitem(default_model.config, "max_position_embeddings", needed)
-    windowed = Generator(default_model, policy=KVPolicy(window=needed - 4, sinks=4))
+    windowed = Session(default_model, policy=KVPolicy(window=needed - 4, sinks=4))
     list(windowed.run(prompt, settings))
     flags = ["--context", str(needed + 1), "--kv-window", str(needed - 4)]
     assert not plan_json(capsys, str(tmp_path / "config.json"), *flags)[1]["past_trained_context"]

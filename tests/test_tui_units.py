@@ -110,17 +110,17 @@ def _members(proto) -> list[str]:
 @pytest.mark.parametrize("member", _members(ChatGenerator))
 def test_fake_and_real_generator_share_the_protocol(member):
     """The scripted generator the UI tests use has every member of ChatGenerator that the
-    real Generator has, with the same parameters: a UI test cannot pass against an
+    real Session has, with the same parameters: a UI test cannot pass against an
     interface the engine does not have."""
-    from mlxkv.engine.session import Generator
+    from mlxkv.engine.session import Session
     from tests.tui_fake import FakeGenerator
 
     if member in ChatGenerator.__annotations__:  # a data attribute
-        assert member in Generator.__dataclass_fields__
+        assert member in Session.__dataclass_fields__
         assert hasattr(FakeGenerator(), member)
         return
     want = list(inspect.signature(getattr(ChatGenerator, member)).parameters)
-    for cls in (Generator, FakeGenerator):
+    for cls in (Session, FakeGenerator):
         assert callable(getattr(cls, member, None)), f"{cls.__name__} lacks {member}()"
         assert list(inspect.signature(getattr(cls, member)).parameters) == want, (cls, member)
 

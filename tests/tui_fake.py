@@ -1,5 +1,5 @@
 """A scripted generator for the chat UI's tests: it satisfies ``tui.engine.ChatGenerator``
-like the real ``Generator`` (tests/test_tui_units.py checks both).
+like the real ``Session`` (tests/test_tui_units.py checks both).
 
 Deterministic text and KV figures, optional per-token delay; no MLX. Its KV figures are
 made up (actual and predicted come from one formula): tests of the figures themselves run
@@ -117,7 +117,7 @@ class FakeGenerator:
         )
 
     def run(self, prompt_text: str, settings):
-        """Yields the same kinds of events as Generator.run."""
+        """Yields the same kinds of events as Session.run."""
         if not prompt_text:
             raise UserError("the prompt is empty; type something to send")
         self._cancel.clear()

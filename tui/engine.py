@@ -22,7 +22,7 @@ from mlxkv.policy import KVPolicy
 
 
 class ChatGenerator(Protocol):
-    """What the chat needs of a generator: the real ``mlxkv.engine.session.Generator``
+    """What the chat needs of a generator: the real ``mlxkv.engine.session.Session``
     and the tests' scripted one both satisfy it (tests/test_tui_units.py checks)."""
 
     loaded: object  # .name, .tokenizer, .context_length, .path
@@ -48,12 +48,12 @@ Opener = Callable[
 def real_opener(dtype: str = "auto", force: bool = False, overflow: str = "stop") -> Opener:
     def open_generator(model, policy, on_status, on_progress):
         from mlxkv.engine.loading import open_model
-        from mlxkv.engine.session import Generator
+        from mlxkv.engine.session import Session
 
         loaded = open_model(
             model, dtype, policy, force, on_status=on_status, on_progress=on_progress
         )
-        return Generator(loaded, policy, overflow=overflow)
+        return Session(loaded, policy, overflow=overflow)
 
     return open_generator
 

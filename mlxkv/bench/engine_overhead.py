@@ -1,4 +1,4 @@
-"""Engine overhead: the mlxkv engine (``Generator``, full cache, live KV stats per token)
+"""Engine overhead: the mlxkv engine (``Session``, full cache, live KV stats per token)
 against mlx-lm's ``stream_generate`` on the same prompt text, greedy.
 
 Both sides are timed the same way, from outside: prefill tok/s = prompt tokens / time to
@@ -73,10 +73,10 @@ def run_mlx_lm(loaded, prompt: str, n_prompt: int, max_tokens: int, chunk: int) 
 
 def measure(loaded, prompt: str, decode: int, repeats: int, chunk: int, log) -> EngineResult:
     from mlxkv.engine.batch import encode_prompt
-    from mlxkv.engine.session import Generator
+    from mlxkv.engine.session import Session
 
     n_prompt = len(encode_prompt(loaded.tokenizer, prompt))
-    gen = Generator(loaded)
+    gen = Session(loaded)
     res = EngineResult(n_prompt, decode, repeats)
     # Warm-up: first calls pay for allocations and graph setup.
     run_mlxkv(gen, prompt, n_prompt, 2, chunk)

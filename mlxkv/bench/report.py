@@ -189,7 +189,7 @@ def _engine(res):
         "## 1. Engine overhead (full cache)\n",
         f"A {e['prompt_tokens']}-token raw-text prompt, then {e['decode_tokens']} greedy "
         f"tokens; {e['repeats']} interleaved repeats (A-B, B-A, ...). mlxkv: the engine's "
-        "`Generator` (chunked prefill with progress and cancel, live KV accounting and a stats "
+        "`Session` (chunked prefill with progress and cancel, live KV accounting and a stats "
         "snapshot per token). mlx-lm: `stream_generate`. Both timed from outside the same "
         "way (prefill = prompt tokens / time to first token; decode = tokens after the first "
         "/ their time); same prefill chunk.\n",
@@ -372,7 +372,7 @@ def _batch(res):
         f"{b['rounds']} round(s) interleaved (functions of `benchmarks/batch_bench.py`). "
         f"`mlxkv batch` is the real command ({b.get('mode', 'subprocess')}; its `--stats` "
         "time excludes the model load and includes writing the JSONL); one by one = the "
-        "engine's `Generator`, prompt after prompt; mlx-lm = `batch_generate`.\n",
+        "engine's `Session`, prompt after prompt; mlx-lm = `batch_generate`.\n",
         _table(
             ["", "generated tok/s"],
             [

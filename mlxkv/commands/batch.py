@@ -317,7 +317,8 @@ def _open(args, policy, cluster):
         cluster=cluster if sharded else None,
         shard=args.shard,
     )
-    return loaded, BatchRunner(loaded, policy, args.batch_size, args.prefill_step)
+    runner = BatchRunner(loaded, policy, args.batch_size, args.prefill_step, check_kv=args.stats)
+    return loaded, runner
 
 
 def _follow(args, policy, cluster) -> int:

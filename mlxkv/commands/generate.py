@@ -2,7 +2,7 @@
 
 With ``--messages`` the answer is the conversation's next assistant turn; with
 ``--prompt-cache`` the caches and the token ids they hold persist in a file between calls,
-so a call prefills only what the file does not already hold (see ``Generator``).
+so a call prefills only what the file does not already hold (see ``Session``).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def run(args) -> int:
     from mlxkv.engine.chat import ChatSession
     from mlxkv.engine.events import Finished, Notice, PrefillProgress, TokenDelta
     from mlxkv.engine.loading import open_model
-    from mlxkv.engine.session import Generator
+    from mlxkv.engine.session import Session
 
     _check_input(args)
     policy = policy_from_args(args)
@@ -182,7 +182,7 @@ def run(args) -> int:
         cluster=cluster,
         shard=args.shard,
     )
-    gen = Generator(loaded, policy, overflow=args.on_overflow)
+    gen = Session(loaded, policy, overflow=args.on_overflow)
     if cache_file is not None and cache_file.exists():
         gen.load_cache(cache_file)  # refuses (one line) a file made for something else
     if args.raw:

@@ -1,4 +1,4 @@
-"""A chat conversation on top of a Generator: messages, template, regenerate, transcript."""
+"""A chat conversation on top of a Session: messages, template, regenerate, transcript."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mlxkv.engine.events import Event, Finished
-from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.errors import UserError
 
 
 class ChatSession:
-    def __init__(self, generator: Generator, settings: GenerationSettings, system: str = ""):
+    def __init__(self, generator: Session, settings: GenerationSettings, system: str = ""):
         self.generator = generator
         self.settings = settings
         self.system = system

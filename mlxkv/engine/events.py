@@ -41,8 +41,10 @@ class PrefillProgress:
 @dataclass(frozen=True)
 class TokenDelta:
     text: str  # new text to append (may be empty while a stop string is pending)
-    token: int
+    token: int  # -1 for text flushed at the end of an answer
     stats: Stats
+    logprob: float | None = None  # the token's log-probability, when the request asked
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # best alternatives, when asked
 
 
 @dataclass(frozen=True)
@@ -59,4 +61,12 @@ class Finished:
     stats: Stats
 
 
-Event = PrefillProgress | TokenDelta | Notice | Finished
+@dataclass(frozen=True)
+class Failed:
+    """The request could not run; it comes instead of any other event."""
+
+    message: str  # one line for the user
+    code: str  # invalid_policy | context_length_exceeded | shutting_down | internal
+
+
+Event = PrefillProgress | TokenDelta | Notice | Finished | Failed

@@ -1,0 +1,65 @@
+"""The one finish rule: EOS, stop strings, the token limit and the context cap, and the
+answer's text as it streams (held back while a stop string may be starting)."""
+
+from __future__ import annotations
+
+from mlxkv.engine.stopping import StopMatcher
+
+
+class FinishRule:
+    """Follows one answer token by token.
+
+    ``add(token)`` returns ``(delta, reason)``: the text that may be shown now, and why the
+    answer ends with this token (None: it goes on). An EOS token or a stop string ends it
+    without a delta; ``end()`` then gives the rest of the text and the whole answer.
+    """
+
+    def __init__(self, tokenizer, stop, max_tokens: int, capped: bool = False):
+        self.eos = set(tokenizer.eos_token_ids)
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.stop = StopMatcher(stop)
+        self.max_tokens = max_tokens
+        self.capped = capped  # max_tokens was cut to what the context has room for
+        self.tokens: list[int] = []
+        self.text = ""
+        self.shown = 0
+        self.reason: str | None = None
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        self.tokens.append(token)
+        if token in self.eos:
+            self.reason = "stop"
+            return "", self.reason
+        self.detok.add_token(token)
+        text = self.detok.text
+        cut = self.stop.find(text)
+        if cut is not None:
+            self.text, self.reason = text[:cut], "stop_string"
+            return "", self.reason
+        safe = self.stop.safe_length(text)
+        delta, self.shown = text[self.shown : safe], max(self.shown, safe)
+        self.text = text
+        if len(self.tokens) >= self.max_tokens:
+            self.reason = "context" if self.capped else "length"
+        return delta, self.reason
+
+    def end(self, reason: str | None = None) -> tuple[str, str]:
+        """Close the answer (``reason`` when it ends from outside, e.g. a cancel); returns
+        (text not yet shown, the whole answer's text)."""
+        self.reason = self.reason or reason or "length"
+        if self.reason != "stop_string":
+            self.detok.finalize()
+            self.text = self.detok.text
+        rest = self.text[self.shown :]
+        self.shown = len(self.text)
+        return rest, self.text
+
+
+def token_budget(context_length: int | None, window: int | None, n_prompt: int, max_tokens: int):
+    """(max_tokens, capped): without a window an answer stops at the model's context."""
+    if context_length and window is None:
+        room = context_length - n_prompt
+        if room < max_tokens:
+            return max(room, 1), True
+    return max_tokens, False

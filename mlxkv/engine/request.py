@@ -1,0 +1,46 @@
+"""What a caller asks the engine for: sampling and limits, and the prompt's token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxkv.errors import UserError
+
+
+@dataclass
+class GenerationSettings:
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    prefill_step: int = 512
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise UserError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise UserError(f"--temp must be 0 or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.prefill_step < 1:
+            raise UserError(f"--prefill-step must be at least 1, got {self.prefill_step}")
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a whole prompt: the tokenizer's BOS is added unless the text (a chat
+    template's output, say) already starts with it. Every front end encodes with this."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add = bool(bos) and not text.startswith(bos)
+    return tokenizer.encode(text, add_special_tokens=add)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,751 @@
+"""The request scheduler: the one decode loop under every front end.
+
+Requests (prompt token ids, sampling settings, a KV policy, limits) are submitted at any
+time, from any thread; each gets a :class:`RequestHandle` whose events (prefill progress,
+token deltas with live KV figures, then ``Finished`` or ``Failed``) arrive in order. All
+MLX work happens in :meth:`Scheduler.step`, on one thread: either the scheduler's own
+(:meth:`Scheduler.start`, for the server) or the caller's, which drives the loop by
+reading its events (``generate``, ``chat``'s worker thread, ``batch``). Both run the same
+steps in the same order, which is what ranks under ``mlx.launch`` need to stay in lockstep.
+
+One step:
+
+1. Admit new requests: check the policy against the model (once per policy) and the
+   prompt against the model's context; refuse with a ``Failed`` event.
+2. Drop cancelled requests: their rows leave their batch now.
+3. Prefill one chunk of the oldest waiting request whose batch has room (chunk sizes from
+   the caches, exactly as a single sequence prefills). The prompt's last chunk ends with
+   its last token and gives the first answer token; the request then joins its group.
+4. Decode one token for every group. A group is the requests under one policy: a lone
+   request decodes on its own single-sequence caches; when a second joins they merge into
+   the policy's batched caches (:mod:`mlxkv.caches.batched`), where every row keeps its
+   own positions, evictions and sink shifts. Requests under other policies form other
+   groups, stepped in turn, so no request waits for another's whole answer.
+
+A request that carries a session (``chat``, ``generate``) runs in that session's caches,
+reusing what they hold, and keeps its own group: the session gets its caches back, with
+every generated token fed, when the answer ends.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from mlxkv.engine.events import Event, Failed, Finished, PrefillProgress, Stats, TokenDelta
+from mlxkv.engine.finish import FinishRule, token_budget
+from mlxkv.engine.kv_stats import KVAccounting
+from mlxkv.engine.request import GenerationSettings, common_prefix, encode_prompt
+from mlxkv.engine.samplers import sampler_for
+from mlxkv.errors import UserError
+from mlxkv.models.loader import LoadedModel
+from mlxkv.policy import KVPolicy
+
+
+@dataclass(frozen=True)
+class Request:
+    ids: list[int]  # the whole prompt's token ids (chat template applied)
+    settings: GenerationSettings = field(default_factory=GenerationSettings)
+    policy: KVPolicy | None = None  # None: the scheduler's default policy
+    logprobs: int | None = None  # None: off; k: the token's logprob and k alternatives
+    sink: Callable[[Event], None] | None = None  # called on the MLX thread; must not block
+    key: object = None  # the caller's handle for this request
+    session: object = None  # a Session whose caches the request runs in (see session.py)
+
+
+class RequestHandle:
+    """A submitted request: its events, and ``cancel()`` from any thread."""
+
+    def __init__(self, scheduler: Scheduler, request: Request, rid: int):
+        self.id = rid
+        self.request = request
+        self.error: BaseException | None = None  # what broke the request, if anything
+        self._scheduler = scheduler
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        self._scheduler._wake.set()
+
+    def _emit(self, event: Event) -> None:
+        sink = self.request.sink
+        if sink is not None:
+            sink(event)
+        else:
+            self._queue.put(event)
+        if isinstance(event, Finished | Failed):
+            self._done.set()
+
+    def _next(self) -> Event:
+        s = self._scheduler
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if s._thread is not None:
+                return self._queue.get()
+            if not s.step() and self._queue.empty():
+                raise RuntimeError("the scheduler has nothing to run for an unfinished request")
+
+    def events(self) -> Iterator[Event]:
+        """The request's events, blocking; ends after ``Finished`` or ``Failed``. On the
+        thread that drives an unstarted scheduler, reading them runs the loop. A caller that
+        stops reading early cancels the request."""
+        try:
+            while True:
+                ev = self._next()
+                yield ev
+                if isinstance(ev, Finished | Failed):
+                    return
+        finally:
+            if not self.done:
+                self.cancel()
+                if self._scheduler._thread is None:
+                    while not self.done and self._scheduler.step():
+                        pass
+
+
+class _Job:
+    """A request inside the scheduler."""
+
+    def __init__(self, handle: RequestHandle, policy: KVPolicy):
+        req = handle.request
+        self.handle = handle
+        self.req = req
+        self.policy = policy
+        self.describe = policy.describe()
+        self.ids = list(req.ids)
+        self.session = req.session
+        self.total = len(self.ids)
+        self.caches: list | None = None  # its single-sequence caches (None once batched)
+        self.kv: KVAccounting | None = None
+        self.cached = self.done = 0  # prompt tokens reused / in the caches
+        self.boundary = self.total
+        self.finish: FinishRule | None = None
+        self.sampler = None
+        self.processors: list = []
+        self.history = None  # the tokens logits processors see
+        self.next_input: int | None = None  # sampled, not yet fed to the caches
+        self.started = self.first_token = 0.0
+        self.prompt_tps = self.generation_tps = 0.0
+        self.group: _Group | None = None
+
+
+@dataclass
+class _Group:
+    key: object
+    policy: KVPolicy
+    rows: list[_Job] = field(default_factory=list)
+    caches: list | None = None  # batched caches once two rows have met
+
+
+class Scheduler:
+    """Runs every request on one model; see the module docstring."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        policy: KVPolicy | None = None,
+        max_batch: int = 16,
+        share_prefix: bool = True,
+        observer: Callable[[KVPolicy, list], None] | None = None,
+    ):
+        if max_batch < 1:
+            raise UserError(f"--max-batch must be at least 1, got {max_batch}")
+        self.loaded = loaded
+        self.policy = policy or KVPolicy()
+        self.max_batch = max_batch
+        self.share_prefix = share_prefix
+        self.observer = observer  # sees every batched decode step's caches (opt-in checks)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: deque[_Job] = deque()
+        self._waiting: list[_Job] = []
+        self._prefilling: _Job | None = None
+        self._groups: dict[object, _Group] = {}
+        self._policy_errors: dict[KVPolicy, str | None] = {}
+        self._batchable: dict[KVPolicy, bool] = {}
+        self._prefixes: dict[KVPolicy, SharedPrefixes] = {}
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._next_id = 0
+        self.steps = 0
+        self.max_rows_in_a_step = 0
+        self.requests_finished = 0
+        self._status: dict = self._snapshot()
+
+    # -- the callers' side (any thread) ------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.loaded.tokenizer, text)
+
+    def submit(self, request: Request) -> RequestHandle:
+        with self._lock:
+            if self._closing:
+                raise UserError("the engine is shutting down; no new requests are taken")
+            self._next_id += 1
+            handle = RequestHandle(self, request, self._next_id)
+            self._inbox.append(handle)
+        self._wake.set()
+        return handle
+
+    def start(self) -> None:
+        """Run the loop on a thread of its own (callers then only read events)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlxkv-scheduler", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Take no new requests; let running ones finish for up to ``timeout`` seconds,
+        cancel the rest, and stop the loop."""
+        with self._lock:
+            self._closing = True
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        if self._thread is None:
+            while not self.idle and time.monotonic() < deadline and self.step():
+                pass
+        else:
+            while not self.idle and time.monotonic() < deadline:
+                time.sleep(0.02)
+        for handle in self._all_handles():
+            handle.cancel()
+        if self._thread is None:
+            while not self.idle and self.step():
+                pass
+        else:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def idle(self) -> bool:
+        return not (self._inbox or self._waiting or self._prefilling or self._groups)
+
+    def status(self) -> dict:
+        """What runs now (a copy the loop refreshes after every step)."""
+        return dict(self._status)
+
+    # -- the loop (the MLX thread) ---------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                worked = self.step()
+                if self._closing and self.idle:
+                    return
+                if not worked:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # nothing may wait forever on a dead loop
+            for handle in self._all_handles():
+                if not handle.done:
+                    handle.error = e
+                    handle._emit(Failed(f"the engine stopped: {e}", "internal"))
+            self._inbox.clear()
+            self._waiting.clear()
+            self._prefilling = None
+            self._groups.clear()
+            raise
+
+    def step(self) -> bool:
+        """One round: admit, drop cancelled, one prefill chunk, one token per group.
+        Returns False when there was nothing to do."""
+        self._admit()
+        self._drop_cancelled()
+        worked = self._prefill_one()
+        for group in list(self._groups.values()):
+            self._guarded(group.rows, lambda g=group: self._decode(g))
+            worked = True
+        if worked:
+            self.steps += 1
+            if self.idle:
+                import mlx.core as mx
+
+                mx.clear_cache()  # give the freed KV buffers back
+        self._status = self._snapshot()
+        return worked
+
+    def _all_handles(self) -> list[RequestHandle]:
+        with self._lock:
+            handles = list(self._inbox)
+        jobs = list(self._waiting)
+        if self._prefilling is not None:
+            jobs.append(self._prefilling)
+        for g in list(self._groups.values()):
+            jobs.extend(g.rows)
+        return handles + [j.handle for j in jobs]
+
+    def _snapshot(self) -> dict:
+        running = []
+        for g in self._groups.values():
+            for j in g.rows:
+                running.append(
+                    {
+                        "id": j.handle.id,
+                        "policy": j.describe,
+                        "prompt_tokens": j.total,
+                        "generated": len(j.finish.tokens) if j.finish else 0,
+                    }
+                )
+        return {
+            "running": running,
+            "prefilling": 0 if self._prefilling is None else 1,
+            "waiting": len(self._waiting) + len(self._inbox),
+            "groups": [
+                {"policy": g.policy.describe(), "rows": len(g.rows)} for g in self._groups.values()
+            ],
+            "max_rows_in_a_step": self.max_rows_in_a_step,
+            "steps": self.steps,
+            "requests_finished": self.requests_finished,
+        }
+
+    # -- admission ---------------------------------------------------------------------------
+    def _admit(self) -> None:
+        from mlxkv.memory.context import past_trained_context
+
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                handle = self._inbox.popleft()
+            req = handle.request
+            policy = req.policy or self.policy
+            if handle.cancelled:
+                self._end(_Job(handle, policy), "cancelled")
+                continue
+            if not req.ids:
+                self._fail(handle, "the prompt is empty", "invalid_request")
+                continue
+            why = self._policy_error(policy)
+            if why is not None:
+                self._fail(handle, why, "invalid_policy")
+                continue
+            limit = self.loaded.context_length
+            if past_trained_context(limit, policy.window, len(req.ids) + 1):
+                self._fail(
+                    handle,
+                    f"the prompt has {len(req.ids)} tokens but the model's context is {limit}; "
+                    "shorten it or use a window (--kv-window)",
+                    "context_length_exceeded",
+                )
+                continue
+            self._waiting.append(_Job(handle, policy))
+
+    def _policy_error(self, policy: KVPolicy) -> str | None:
+        if policy not in self._policy_errors:
+            from mlxkv.caches import check_policy
+
+            try:
+                check_policy(self.loaded.model, policy)
+                self._policy_errors[policy] = None
+            except UserError as e:
+                self._policy_errors[policy] = str(e)
+        return self._policy_errors[policy]
+
+    def _fail(self, handle: RequestHandle, message: str, code: str) -> None:
+        handle._emit(Failed(message, code))
+        self.requests_finished += 1
+
+    def _batchable_policy(self, policy: KVPolicy) -> bool:
+        if policy not in self._batchable:
+            from mlxkv.caches import make_caches
+            from mlxkv.caches.batched import batched_form
+
+            why = batched_form(make_caches(self.loaded.model, policy))
+            self._batchable[policy] = why is None
+        return self._batchable[policy]
+
+    def _group_key(self, job: _Job) -> object:
+        if job.session is not None or not self._batchable_policy(job.policy):
+            return ("alone", job.handle.id)
+        return ("policy", job.policy)
+
+    def _has_room(self, job: _Job) -> bool:
+        g = self._groups.get(self._group_key(job))
+        return g is None or len(g.rows) < self.max_batch
+
+    # -- cancels and failures ------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.handle.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, "cancelled")
+        job = self._prefilling
+        if job is not None and job.handle.cancelled:
+            self._prefilling = None
+            self._end(job, "cancelled")
+        for g in list(self._groups.values()):
+            gone = [j for j in g.rows if j.handle.cancelled]
+            if gone:
+                self._guarded(g.rows, lambda g=g, gone=gone: self._leave(g, gone, "cancelled"))
+
+    def _guarded(self, jobs: list[_Job], work: Callable[[], None]) -> None:
+        """Run ``work``; if it raises, the jobs it touched fail (their sessions drop what
+        their caches half-hold) and the error goes to each; interrupts propagate."""
+        try:
+            work()
+        except BaseException as e:
+            for job in list(jobs):
+                self._discard(job)
+                if job.session is not None:
+                    job.session.recover(in_model=True)
+                job.handle.error = e
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._fail(job.handle, msg, "internal")
+            if not isinstance(e, Exception):
+                raise
+
+    def _discard(self, job: _Job) -> None:
+        """Take ``job`` out of wherever it is; a failed step fails its whole batch."""
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if self._prefilling is job:
+            self._prefilling = None
+        g = job.group
+        if g is not None:
+            self._groups.pop(g.key, None)
+            job.group = None
+
+    # -- prefill -------------------------------------------------------------------------------
+    def _prefill_one(self) -> bool:
+        job = self._prefilling
+        if job is None:
+            job = next((j for j in self._waiting if self._has_room(j)), None)
+            if job is None:
+                return False
+            self._waiting.remove(job)
+            self._prefilling = job
+            self._guarded([job], lambda: self._start(job))
+            if self._prefilling is not job:
+                return True
+        self._guarded([job], lambda: self._prefill_chunk(job))
+        return True
+
+    def _start(self, job: _Job) -> None:
+        """Give ``job`` its caches (reusing what its session or a shared prefix holds)."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        s = job.req.settings
+        job.started = time.perf_counter()
+        if job.session is not None:
+            job.cached = job.done = job.session.prepare(job.ids)
+            job.caches, job.kv = job.session.caches, job.session.kv
+            if job.session.needs_checkpoint:
+                job.boundary = job.total - 1
+                if job.done == job.boundary:
+                    job.session.take_checkpoint()
+        else:
+            job.caches, job.done = self._fresh_caches(job)
+            job.cached = 0  # a shared prefix counts as prefilled for this batch
+            job.kv = KVAccounting(self.loaded, job.policy, job.caches)
+        job.sampler = sampler_for(s)
+        job.processors = make_logits_processors(repetition_penalty=s.repetition_penalty)
+        max_tokens, capped = token_budget(
+            self.loaded.context_length, job.policy.window, job.total, s.max_tokens
+        )
+        job.finish = FinishRule(self.loaded.tokenizer, s.stop, max_tokens, capped)
+
+    def _fresh_caches(self, job: _Job) -> tuple[list, int]:
+        from mlxkv.caches import make_caches
+
+        def new():
+            return make_caches(self.loaded.model, job.policy)
+
+        if not (self.share_prefix and self._batchable_policy(job.policy)):
+            return new(), 0
+        prefixes = self._prefixes.setdefault(job.policy, SharedPrefixes(new))
+        others = [j.ids for j in self._waiting if j.policy == job.policy]
+        step = job.req.settings.prefill_step
+        held, caches = prefixes.lookup(
+            job.ids, others, lambda c, ids, a, b: self._prefill_range(c, ids, a, b, step)
+        )
+        if caches is None:
+            return new(), 0
+        return copy_caches(caches, new), held
+
+    def _prefill_range(self, caches, ids, start: int, end: int, step: int) -> None:
+        import mlx.core as mx
+
+        from mlxkv.caches import prefill_chunk
+
+        prompt = mx.array(ids)
+        while start < end:
+            n = min(prefill_chunk(caches, step), end - start)
+            feed(self.loaded.model, caches, prompt[start : start + n])
+            start += n
+
+    def _prefill_chunk(self, job: _Job) -> None:
+        """Feed the next prompt chunk; the last one gives the first answer token."""
+        import mlx.core as mx
+
+        from mlxkv.caches import prefill_chunk
+
+        if job.done >= job.boundary:  # only the prompt's last token is left
+            n = job.total - job.done
+        else:
+            n = min(
+                prefill_chunk(job.caches, job.req.settings.prefill_step), job.boundary - job.done
+            )
+        last = job.done + n == job.total
+        chunk = job.ids[job.done : job.done + n]
+        logits = feed(self.loaded.model, job.caches, mx.array(chunk), logits=last)
+        if job.session is not None:
+            job.session.tokens.extend(chunk)
+        job.done += n
+        if job.session is not None and job.done == job.total - 1 and job.session.needs_checkpoint:
+            job.session.take_checkpoint()
+        job.handle._emit(
+            PrefillProgress(job.done - job.cached, job.total - job.cached, self._stats(job))
+        )
+        if not last:
+            return
+        self._prefilling = None
+        now = time.perf_counter()
+        job.first_token = now
+        if now > job.started:
+            job.prompt_tps = (job.total - job.cached) / (now - job.started)
+        job.history = mx.array(job.ids[-1:]) if job.processors else None
+        tokens, lps = self._sample([job], logits)
+        if not self._take_token(job, tokens[0], lps[0]):
+            self._join(job)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _join(self, job: _Job) -> None:
+        from mlxkv.caches.batched import merge_rows
+
+        key = self._group_key(job)
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = _Group(key, job.policy)
+        elif g.caches is None:  # a lone row meets a second: they become a batch
+            g.caches = merge_rows([g.rows[0].caches, job.caches])
+            g.rows[0].caches = None
+            job.caches = None
+        else:
+            for i, c in enumerate(g.caches):
+                c.extend_rows([job.caches[i]])
+            job.caches = None
+        job.group = g
+        g.rows.append(job)
+
+    def _decode(self, g: _Group) -> None:
+        import mlx.core as mx
+
+        rows = list(g.rows)
+        caches = g.caches if g.caches is not None else rows[0].caches
+        inputs = mx.array([[r.next_input] for r in rows])
+        logits = self.loaded.model(inputs, cache=caches)[:, -1, :]
+        for i, r in enumerate(rows):
+            if r.processors:  # they see the token fed, like mlx-lm's generate_step
+                r.history = mx.concatenate([r.history, inputs[i]])
+        tokens, lps = self._sample(rows, logits)
+        self.max_rows_in_a_step = max(self.max_rows_in_a_step, len(rows))
+        if g.caches is not None and self.observer is not None:
+            self.observer(g.policy, g.caches)
+        for r in rows:
+            if r.session is not None:
+                r.session.tokens.append(r.next_input)
+            r.next_input = None
+        ended = []
+        for r, token, lp in zip(rows, tokens, lps, strict=True):
+            if self._take_token(r, token, lp):
+                ended.append(r)
+        if ended:
+            self._drop_rows(g, ended)
+
+    def _sample(self, rows: list[_Job], logits):
+        """The next token of each row (and its logprobs where asked), from ``logits``
+        (B, vocab) after each row's logits processors."""
+        import mlx.core as mx
+
+        if any(r.processors for r in rows):
+            parts = []
+            for i, r in enumerate(rows):
+                row = logits[i : i + 1]
+                for p in r.processors:
+                    row = p(r.history, row)
+                parts.append(row)
+            logits = mx.concatenate(parts, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = mx.argmax(logprobs, axis=-1)
+        sampled = [(i, r.sampler(logprobs[i : i + 1])) for i, r in enumerate(rows) if r.sampler]
+        if sampled:
+            idx = mx.array([i for i, _ in sampled])
+            picked[idx] = mx.concatenate([t.reshape(-1) for _, t in sampled])
+        tokens = picked.tolist()
+        lps: list = [None] * len(rows)
+        for i, r in enumerate(rows):
+            k = r.req.logprobs
+            if k is None:
+                continue
+            row = logprobs[i]
+            top = ()
+            if k > 0:
+                best = mx.argsort(-row)[:k]
+                top = tuple(zip(best.tolist(), row[best].tolist(), strict=True))
+            lps[i] = (row[tokens[i]].item(), top)
+        return tokens, lps
+
+    def _take_token(self, job: _Job, token: int, lp) -> bool:
+        """Record ``token`` for ``job`` and tell its caller; True when the answer ended."""
+        delta, reason = job.finish.add(token)
+        n = len(job.finish.tokens)
+        if n > 1:
+            job.generation_tps = (n - 1) / max(time.perf_counter() - job.first_token, 1e-9)
+        if reason not in ("stop", "stop_string"):
+            logprob, top = lp if lp is not None else (None, None)
+            stats = self._stats(job)
+            job.handle._emit(TokenDelta(delta, token, stats, logprob, top))
+        job.next_input = token
+        if reason is not None:
+            self._end(job, reason)
+            return True
+        return False
+
+    def _leave(self, g: _Group, jobs: list[_Job], reason: str) -> None:
+        self._drop_rows(g, jobs)
+        for job in jobs:
+            self._end(job, reason)
+
+    def _drop_rows(self, g: _Group, jobs: list[_Job]) -> None:
+        keep = [i for i, r in enumerate(g.rows) if r not in jobs]
+        if g.caches is not None and keep:
+            for c in g.caches:
+                c.filter(keep)
+        g.rows = [g.rows[i] for i in keep]
+        for job in jobs:
+            job.group = None
+        if not g.rows:
+            del self._groups[g.key]
+
+    def _end(self, job: _Job, reason: str) -> None:
+        """Close ``job``'s answer: its session's caches get the last token, the caller the
+        rest of the text and the ``Finished`` event."""
+        import mlx.core as mx
+
+        if job.session is not None and job.next_input is not None and job.caches is not None:
+            feed(self.loaded.model, job.caches, mx.array([job.next_input]))
+            job.session.tokens.append(job.next_input)
+        job.next_input = None
+        rest, text = job.finish.end(reason) if job.finish else ("", "")
+        final = job.finish.reason if job.finish else reason
+        stats = replace(self._stats(job), finish_reason=final)
+        if rest:
+            job.handle._emit(TokenDelta(rest, -1, stats))
+        job.handle._emit(Finished(text, final, stats))
+        self.requests_finished += 1
+
+    def _stats(self, job: _Job) -> Stats:
+        stats = Stats(
+            prompt_tokens=job.total,
+            prompt_tokens_cached=job.cached,
+            generation_tokens=len(job.finish.tokens) if job.finish else 0,
+            prompt_tps=job.prompt_tps,
+            generation_tps=job.generation_tps,
+            context_limit=self.loaded.context_length,
+            policy=job.describe,
+        )
+        g = job.group
+        if g is None or g.caches is None:
+            return job.kv.snapshot(stats) if job.kv is not None else stats
+        return self._batch_stats(g, job, stats)
+
+    def _batch_stats(self, g: _Group, job: _Job, stats: Stats) -> Stats:
+        """A batched row: its own token counters, and the bytes of the whole batch."""
+        import mlx.core as mx
+
+        from mlxkv.memory.predictor import batch_allocated
+
+        c = next((c for c in g.caches if hasattr(c, "n")), None)
+        row = g.rows.index(job) if job in g.rows else 0
+        seen = c.n[row] if c is not None else 0
+        limit = c.limit if c is not None else None
+        kept = seen if limit is None else min(seen, limit)
+        layout = self.loaded.layout
+        predicted = batch_allocated(layout, g.policy, list(c.n) if c else [], self.loaded.dtype)
+        return replace(
+            stats,
+            kv_tokens=kept,
+            kv_evicted=seen - kept,
+            kv_tokens_seen=seen,
+            kv_bytes_actual=sum(x.nbytes for x in g.caches),
+            kv_bytes_predicted=predicted,
+            active_memory=mx.get_active_memory(),
+            peak_memory=mx.get_peak_memory(),
+            weights_bytes=self.loaded.weights_bytes,
+        )
+
+
+def feed(model, caches: list, tokens, logits: bool = False):
+    """One model call over ``tokens`` (1-D) into ``caches``; with ``logits``, the last
+    position's logits (1, vocab), evaluated together with the caches."""
+    import mlx.core as mx
+
+    from mlxkv.models.head import last_logits
+
+    if logits:
+        out = last_logits(model, tokens[None], caches)[:, -1, :]
+        mx.eval(out, [c.state for c in caches])
+        return out
+    model(tokens[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return None
+
+
+def copy_caches(caches: list, new: Callable[[], list]) -> list:
+    """Independent copies of single-sequence caches: fresh caches given the states."""
+    from mlxkv.caches import restore, snapshot
+
+    out = new()
+    restore(out, snapshot(caches))
+    return out
+
+
+class SharedPrefixes:
+    """A prompt prefix prefilled once; requests whose prompt starts with it copy its caches.
+
+    When a request starts, the prefix it shares with every waiting request that shares at
+    least ``min_tokens`` with it is the candidate; a candidate equal to the stored prefix
+    (or the stored prefix itself, when the prompt starts with it) is reused as is.
+    """
+
+    def __init__(self, make_caches: Callable[[], list], min_tokens: int = 64):
+        self.make_caches = make_caches
+        self.min_tokens = min_tokens
+        self.ids: list[int] = []
+        self.caches: list | None = None
+        self.hits = 0
+        self.prefilled_tokens = 0
+
+    def lookup(self, ids: list[int], others: list[list[int]], prefill) -> tuple[int, list | None]:
+        """(tokens the returned caches hold, caches to copy) for prompt ``ids``; (0, None)
+        if nothing is shared. ``prefill(caches, ids, start, end)`` fills a new prefix."""
+        last = len(ids) - 1  # the prompt's last token gives the first answer token
+        held = len(self.ids)
+        if self.caches is not None and held <= last and ids[:held] == self.ids:
+            self.hits += 1
+            return held, self.caches
+        shared = [c for o in others if (c := common_prefix(ids, o)) >= self.min_tokens]
+        if not shared:
+            return 0, None
+        n = min(min(shared), last)
+        if n < self.min_tokens:
+            return 0, None
+        caches = self.make_caches()
+        prefill(caches, ids, 0, n)
+        self.ids, self.caches = ids[:n], caches
+        self.prefilled_tokens += n
+        self.hits += 1
+        return n, caches

@@ -81,20 +81,16 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(default_model):
     assert mine[0].text == alone[0].text
 
 
-def test_one_by_one_path_matches_the_generator(default_model):
-    """Every policy batches on the default model; the one-by-one path (for models whose own
-    caches have no batched form) is exercised by taking the batched path away."""
+def test_a_batch_of_one_row_at_a_time_matches_the_session(default_model):
+    """With room for one row, lines run one after another through the same loop."""
     policy = KVPolicy(window=32, sinks=4)
     assert why_not_batched(default_model, policy) is None
     assert why_not_batched(default_model, KVPolicy()) is None
     settings = GenerationSettings(max_tokens=8)
-    runner = BatchRunner(default_model, policy, 4)
-    runner.fallback_reason = "taken away for this test"
-    assert not runner.batched
-    text = _chat_text(default_model, PROMPTS[0])
-    (r,) = runner.run([Request(0, text, settings)])
-    ref = _single(default_model, policy, PROMPTS[0], settings)
-    assert (r.text, r.finish_reason) == (ref.text, ref.finish_reason)
+    got = _batched(default_model, policy, settings, batch_size=1, prompts=PROMPTS[:2])
+    for q, r in zip(PROMPTS[:2], got, strict=True):
+        ref = _single(default_model, policy, q, settings)
+        assert (r.text, r.finish_reason) == (ref.text, ref.finish_reason)
 
 
 def test_prompt_longer_than_the_context_is_a_per_prompt_error(default_model):

@@ -1,0 +1,145 @@
+"""The request scheduler on the default model: requests submitted while others decode,
+cancelled alone, under different policies at once, refused with a reason, and answered
+token for token as a session answers them alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlxkv.engine.chat import ChatSession
+from mlxkv.engine.events import Failed, Finished, PrefillProgress, TokenDelta
+from mlxkv.engine.scheduler import Request, Scheduler
+from mlxkv.engine.session import GenerationSettings, Session
+from mlxkv.policy import KVPolicy
+
+pytestmark = pytest.mark.model
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count to five."]
+SINKS = KVPolicy(window=24, sinks=4)
+
+
+def _ids(loaded, q):
+    text = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+    )
+    return Scheduler(loaded).encode(text)
+
+
+def _alone(loaded, policy, q, settings) -> Finished:
+    events = ChatSession(Session(loaded, policy), settings).send(q)
+    return [e for e in events if isinstance(e, Finished)][0]
+
+
+def _collect(handle) -> list:
+    return list(handle.events())
+
+
+def test_requests_submitted_while_others_decode_join_the_batch(default_model):
+    """On the scheduler's own thread: the second and third requests arrive after the first
+    has produced tokens, decode in one batch with it, and each answer equals the answer
+    the request gets alone."""
+    settings = GenerationSettings(max_tokens=12)
+    refs = [_alone(default_model, SINKS, q, settings) for q in QUESTIONS]
+    sched = Scheduler(default_model, SINKS, max_batch=4)
+    sched.start()
+    try:
+        first = sched.submit(Request(_ids(default_model, QUESTIONS[0]), settings))
+        seen = []
+        for ev in first.events():
+            seen.append(ev)
+            if isinstance(ev, TokenDelta) and len(seen) == 3:  # decoding now
+                later = [
+                    sched.submit(Request(_ids(default_model, q), settings)) for q in QUESTIONS[1:]
+                ]
+        answers = [seen[-1]] + [_collect(h)[-1] for h in later]
+        status = sched.status()
+    finally:
+        sched.close()
+    for ans, ref in zip(answers, refs, strict=True):
+        assert isinstance(ans, Finished)
+        assert (ans.text, ans.finish_reason) == (ref.text, ref.finish_reason)
+        assert ans.stats.generation_tokens == ref.stats.generation_tokens
+    assert status["max_rows_in_a_step"] >= 2
+    assert status["requests_finished"] == 3 and not status["running"]
+
+
+def test_a_cancelled_request_leaves_alone_and_frees_its_row(default_model):
+    settings = GenerationSettings(max_tokens=10)
+    long = GenerationSettings(max_tokens=200)
+    sched = Scheduler(default_model, KVPolicy(), max_batch=4)
+    a = sched.submit(Request(_ids(default_model, QUESTIONS[0]), settings))
+    b = sched.submit(Request(_ids(default_model, "Write a long story about a dog."), long))
+    events_b = []
+    for ev in b.events():  # this thread drives the loop
+        events_b.append(ev)
+        if sum(isinstance(e, TokenDelta) for e in events_b) == 3:
+            b.cancel()
+    assert events_b[-1].finish_reason == "cancelled"
+    assert events_b[-1].stats.generation_tokens in (3, 4)
+    rows_after_cancel = sched.status()["running"]
+    assert [r["id"] for r in rows_after_cancel] == [a.id]
+    final_a = _collect(a)[-1]
+    ref = _alone(default_model, KVPolicy(), QUESTIONS[0], settings)
+    assert (final_a.text, final_a.finish_reason) == (ref.text, ref.finish_reason)
+    assert sched.idle
+
+
+def test_requests_under_different_policies_are_served_together(default_model):
+    """A full-cache request and a sink + window request: neither waits for the other's
+    whole answer, and each answer is its policy's answer alone."""
+    settings = GenerationSettings(max_tokens=10)
+    sched = Scheduler(default_model, KVPolicy(), max_batch=4)
+    order = []
+    lock = threading.Lock()
+
+    def sink(name):
+        def put(ev):
+            with lock:
+                order.append((name, ev))
+
+        return put
+
+    q = QUESTIONS[1]
+    sched.submit(Request(_ids(default_model, q), settings, sink=sink("full")))
+    sched.submit(Request(_ids(default_model, q), settings, policy=SINKS, sink=sink("sinks")))
+    while sched.step():
+        pass
+    kinds = [(n, type(e).__name__) for n, e in order if not isinstance(e, PrefillProgress)]
+    first_full_end = kinds.index(("full", "Finished"))
+    assert ("sinks", "TokenDelta") in kinds[:first_full_end]
+    for name, policy in (("full", KVPolicy()), ("sinks", SINKS)):
+        final = [e for n, e in order if n == name and isinstance(e, Finished)][0]
+        ref = _alone(default_model, policy, q, settings)
+        assert final.text == ref.text
+        assert final.stats.policy == policy.describe()
+
+
+def test_refusals_come_as_failed_events(default_model):
+    sched = Scheduler(default_model)
+    too_long = sched.submit(Request([1] * 9000, GenerationSettings(max_tokens=2)))
+    empty = sched.submit(Request([], GenerationSettings(max_tokens=2)))
+    (ev,) = _collect(too_long)
+    assert isinstance(ev, Failed) and ev.code == "context_length_exceeded"
+    assert "9000 tokens" in ev.message and "8192" in ev.message
+    (ev,) = _collect(empty)
+    assert isinstance(ev, Failed) and ev.code == "invalid_request"
+    sched.close()
+    with pytest.raises(Exception, match="shutting down"):
+        sched.submit(Request([1, 2], GenerationSettings(max_tokens=2)))
+
+
+def test_logprobs_follow_the_chosen_token(default_model):
+    sched = Scheduler(default_model)
+    h = sched.submit(
+        Request(_ids(default_model, QUESTIONS[0]), GenerationSettings(max_tokens=4), logprobs=3)
+    )
+    deltas = [e for e in _collect(h) if isinstance(e, TokenDelta) and e.token >= 0]
+    assert deltas
+    for d in deltas:
+        assert len(d.top_logprobs) == 3
+        best_token, best_lp = d.top_logprobs[0]
+        assert best_token == d.token  # greedy: the best alternative is the one chosen
+        assert d.logprob == pytest.approx(best_lp) and d.logprob <= 0
+        assert d.top_logprobs[1][1] <= best_lp

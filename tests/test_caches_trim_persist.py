@@ -172,7 +172,6 @@ def test_load_refuses_foreign_files(tmp_path):
         load_caches(tmp_path / "junk.safetensors", META)
 
 
-
 def _arrays(tree) -> list:
     from mlx.utils import tree_flatten
 

@@ -55,18 +55,21 @@ def generate(checkout: Path, flags: list[str], max_tokens: int, env: dict) -> di
     return json.loads(_run(checkout, args, env).strip().splitlines()[-1])
 
 
-def batch(checkout: Path, flags: list[str], batch_size: int, max_tokens: int, env: dict) -> dict:
+def batch(
+    checkout: Path, flags: list[str], lines: int, batch_size: int, max_tokens: int, env: dict
+) -> dict:
+    prompts = BATCH_PROMPTS[:lines]
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "in.jsonl", Path(d) / "out.jsonl"
         src.write_text(
-            "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(BATCH_PROMPTS))
+            "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
         )
         args = ["batch", str(src), "-o", str(dst), "--stats", "--no-progress"]
         args += ["--batch-size", str(batch_size), "--max-tokens", str(max_tokens), *flags]
         return json.loads(_run(checkout, args, env).strip().splitlines()[-1])
 
 
-def measure(sides: dict[str, Path], rounds: int, max_tokens: int, env: dict) -> dict:
+def measure(sides: dict[str, Path], rounds: int, max_tokens: int, lines: int, env: dict) -> dict:
     """{policy: {side: {metric: [values]}}}, interleaved A-B then B-A."""
     names = list(sides)
     res: dict = {p: {n: {} for n in names} for p in POLICIES}
@@ -79,9 +82,9 @@ def measure(sides: dict[str, Path], rounds: int, max_tokens: int, env: dict) -> 
                 cell.setdefault("prefill_tps", []).append(g["prompt_tps"])
                 cell.setdefault("decode_tps", []).append(g["generation_tps"])
                 cell.setdefault("decode_tokens", []).append(g["generation_tokens"])
-                b = batch(sides[name], flags, len(BATCH_PROMPTS), max_tokens, env)
+                b = batch(sides[name], flags, lines, lines, max_tokens, env)
                 cell.setdefault("batch_tps", []).append(b["generation_tps"])
-                one = batch(sides[name], flags, 1, max_tokens, env)
+                one = batch(sides[name], flags, lines, 1, max_tokens, env)
                 cell.setdefault("one_by_one_tps", []).append(one["generation_tps"])
             print(f"round {r + 1}/{rounds} {policy} done", file=sys.stderr, flush=True)
     return res

@@ -38,6 +38,7 @@ from mlxkv.caches.streaming import (
     DEFAULT_REBASE_EVERY,
     QuantizedStreamingKVCache,
     StreamingKVCache,
+    evicted_after,
 )
 
 
@@ -278,8 +279,7 @@ class BatchedKVCache(BatchRowCounters):
             put = mx.put_along_axis(self.sink_keys, sidx, keys, axis=2)
             self.sink_keys = mx.where(young, put, self.sink_keys)
         for b, t in enumerate(ts):
-            if self.window is not None:
-                self.evicted[b] = max(self.evicted[b], t + 1 - S - self.window)
+            self.evicted[b] = evicted_after(t, S, self.window, self.evicted[b])
             self.n[b] = t + 1
         self._set_sink_shifts()
         out = self._fetch()

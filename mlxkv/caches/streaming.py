@@ -124,6 +124,28 @@ def prefill_chunk(caches, step: int) -> int:
     return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
 
 
+def evicted_after(t: int, sinks: int, window: int | None, before: int) -> int:
+    """Tokens a sink + window cache has evicted once token ``t`` is in (never fewer than
+    ``before``, its count so far): also the shift its sink keys need. Single and batched
+    caches (one row at a time) all count with this."""
+    if window is None:
+        return 0
+    return max(before, t + 1 - sinks - window)
+
+
+def check_sink_window(window: int | None, sinks: int, rotation) -> None:
+    """The constructor checks every sink + window cache shares."""
+    if window is None and sinks:
+        raise ValueError("sinks need a window")
+    if sinks and rotation is None:
+        raise ValueError("sinks need the layer's rotation to be re-positioned")
+
+
+def default_rebase_every(window: int | None, sinks: int) -> int | None:
+    """How many evictions a cache lets pass before it rebases its positions."""
+    return None if window is None else max(sinks + window, DEFAULT_REBASE_EVERY)
+
+
 def sink_copies_mask(S: int, m: int, t: mx.array, copy: mx.array, window_size) -> mx.array:
     """Which of the S sinks' ``m`` rotated copies (laid out sink-major) the queries at
     absolute positions ``t`` (a column) see: sink j when it is not in their future, and
@@ -181,15 +203,12 @@ class StreamingKVCache(SinkWindowCounters):
         reserve: int = 0,
         value_store=None,
     ):
-        if window is None and sinks:
-            raise ValueError("sinks need a window")
-        if sinks and rotation is None:
-            raise ValueError("sinks need the layer's rotation to be re-positioned")
+        check_sink_window(window, sinks, rotation)
         self.window = window
         self.sinks = sinks
         self.rotation = rotation
-        if rebase_every is None and window is not None:
-            rebase_every = max(sinks + window, DEFAULT_REBASE_EVERY)
+        if rebase_every is None:
+            rebase_every = default_rebase_every(window, sinks)
         self.rebase_every = rebase_every
         self.kstore = store or st.FloatStore()
         self.vstore = value_store or (st.FloatStore() if store is None else store)
@@ -249,7 +268,7 @@ class StreamingKVCache(SinkWindowCounters):
     # ---- the arithmetic of positions ----
     def _d(self, t: int, e0: int) -> int:
         """Evicted count (= sink shift) once token ``t`` is in, starting from ``e0``."""
-        return max(e0, t + 1 - self.sinks - self.window)
+        return evicted_after(t, self.sinks, self.window, e0)
 
     def _temporal(self, P: int, N: int) -> bool:
         return self.window is None or (self._evicted == 0 and P + N <= self.limit)

@@ -203,14 +203,19 @@ def _load_beside_runtime(lib: Path, runtime: Path, threads: int | None) -> str |
     name the runtime asks for). The loader resolves ``$ORIGIN`` without following symlinks,
     so it finds them there. The folder is removed once loaded; the loaded libraries stay,
     and MLX's own LAPACK later finds that runtime already loaded under its own name."""
-    links = {p.name: p for p in runtime.parent.iterdir() if p.is_file()}
-    links.setdefault("libgfortran.so.5", runtime)
-    links[lib.name] = lib
-    folder = Path(tempfile.mkdtemp(prefix="mlxkv-blas-"))
+    try:
+        links = {p.name: p for p in runtime.parent.iterdir() if p.is_file()}
+        links.setdefault("libgfortran.so.5", runtime)
+        links[lib.name] = lib
+        folder = Path(tempfile.mkdtemp(prefix="mlxkv-blas-"))
+    except OSError as e:
+        return f"cannot set up its Fortran runtime ({e})"
     try:
         for name, target in links.items():
             (folder / name).symlink_to(target)
         why = _load_as(folder / lib.name, threads)
+    except OSError as e:
+        why = f"cannot set up its Fortran runtime ({e})"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return why.replace(str(folder / lib.name), str(lib)) if why else None

@@ -13,7 +13,10 @@ Intended differences from mlx-lm's caches, each checked here:
   raises).
 * A KIVI cache's ``keys_and_values()`` returns what its last update returned (packed after a
   decoding step, as mlx-lm's ``QuantizedKVCache`` does; dense after a prefill chunk): the
-  layout its mask describes, which KV-shared layers (gemma3n, afm7) attend over.
+  layout its mask describes, which gemma3n's KV-shared layers attend over through
+  ``cache.attend``. afm7's KV-reuse layers call mlx-lm's attention with no cache and take
+  their query positions from the number of keys, which only a temporal layout gives: afm7
+  is refused under KIVI keys and runs with ``rotated`` or ``plain`` ones.
 * ``state`` is a dict of named arrays and scalars, not mlx-lm's sequence (``state[0]`` raises
   KeyError; ``state["keys"]``): the names let a file say what it holds (quantization,
   rotation, counters) and older files still load. mlx-lm's ``save_prompt_cache`` and
@@ -38,7 +41,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models import base, llama
+from mlx_lm.models import afm7, base, llama
 from mlx_lm.models.cache import (
     can_trim_prompt_cache,
     load_prompt_cache,
@@ -347,3 +350,34 @@ def test_quantized_caches_have_no_bits_and_attention_is_routed(model, policy):
     got = routed_attention(q, keys, values, cache=c, scale=0.25, mask=mask)
     want = c.attend(q, keys, values, scale=0.25, mask=mask)
     assert mx.array_equal(got, want)
+
+
+def _tiny_afm7():
+    mx.random.seed(0)
+    args = afm7.ModelArgs(
+        model_type="afm7",
+        vocab_size=128,
+        hidden_dim=128,
+        num_layers=3,
+        num_kv_reuse_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    model = afm7.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_afm7_kv_reuse_layers_refuse_kivi_and_run_per_token_keys():
+    model = _tiny_afm7()
+    with pytest.raises(PolicyError, match="^afm7: .*drop --kv-bits$"):
+        check_policy(model, KVPolicy(bits=8, group_size=32))
+    tokens = [(7 * i + 3) % 128 for i in range(70)]
+    full = feed(model, tokens, make_caches(model, KVPolicy()), [70])
+    for scheme in ("rotated", "plain"):
+        policy = KVPolicy(bits=8, group_size=32, key_scheme=scheme)
+        check_policy(model, policy)
+        chunked = feed(model, tokens, make_caches(model, policy), [40, 1, 29])
+        stepped = feed(model, tokens, make_caches(model, policy), [1] * 70)
+        assert mx.abs(chunked - stepped).max().item() < 1e-4, scheme
+        assert mx.abs(chunked - full).max().item() < 0.1 * mx.abs(full).max().item(), scheme

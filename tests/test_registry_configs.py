@@ -23,7 +23,11 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parent.parent
 ALIASES = list(tomllib.loads((ROOT / "models.toml").read_text())["models"])
 # ".invalid" never resolves (RFC 2606): a hub that cannot be reached at all
-NO_HUB = {"HF_ENDPOINT": "https://hub.invalid", "HF_HUB_OFFLINE": "0"}
+NO_HUB = {
+    "HF_ENDPOINT": "https://hub.invalid",
+    "HF_HUB_OFFLINE": "0",
+    **{proxy: "" for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")},
+}
 
 
 @pytest.fixture

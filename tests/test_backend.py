@@ -228,3 +228,23 @@ def test_a_library_without_unprefixed_cblas_is_refused():
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert out.stderr.startswith(f"mlxkv: error: MLXKV_BLAS={libm}: cannot use ")
     assert "exports no cblas_sgemm" in out.stderr
+
+
+@pytest.mark.skipif(not WHEEL_PLATFORM, reason="the OpenBLAS wheel is a Linux x86-64 dependency")
+@pytest.mark.parametrize("dist", ["mlx-cpu", "numpy"])
+def test_either_wheels_fortran_runtime_serves(dist):
+    """The runtime comes from the mlx-cpu wheel, else numpy's: each one loads the OpenBLAS."""
+    if backend._wheel_file(dist, "libgfortran", ".so.5") is None:
+        pytest.skip(f"{dist} bundles no libgfortran here")
+    code = (
+        "from mlxkv import backend; "
+        f"backend.fortran_runtime = lambda: backend._wheel_file({dist!r}, 'libgfortran', '.so.5'); "
+        + PICKED
+    )
+    out = _py(code, MLXKV_BLAS="")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    picked, *mapped = out.stdout.splitlines()
+    assert "ngsolve_openblas" in picked
+    fortran = [m for m in mapped if "gfortran" in m]
+    libs = dist.replace("-", "_") + ".libs"
+    assert fortran and all(f"/{libs}/" in m for m in fortran), fortran

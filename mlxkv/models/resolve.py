@@ -251,13 +251,21 @@ def _resolve(model, offline_ok, on_status) -> ResolvedModel:
         ) from None
 
 
-def _hub_config(repo: str) -> Path:
-    """config.json of a hub repo: the local HF cache first, else a download of that file."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+def _cached_config(repo: str) -> Path | None:
+    """config.json of a hub repo in the local Hugging Face cache (beside its weights)."""
+    from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo, "config.json")
-    if isinstance(cached, str):
-        return Path(cached)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _hub_config(repo: str) -> Path:
+    """config.json of a hub repo: the local HF cache first, else a download of that file."""
+    from huggingface_hub import hf_hub_download
+
+    cached = _cached_config(repo)
+    if cached is not None:
+        return cached
     why = hub_unreachable()
     if why:
         raise UserError(
@@ -291,7 +299,8 @@ def resolve_config(model: str) -> ModelSource:
             check_model_folder(local)
             return from_path(local, name=model, how="alias (local copy)")
         shipped = registry.shipped_config(entry.hf_repo)
-        if shipped is not None:  # offline at once; the hub only for safetensors sizes
+        if shipped is not None and _cached_config(entry.hf_repo) is None:
+            # offline at once; the hub (if any) only for the safetensors sizes
             src = from_path(shipped, name=model, how=f"alias ({entry.hf_repo}, shipped config)")
             repo = None if hub_unreachable() else entry.hf_repo
             return ModelSource(src.name, src.config, None, repo, src.how)

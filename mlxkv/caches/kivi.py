@@ -44,6 +44,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Rotation
 from mlxkv.caches.streaming import (
     SINK_PREFILL_CHUNK,
@@ -118,6 +119,10 @@ class KiviKVCache(SinkWindowCounters):
     """Sinks + window (or a full cache) with KIVI keys and per-token quantized values."""
 
     scheme = "kivi"
+    # True where other layers read this cache (KV-shared models, see make_caches): then a
+    # prefill chunk's dense keys and values are kept for keys_and_values() until the next
+    # update. Elsewhere they are not, so they are freed as soon as attention has used them.
+    shared = False
 
     def __init__(
         self,
@@ -143,6 +148,7 @@ class KiviKVCache(SinkWindowCounters):
         self.sink_keys = None  # (B, H, S, D), rotated at positions 0..S-1
         self._n = self._evicted = self._base = 0
         self._fetched = None
+        self._last = None  # what the last update returned (keys_and_values)
 
     def empty(self) -> bool:
         return self.values is None
@@ -342,9 +348,11 @@ class KiviKVCache(SinkWindowCounters):
         if P < S:  # sink tokens: full precision keys, values in slots [0, S)
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
             st.write(self.values, P, self.vstore.encode(values[..., : S - P, :]))
-        if N == 1:
-            return self._decode_step(keys, values)
-        return self._chunk(keys, values)
+        self._last = None
+        out = self._decode_step(keys, values) if N == 1 else self._chunk(keys, values)
+        if N == 1 or self.shared:  # a step's output is the cache's own buffers: free to keep
+            self._last = out
+        return out
 
     def _decode_step(self, keys, values):
         t, S, G = self._n, self.sinks, self.group_size
@@ -490,6 +498,24 @@ class KiviKVCache(SinkWindowCounters):
         cuts = sorted(cuts)
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
+    def keys_and_values(self):
+        """What the last ``update_and_fetch`` returned, the layout its mask describes: the
+        packed ring and values after a decoding step (as mlx-lm's ``QuantizedKVCache`` hands
+        out packed triples), dense keys and values after a prefill chunk. A KV-shared layer
+        (gemma3n, afm7) reads it and attends with its own queries through :meth:`attend`,
+        which computes exactly what the layer that wrote the cache computed."""
+        if self._last is not None or self.empty():
+            return self._last if self._last is not None else (None, None)
+        if self._fetched is not None and self._fetched[0] == "dense":
+            raise CacheError(
+                "keys_and_values() after a prefill chunk of a KIVI cache not built as shared "
+                "(make_caches marks the caches of KV-shared models)"
+            )
+        raise CacheError(
+            "keys_and_values() of a KIVI cache before its first update since it was "
+            "loaded or trimmed (only an update's own layout has a mask)"
+        )
+
     # ---- trim ----
     def trimmable(self) -> int:
         """Tokens that can be removed exactly: those in the residual (the group being filled),
@@ -506,6 +532,7 @@ class KiviKVCache(SinkWindowCounters):
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.trimmable()))
         self._n -= n
+        self._last = None
         if self._n == 0:
             self.ring = self.residual = self.values = self.sink_keys = None
             return n
@@ -564,7 +591,7 @@ class KiviKVCache(SinkWindowCounters):
         vals = v["values"]
         self.values = tuple(vals) if isinstance(vals, list) else vals
         self.residual, self.sink_keys = v["residual"], v["sink_keys"]
-        self._fetched = None
+        self._fetched = self._last = None
 
     @classmethod
     def for_policy(cls, policy, rotation=None, rebase_every=None) -> KiviKVCache:

@@ -189,6 +189,14 @@ class SinkWindowCounters(_BaseCache):
     def limit(self) -> int | None:
         return None if self.window is None else self.sinks + self.window
 
+    @classmethod
+    def from_state(cls, state):
+        """A new cache from ``state`` (mlx-lm's protocol), holding its own arrays: a cache
+        writes into its buffers in place (slice assignment), so sharing them with the cache
+        the state came from would let either one's later tokens leak into the other."""
+        own = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
+        return super().from_state(own)
+
 
 class StreamingKVCache(SinkWindowCounters):
     """S attention sinks + a window of W tokens (or everything when ``window`` is None)."""
@@ -241,7 +249,10 @@ class StreamingKVCache(SinkWindowCounters):
         """Attention of ``queries`` over what the last ``update_and_fetch`` returned: dense
         arrays take the fused kernel (queries moved into the key store's frame), the packed
         store the products of :func:`mlxkv.caches.attention.attention`."""
-        q = self.kstore.queries(queries)
+        # keys_and_values() hands out dense keys in the model's frame: a KV-shared layer's
+        # call passes them back (the id only, held until the next update: no dense copy kept)
+        handed = id(keys) == getattr(self, "_handed", None)
+        q = queries if handed else self.kstore.queries(queries)
         if not isinstance(keys, st.TRIPLE) and not isinstance(values, st.TRIPLE):
             return mx.fast.scaled_dot_product_attention(
                 q, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -369,6 +380,7 @@ class StreamingKVCache(SinkWindowCounters):
         P, S = self._n, self.sinks
         self._dense = N > 1 and self.quantized
         self._chunk_layout = False
+        self._handed = None
         if P < S:  # sink tokens keep their original rotation in the side copy
             self._ahead.clear()
             self._ensure(keys, values, min(P + N, self.limit))
@@ -568,7 +580,9 @@ class StreamingKVCache(SinkWindowCounters):
                 [st.take(self.values, 0, S)]
                 + [st.take(self.values, a, a + n) for a, n, _ in ranges]
             )
-        return self.kstore.restore(k), self.vstore.restore(v)
+        out = self.kstore.restore(k), self.vstore.restore(v)
+        self._handed = id(out[0])
+        return out
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """The same cache (window, sinks, positions) with keys and values stored at ``bits``

@@ -13,9 +13,11 @@ One step:
 1. Admit new requests: check the policy against the model (once per policy) and the
    prompt against the model's context; refuse with a ``Failed`` event.
 2. Drop cancelled requests: their rows leave their batch now.
-3. Prefill one chunk of the oldest waiting request whose batch has room (chunk sizes from
-   the caches, exactly as a single sequence prefills). The prompt's last chunk ends with
-   its last token and gives the first answer token; the request then joins its group.
+3. Prefill the oldest waiting requests whose batch has room, chunk by chunk (chunk sizes
+   from the caches, exactly as a single sequence prefills), until the round's budget of
+   prompt tokens is spent: one long prompt's chunk, or several short prompts. A prompt's
+   last chunk ends with its last token and gives the first answer token; the request then
+   joins its group.
 4. Decode one token for every group. A group is the requests under one policy: a lone
    request decodes on its own single-sequence caches; when a second joins they merge into
    the policy's batched caches (:mod:`mlxkv.caches.batched`), where every row keeps its
@@ -154,6 +156,7 @@ class _Group:
     rows: list[_Job] = field(default_factory=list)
     caches: list | None = None  # batched caches once two rows have met
     inputs: object = None  # (rows,) the tokens the next step feeds, sampled a step ahead
+    kv_bytes: tuple[int, int, int] | None = None  # (step, actual, predicted) of the batch
 
 
 class Scheduler:
@@ -166,6 +169,7 @@ class Scheduler:
         max_batch: int = 16,
         share_prefix: bool = True,
         observer: Callable[[KVPolicy, list], None] | None = None,
+        prefill_budget: int = 512,  # prompt tokens a round prefills before it decodes
     ):
         if max_batch < 1:
             raise UserError(f"--max-batch must be at least 1, got {max_batch}")
@@ -173,6 +177,7 @@ class Scheduler:
         self.policy = policy or KVPolicy()
         self.max_batch = max_batch
         self.share_prefix = share_prefix
+        self.prefill_budget = prefill_budget
         self.observer = observer  # sees every batched decode step's caches (opt-in checks)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -267,11 +272,20 @@ class Scheduler:
             raise
 
     def step(self) -> bool:
-        """One round: admit, drop cancelled, one prefill chunk, one token per group.
-        Returns False when there was nothing to do."""
+        """One round: admit, drop cancelled, prefill up to ``prefill_budget`` prompt
+        tokens (at least one chunk; several short prompts start in the same round), one
+        token per group. Returns False when there was nothing to do."""
         self._admit()
         self._drop_cancelled()
-        worked = self._prefill_one()
+        worked, spent = False, 0
+        while spent < self.prefill_budget:
+            job = self._prefilling
+            if job is not None and job.handle.cancelled:
+                break  # dropped at the start of the next round
+            fed = self._prefill_one()
+            if not fed:
+                break
+            worked, spent = True, spent + fed
         for group in list(self._groups.values()):
             self._guarded(group.rows, lambda g=group: self._decode(g))
             worked = True
@@ -425,19 +439,22 @@ class Scheduler:
             job.group = None
 
     # -- prefill -------------------------------------------------------------------------------
-    def _prefill_one(self) -> bool:
+    def _prefill_one(self) -> int:
+        """One prefill chunk of the oldest request whose group has room; returns the
+        prompt tokens it fed (at least 1 when it did any work, 0 when none was waiting)."""
         job = self._prefilling
         if job is None:
             job = next((j for j in self._waiting if self._has_room(j)), None)
             if job is None:
-                return False
+                return 0
             self._waiting.remove(job)
             self._prefilling = job
             self._guarded([job], lambda: self._start(job))
             if self._prefilling is not job:
-                return True
+                return 1
+        before = job.done
         self._guarded([job], lambda: self._prefill_chunk(job))
-        return True
+        return max(job.done - before, 1)
 
     def _start(self, job: _Job) -> None:
         """Give ``job`` its caches (reusing what its session or a shared prefix holds)."""
@@ -696,14 +713,17 @@ class Scheduler:
         seen = c.n[row] if c is not None else 0
         limit = c.limit if c is not None else None
         kept = seen if limit is None else min(seen, limit)
-        layout = self.loaded.layout
-        predicted = batch_allocated(layout, g.policy, list(c.n) if c else [], self.loaded.dtype)
+        if g.kv_bytes is None or g.kv_bytes[0] != self.steps:  # once per step, not per row
+            rows_seen = list(c.n) if c is not None else []
+            predicted = batch_allocated(self.loaded.layout, g.policy, rows_seen, self.loaded.dtype)
+            g.kv_bytes = (self.steps, sum(x.nbytes for x in g.caches), predicted)
+        _, actual, predicted = g.kv_bytes
         return replace(
             stats,
             kv_tokens=kept,
             kv_evicted=seen - kept,
             kv_tokens_seen=seen,
-            kv_bytes_actual=sum(x.nbytes for x in g.caches),
+            kv_bytes_actual=actual,
             kv_bytes_predicted=predicted,
             active_memory=mx.get_active_memory(),
             peak_memory=mx.get_peak_memory(),

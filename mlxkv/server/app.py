@@ -317,7 +317,8 @@ def _raise_failed(ev, ask: Ask) -> None:
 
 
 def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 def _log(env: Envelope, ask: Ask, choices: list[Choice]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from mlxkv.commands.common import (
@@ -163,4 +164,9 @@ def run(args) -> int:
     finally:
         sock.close()
     status("server stopped")
-    return 0
+    # Everything is closed and flushed: leave now. The interpreter's own exit can abort
+    # ("terminate called without an active exception") once the scheduler's thread has
+    # run the model, which would turn a clean stop into exit status 134.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

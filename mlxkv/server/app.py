@@ -161,7 +161,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             if not streaming:
                 gone.stop()
                 bridge.finish(run)
-                _log(env, ask, choices)
+                _log(env, ask, choices, run)
 
     async def _sse(run: Run, first, env: Envelope, ask: Ask, choices: list[Choice]):
         usage = ask.include_usage
@@ -190,7 +190,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             yield _data(e.body())
         finally:
             bridge.finish(run)
-            _log(env, ask, choices)
+            _log(env, ask, choices, run)
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, "chat")
@@ -321,8 +321,15 @@ def _data(obj: dict) -> str:
     return f"data: {text}\n\n"
 
 
-def _log(env: Envelope, ask: Ask, choices: list[Choice]) -> None:
+def _log(env: Envelope, ask: Ask, choices: list[Choice], run: Run) -> None:
     done = [c for c in choices if c.stats is not None]
+    if run.open:
+        tokens = sum(len(c.text) for c in choices)
+        print(
+            f"mlxkv: {env.id} ended after {tokens} tokens, unfinished: its rows are cancelled",
+            file=sys.stderr,
+            flush=True,
+        )
     if not done:
         return
     s = done[0].stats

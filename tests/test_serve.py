@@ -287,6 +287,20 @@ def test_a_closed_stream_frees_its_row(server):
     assert re.search(r"cmpl-\w+ ended after \d+ tokens, unfinished", server.log())
 
 
+def test_a_client_that_stops_waiting_frees_its_row(server):
+    """Not streaming: the client gives up while the whole answer is being made."""
+    before = server.wait_idle()["requests_finished"]
+    cut = re.compile(r"cmpl-\w+ ended after (\d+) tokens, unfinished")
+    seen = len(cut.findall(server.log()))
+    body = {"prompt": COUNTING, "max_tokens": 4000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=3))
+    after = server.wait_idle()
+    assert after["requests_finished"] == before + 1
+    found = cut.findall(server.log())
+    assert len(found) == seen + 1 and int(found[-1]) < 4000
+
+
 def _post(server, body, path="/v1/chat/completions", **kw) -> httpx.Response:
     if isinstance(body, bytes):
         return server.http("POST", path, content=body, **kw)

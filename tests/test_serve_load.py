@@ -76,7 +76,7 @@ def test_sixty_four_streaming_clients_for_a_minute(tmp_path):
             model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
         )
         assert r.usage.completion_tokens == 3
-        assert server.wait_idle()["max_rows_in_a_step"] == 16
+        assert server.wait_idle()["max_rows_in_a_step"] > 1  # answers were batched
     finally:
         code = server.stop()
     assert code == 0

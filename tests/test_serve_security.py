@@ -36,6 +36,8 @@ def server(tmp_path_factory):
         "0",
         "--shutdown-timeout",
         "20",
+        "--kv-bits",
+        "4",  # the server's default policy
         env={"MLXKV_API_KEY": KEY},
         key=KEY,
     )
@@ -99,6 +101,8 @@ def test_the_key_is_required(server):
         model="smollm2-135m", messages=MSG, max_tokens=2, temperature=0
     )
     assert r.usage.completion_tokens == 2
+    assert r.usage.model_extra["mlxkv"]["policy"] == "full, 4-bit (group 64), kivi keys"
+    assert server.status()["policy"] == "full, 4-bit (group 64), kivi keys"
 
 
 def test_a_body_over_the_limit_gets_413(server):

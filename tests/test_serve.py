@@ -395,6 +395,22 @@ def test_the_openai_client_sees_the_errors(server):
     assert "tool calling is not supported" in e.value.message
 
 
+def test_without_a_key_only_this_machine_is_served(server):
+    """A web page elsewhere (its Origin) or a DNS name rebound to 127.0.0.1 (its Host)."""
+    for headers in (
+        {"Host": "evil.example:8080"},
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+    ):
+        r = server.http("POST", "/v1/chat/completions", headers=headers, json={"messages": MSG})
+        assert r.status_code == 403, headers
+        err = r.json()["error"]
+        assert err["code"] == "forbidden_origin"
+        assert err["message"].startswith("this server has no API key, so it answers this machine")
+    for headers in ({"Host": "localhost:1"}, {"Origin": "http://127.0.0.1:3000"}):
+        assert server.http("GET", "/v1/models", headers=headers).status_code == 200
+
+
 def test_models_health_and_status(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]

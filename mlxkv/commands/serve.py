@@ -75,7 +75,7 @@ def add_arguments(p) -> None:
 
 def _check(args) -> str | None:
     """Refuse bad server flags before anything loads; returns the API key (or None)."""
-    from mlxkv.server.run import is_loopback
+    from mlxkv.server.local import is_loopback
 
     if args.model_arg is not None and args.model is not None:
         raise UserError("give the model once: as MODEL or as --model")

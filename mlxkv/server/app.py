@@ -22,6 +22,7 @@ from mlxkv.server.answers import Choice, Envelope, TokenText, chat_logprob
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
+from mlxkv.server.local import foreign_source
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
 
 ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health"
@@ -74,6 +75,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
 
     def check_auth(request: Request) -> None:
         if served.api_key is None:
+            check_local(request)
             return
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
@@ -85,6 +87,16 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 "missing or wrong API key: send the header 'Authorization: Bearer KEY' with "
                 "the key the server was started with (--api-key or MLXKV_API_KEY)",
                 code="invalid_api_key",
+            )
+
+    def check_local(request: Request) -> None:
+        why = foreign_source(request.headers.get("host"), request.headers.get("origin"))
+        if why is not None:
+            raise APIError(
+                403,
+                f"this server has no API key, so it answers this machine only ({why}); "
+                "start it with --api-key to take requests from elsewhere",
+                code="forbidden_origin",
             )
 
     async def read_body(request: Request) -> bytes:

@@ -4,7 +4,6 @@ let the answers in flight finish for a bounded time, cut the rest with an error,
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import signal
 import socket
 import threading
@@ -14,15 +13,6 @@ import uvicorn
 
 from mlxkv.errors import UserError
 from mlxkv.server.bridge import Bridge
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -1,13 +1,19 @@
-"""Prefill speed of the default model under each BLAS MLX can use on Linux.
+"""Prefill speed of the default model under each BLAS source MLX can use on Linux.
+
+A variant is a label and the environment it runs with, e.g. ``"ngsolve MLXKV_BLAS=ngsolve"``
+or ``"mkl MLXKV_BLAS=/path/libmkl_rt.so.3 MKL_THREADING_LAYER=SEQUENTIAL"``. Defaults:
 
 reference = the mlx[cpu] wheel's netlib BLAS (MLXKV_BLAS=reference)
-cmeel     = libopenblas.so from the cmeel-openblas wheel (MLXKV_BLAS=cmeel, no apt)
-system    = Debian's libopenblas0-pthread (MLXKV_BLAS=system)
+ngsolve   = the ngsolve-openblas wheel, Fortran runtime from the mlx-cpu wheel (the default)
+cmeel     = the cmeel-openblas wheel as installed (needs the system's libgfortran.so.5)
 
 Each measurement is a fresh ``mlxkv generate --json`` process, exactly what a user runs;
-the three BLAS run interleaved in every round (so a busy machine slows them alike), and
-the table gives medians over rounds with the load average seen during the runs.
-Usage: python benchmarks/blas_prefill.py [--rounds 5] [--long]
+the variants run interleaved in every round (so a busy machine slows them alike), and the
+table gives medians over rounds with the load average seen during the runs. A variant that
+cannot load is reported with its one-line error. ``--fresh-libs TOOL`` runs every process
+under ../shared/tools/fresh-libs (Debian's OpenBLAS and Fortran runtime hidden).
+
+Usage: python benchmarks/blas_prefill.py [--rounds 5] [--fresh-libs TOOL] [--variant ...]
 """
 
 from __future__ import annotations
@@ -19,57 +25,63 @@ import statistics
 import subprocess
 import sys
 
-BLAS = ("reference", "cmeel", "system")
 README_PROMPT = "What is the capital of France?"  # the README's first command
-LONG_PROMPT = (
-    "It is a truth universally acknowledged, that a single man in possession of a good "
-    "fortune, must be in want of a wife. "
-) * 20
+VARIANTS = (
+    "reference MLXKV_BLAS=reference",
+    "ngsolve MLXKV_BLAS=ngsolve",
+    "cmeel MLXKV_BLAS=cmeel",
+)
 
 
-def run(blas: str, prompt: str) -> dict:
-    env = {**os.environ, "MLXKV_BLAS": blas}
-    cmd = [sys.executable, "-m", "mlxkv", "generate", "--json", "--max-tokens", "8"]
-    out = subprocess.run([*cmd, "--prompt", prompt], capture_output=True, text=True, env=env)
+def run(variant: str, wrap: list[str]) -> dict | str:
+    """One ``mlxkv generate --json`` run: its result, or its last stderr line if it failed."""
+    _, *pairs = variant.split()
+    env = {k: v for k, v in os.environ.items() if k != "MLXKV_BLAS"}
+    env.update(kv.split("=", 1) for kv in pairs)
+    cmd = [*wrap, sys.executable, "-m", "mlxkv", "generate", "--json", "--temp", "0"]
+    out = subprocess.run([*cmd, "--prompt", README_PROMPT], capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        raise SystemExit(f"{blas}: {out.stderr.strip().splitlines()[-1]}")
+        return (out.stderr.strip().splitlines() or ["no output"])[-1]
     return json.loads(out.stdout)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--long", action="store_true", help="also a ~280-token prompt")
+    ap.add_argument("--fresh-libs", help="path of shared/tools/fresh-libs to run under")
+    ap.add_argument("--variant", action="append", help="'LABEL [ENV=VALUE ...]'")
     args = ap.parse_args()
-    prompts = {"README prompt": README_PROMPT}
-    if args.long:
-        prompts["long prompt"] = LONG_PROMPT
-    tps = {(b, p): [] for b in BLAS for p in prompts}
-    tokens, loads, libs = {}, [], {}
+    variants = args.variant or list(VARIANTS)
+    wrap = ["bash", args.fresh_libs] if args.fresh_libs else []
+    tps = {v: [] for v in variants}
+    info, loads = {}, []
     for r in range(args.rounds):
-        for name, prompt in prompts.items():
-            for b in BLAS:
-                res = run(b, prompt)
-                tps[b, name].append(res["prompt_tps"])
-                tokens[name], libs[b] = res["prompt_tokens"], res["blas"]
-                loads.append(os.getloadavg()[0])
-                print(f"round {r + 1} {name} {b}: {res['prompt_tps']:.1f} tok/s", file=sys.stderr)
+        for v in variants:
+            res = run(v, wrap)
+            loads.append(os.getloadavg()[0])
+            if isinstance(res, str):
+                info[v] = res
+                print(f"round {r + 1} {v}: failed: {res}", file=sys.stderr)
+                continue
+            tps[v].append(res["prompt_tps"])
+            info.setdefault(v, (res["blas"], res["blas_threads"], res["prompt_tokens"]))
+            print(f"round {r + 1} {v}: {res['prompt_tps']:.1f} tok/s", file=sys.stderr)
     print(
         f"load average (1 min) during the runs: median {statistics.median(loads):.1f}, "
-        f"min {min(loads):.1f}, max {max(loads):.1f}; {os.cpu_count()} CPUs\n"
+        f"min {min(loads):.1f}, max {max(loads):.1f}; {os.cpu_count()} CPUs"
+        + ("; under fresh-libs" if wrap else "")
+        + "\n"
     )
-    print(
-        "| BLAS | library | "
-        + " | ".join(f"{n} ({tokens[n]} tokens) prefill tok/s" for n in prompts)
-        + " |"
-    )
-    print("|---|---|" + "---:|" * len(prompts))
-    for b in BLAS:
-        cells = " | ".join(
-            f"{statistics.median(v):.1f} (min {min(v):.1f}, max {max(v):.1f})"
-            for v in (tps[b, n] for n in prompts)
-        )
-        print(f"| {b} | `{libs[b]}` | {cells} |")
+    print("| variant | BLAS in use (`blas`) | threads | README prompt prefill tok/s |")
+    print("|---|---|---:|---:|")
+    for v in variants:
+        label = v.split()[0]
+        if not tps[v]:
+            print(f"| {label} | does not load: {info[v]} | | |")
+            continue
+        blas, threads, _ = info[v]
+        cell = f"{statistics.median(tps[v]):.1f} ({min(tps[v]):.1f}-{max(tps[v]):.1f})"
+        print(f"| {label} | `{blas}` | {threads} | {cell} |")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,17 @@
 
 The mlx-cpu wheel bundles netlib's *reference* BLAS (about 7 GFLOP/s for an fp32 matmul).
 Loading an OpenBLAS with RTLD_GLOBAL before MLX is imported makes MLX's BLAS calls
-(``cblas_sgemm``, unprefixed) resolve to it instead. Two sources, no apt needed for the
-first: the ``cmeel-openblas`` wheel (a Linux dependency of mlxkv) and Debian's
-``libopenblas0-pthread`` where installed.
+(``cblas_sgemm``, unprefixed) resolve to it instead. Sources, in the order ``auto`` tries
+them: the ``ngsolve-openblas`` wheel (a Linux x86-64 dependency of mlxkv; no apt step), the
+``cmeel-openblas`` wheel where installed, Debian's ``libopenblas0-pthread`` where installed.
+
+Both wheels' OpenBLAS need the Fortran runtime (``libgfortran.so.5``), which a fresh
+machine does not have; the mlx-cpu and numpy wheels each bundle one under a hashed name.
+ngsolve-openblas looks for its runtime beside itself (RPATH ``$ORIGIN``), so mlxkv loads it
+through a private temporary folder of symlinks that puts a bundled runtime there under the
+name the library asks for (:func:`_load_beside_runtime`). cmeel-openblas has no RPATH and
+loads only where the system has the runtime. ``scipy-openblas32`` needs no Fortran but
+exports prefixed names (``scipy_cblas_sgemm``) that MLX cannot bind to: refused below.
 
 Nothing happens on import: each entry point (the CLI, ``python -m mlxkv``, the test suite,
 bench workers) calls :func:`setup_blas` before anything imports MLX. This module must not
@@ -16,16 +24,19 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from mlxkv.errors import UserError
 
 OPENBLAS_INSTALL = "apt-get install libopenblas0-pthread"
-CHOICES = ("auto", "reference", "cmeel", "system")
-# auto: the first of these that loads. Order from docs/benchmarks.md (prefill, this machine).
-AUTO_ORDER = ("cmeel", "system")
+WHEEL_INSTALL = "pip install 'ngsolve-openblas==0.3.33.post1'"
+CHOICES = ("auto", "reference", "ngsolve", "cmeel", "system")
+# auto: the first of these that loads. Order from docs/benchmarks.md#blas-prefill-speed.
+AUTO_ORDER = ("ngsolve", "cmeel", "system")
 _state = {"blas": "reference", "threads": 1}
 
 
@@ -39,24 +50,46 @@ def system_openblas() -> Path | None:
     return None
 
 
-def cmeel_openblas() -> Path | None:
-    """libopenblas.so from the ``cmeel-openblas`` wheel, if installed in this environment."""
+def _wheel_file(dist: str, prefix: str, marker: str = ".so") -> Path | None:
+    """The first file of installed distribution ``dist`` whose name starts with ``prefix``
+    and contains ``marker``, or None."""
     from importlib import metadata
 
     try:
-        files = metadata.distribution("cmeel-openblas").files or []
+        files = metadata.distribution(dist).files or []
     except metadata.PackageNotFoundError:
         return None
     for f in files:
-        if f.name == "libopenblas.so.0" or f.name == "libopenblas.so":
+        if f.name.startswith(prefix) and marker in f.name:
             lib = Path(f.locate())
             if lib.is_file():
                 return lib
     return None
 
 
+def cmeel_openblas() -> Path | None:
+    """libopenblas.so from the ``cmeel-openblas`` wheel, if installed in this environment."""
+    return _wheel_file("cmeel-openblas", "libopenblas.so")
+
+
+def ngsolve_openblas() -> Path | None:
+    """libopenblasp-r*.so from the ``ngsolve-openblas`` wheel (DYNAMIC_ARCH), if installed."""
+    return _wheel_file("ngsolve-openblas", "libopenblas")
+
+
+def fortran_runtime() -> Path | None:
+    """A ``libgfortran.so.5`` that a wheel of this environment bundles (mlx-cpu, numpy)."""
+    for dist in ("mlx-cpu", "numpy"):
+        lib = _wheel_file(dist, "libgfortran", ".so.5")
+        if lib is not None:
+            return lib
+    return None
+
+
 def _find(source: str) -> Path | None:
-    return system_openblas() if source == "system" else cmeel_openblas()
+    return {"ngsolve": ngsolve_openblas, "cmeel": cmeel_openblas, "system": system_openblas}[
+        source
+    ]()
 
 
 # OpenBLAS build targets whose kernels need more than baseline x86-64 (a wheel built
@@ -129,18 +162,28 @@ def default_threads() -> int:
     return max(1, cores - others_running())
 
 
-def _load(lib: Path) -> str | None:
+def _load(lib: Path, beside: Path | None = None) -> str | None:
     """Load ``lib`` so its symbols serve MLX; None on success, else why not.
 
     Loaded privately first to ask OpenBLAS which CPU it was built for; made global (what
-    routes MLX's calls to it) only when this CPU can run it. Unless the user set
-    OPENBLAS_NUM_THREADS, its matmuls run on :func:`default_threads` threads."""
+    routes MLX's calls to it) only when this CPU can run it and it exports the unprefixed
+    ``cblas_sgemm`` MLX calls. ``beside``: a Fortran runtime to put beside it while it loads
+    (:func:`_load_beside_runtime`). Unless the user set OPENBLAS_NUM_THREADS, its matmuls
+    run on :func:`default_threads` threads."""
     # Counted before the library starts its own worker threads, which would count as busy.
     threads = None if os.environ.get("OPENBLAS_NUM_THREADS") else default_threads()
+    if beside is not None:
+        return _load_beside_runtime(lib, beside, threads)
+    return _load_as(lib, threads)
+
+
+def _load_as(lib: Path, threads: int | None) -> str | None:
     try:
         private = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
     except OSError as e:
         return str(e)
+    if not hasattr(private, "cblas_sgemm"):
+        return "it exports no cblas_sgemm, the name MLX calls (a prefixed build?)"
     missing = missing_cpu_features(private)
     if missing:
         return f"built for CPUs with {', '.join(missing)}, which this CPU lacks"
@@ -153,12 +196,48 @@ def _load(lib: Path) -> str | None:
     return None
 
 
+def _load_beside_runtime(lib: Path, runtime: Path, threads: int | None) -> str | None:
+    """Load ``lib``, whose RPATH is ``$ORIGIN``, with the Fortran runtime ``runtime`` found
+    beside it: a new private folder holds symlinks to ``lib``, to ``runtime`` as
+    ``libgfortran.so.5`` and to the files next to ``runtime`` (libquadmath, under the hashed
+    name the runtime asks for). The loader resolves ``$ORIGIN`` without following symlinks,
+    so it finds them there. The folder is removed once loaded; the loaded libraries stay,
+    and MLX's own LAPACK later finds that runtime already loaded under its own name."""
+    try:
+        links = {p.name: p for p in runtime.parent.iterdir() if p.is_file()}
+        links.setdefault("libgfortran.so.5", runtime)
+        links[lib.name] = lib
+        folder = Path(tempfile.mkdtemp(prefix="mlxkv-blas-"))
+    except OSError as e:
+        return f"cannot set up its Fortran runtime ({e})"
+    try:
+        for name, target in links.items():
+            (folder / name).symlink_to(target)
+        why = _load_as(folder / lib.name, threads)
+    except OSError as e:
+        why = f"cannot set up its Fortran runtime ({e})"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return why.replace(str(folder / lib.name), str(lib)) if why else None
+
+
+def _fallback_line(reasons: list[str]) -> str:
+    """The one stderr line that says MLX runs on the reference BLAS, why, and the fix."""
+    why = "; ".join(reasons) if reasons else "no OpenBLAS is installed"
+    fix = WHEEL_INSTALL if platform.machine() == "x86_64" else OPENBLAS_INSTALL
+    return (
+        f"mlxkv: warning: MLX's CPU matmuls use the reference BLAS, about 20x slower ({why}); "
+        f"fix: {fix} (MLXKV_BLAS=reference hides this line)"
+    )
+
+
 def setup_blas() -> str:
     """Route MLX's BLAS on Linux; returns the BLAS in use. Call before MLX is imported.
 
-    ``MLXKV_BLAS``: ``auto`` (default: an OpenBLAS, see AUTO_ORDER, else the wheel's),
-    ``reference`` (the mlx wheel's own), ``cmeel``, ``system`` or a library path.
-    Raises UserError naming the variable when it asks for something that cannot load."""
+    ``MLXKV_BLAS``: ``auto`` (default: an OpenBLAS, see AUTO_ORDER, else the reference BLAS
+    with one line on stderr that says why), ``reference`` (the mlx wheel's own),
+    ``ngsolve``, ``cmeel``, ``system`` or a library path. Raises UserError naming the
+    variable when it asks for something that cannot load."""
     choice = os.environ.get("MLXKV_BLAS", "").strip() or "auto"
     if not sys.platform.startswith("linux"):
         _state["blas"] = "accelerate" if sys.platform == "darwin" else "reference"
@@ -169,17 +248,25 @@ def setup_blas() -> str:
         _state["blas"] = "reference"
         return _state["blas"]
     if choice == "auto":
+        reasons = []
         for source in AUTO_ORDER:
             lib = _find(source)
-            if lib is not None and _load(lib) is None:
+            why = None if lib is None else _load(lib, _runtime_for(source))
+            if lib is not None and why is None:
                 _state["blas"] = str(lib)
-                break
+                return _state["blas"]
+            if lib is not None:
+                reasons.append(f"{source}: {why}")
+        print(_fallback_line(reasons), file=sys.stderr)
         return _state["blas"]
-    if choice in ("cmeel", "system"):
+    if choice in ("ngsolve", "cmeel", "system"):
         lib = _find(choice)
         if lib is None:
-            how = "pip install cmeel-openblas" if choice == "cmeel" else OPENBLAS_INSTALL
-            raise UserError(f"MLXKV_BLAS={choice}: that OpenBLAS is not installed ({how})")
+            how = {"ngsolve": WHEEL_INSTALL, "cmeel": "pip install cmeel-openblas"}
+            raise UserError(
+                f"MLXKV_BLAS={choice}: that OpenBLAS is not installed "
+                f"({how.get(choice, OPENBLAS_INSTALL)})"
+            )
     else:
         lib = Path(choice).expanduser()
         if not lib.is_file():
@@ -187,11 +274,16 @@ def setup_blas() -> str:
                 f"MLXKV_BLAS={choice}: no such library; use one of {', '.join(CHOICES)} "
                 "or the path of a BLAS .so"
             )
-    why = _load(lib)
+    why = _load(lib, _runtime_for(choice))
     if why:
         raise UserError(f"MLXKV_BLAS={choice}: cannot use {lib}: {why}")
     _state["blas"] = str(lib)
     return _state["blas"]
+
+
+def _runtime_for(source: str) -> Path | None:
+    """The bundled Fortran runtime to load ``source``'s library beside, if it takes one."""
+    return fortran_runtime() if source == "ngsolve" else None
 
 
 def blas() -> str:

@@ -105,19 +105,29 @@ class KVPolicy:
 
         ``--kv-window W`` keeps the sinks plus the last W tokens; ``--max-kv-size M`` keeps
         M tokens in total, sinks included, as mlx-lm's ``RotatingKVCache(M, keep=4)`` does
-        (so the window is M minus the sinks)."""
+        (so the window is M minus the sinks). The window must stay larger than the sinks:
+        below M = 9 the default sinks shrink to ``(M - 1) // 2`` (mlx-lm keeps 4 and a
+        window of ``M - 4``)."""
+        if max_kv_size is not None and max_kv_size < 1:
+            raise PolicyError(
+                f"--max-kv-size must be a positive number of tokens, got {max_kv_size}"
+            )
+        if sinks is None and max_kv_size is not None and window is None:
+            # as many of the default sinks as leave a window larger than them
+            sinks = min(DEFAULT_SINKS, (max_kv_size - 1) // 2)
         if sinks is None:
             sinks = DEFAULT_SINKS if window is not None or max_kv_size is not None else 0
         if max_kv_size is not None:
-            if max_kv_size <= sinks:
-                raise PolicyError(
-                    f"--max-kv-size ({max_kv_size}) counts the {sinks} sink tokens too; "
-                    f"give more than {sinks} (or fewer --kv-sinks)"
-                )
             if window is not None and window + sinks != max_kv_size:
                 raise PolicyError(
                     f"--max-kv-size {max_kv_size} keeps {max_kv_size} tokens in total but "
                     f"--kv-window {window} + {sinks} sinks keep {window + sinks}; give only one"
+                )
+            if sinks and max_kv_size - sinks <= sinks:
+                raise PolicyError(
+                    f"--max-kv-size {max_kv_size} with {sinks} sink tokens leaves a window of "
+                    f"{max(0, max_kv_size - sinks)}, which must be larger than the sinks; give "
+                    f"--max-kv-size {2 * sinks + 1} or more, or fewer --kv-sinks"
                 )
             window = max_kv_size - sinks
         return cls(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,10 +15,12 @@ from mlxkv import backend
 
 
 def _py(code: str, drop: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
-    import os
-
     full = {**{k: v for k, v in os.environ.items() if k not in drop}, **env}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full)
+
+
+def _any_openblas() -> bool:
+    return any(backend._find(source) is not None for source in backend.AUTO_ORDER)
 
 
 MAPPED = (
@@ -31,7 +37,7 @@ def test_import_mlxkv_loads_no_blas():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
 def test_cli_entry_point_sets_up_an_openblas():
     out = _py("from mlxkv.backend import setup_blas; print(setup_blas())", MLXKV_BLAS="")
-    if backend.system_openblas() is None and backend.cmeel_openblas() is None:
+    if not _any_openblas():
         pytest.skip("no OpenBLAS installed")
     assert "openblas" in out.stdout, out.stderr
 
@@ -101,7 +107,7 @@ THREADS = (
 
 
 def _threads(patch: str = "", **env) -> str:
-    if backend.system_openblas() is None and backend.cmeel_openblas() is None:
+    if not _any_openblas():
         pytest.skip("no OpenBLAS installed")
     out = _py(THREADS.format(patch=patch), drop=("OPENBLAS_NUM_THREADS", "MLX_RANK"), **env)
     assert out.returncode == 0, out.stderr
@@ -110,8 +116,6 @@ def _threads(patch: str = "", **env) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
 def test_a_quiet_machine_gets_a_thread_per_core():
-    import os
-
     cores = len(os.sched_getaffinity(0))
     quiet = "backend.others_running = lambda: 0; "
     assert _threads(quiet, MLXKV_BLAS="") == f"{cores} {cores}"
@@ -140,3 +144,107 @@ def test_a_spinning_process_is_counted_as_running():
     finally:
         spin.kill()
         spin.wait()
+
+
+# What a process maps after setup_blas(): the BLAS in use, then every BLAS, LAPACK and Fortran
+# runtime file the loader found for it (real paths: /proc/self/maps resolves symlinks).
+PICKED = (
+    "import re; from mlxkv.backend import setup_blas; print(setup_blas()); "
+    "print('\\n'.join(sorted(set(re.findall(r'/\\S*(?:blas|lapack|gfortran|quadmath)\\S*', "
+    "open('/proc/self/maps').read())))))"
+)
+WHEEL_PLATFORM = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+
+
+@pytest.mark.skipif(not WHEEL_PLATFORM, reason="the OpenBLAS wheel is a Linux x86-64 dependency")
+def test_the_picked_openblas_and_its_fortran_runtime_come_from_wheels():
+    """What a fresh machine lacks (Debian's libgfortran5, libopenblas0) must not be what
+    makes the BLAS load: every library the loader found for it lies in this environment."""
+    out = _py(PICKED, MLXKV_BLAS="")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    picked, *mapped = out.stdout.splitlines()
+    assert "openblas" in picked and picked != "reference"
+    assert any("gfortran" in m for m in mapped), mapped  # the runtime it needs came along
+    prefix = str(Path(sys.prefix).resolve())
+    outside = [m for m in mapped if not str(Path(m).resolve()).startswith(prefix)]
+    assert outside == [], f"loaded from the system, absent on a fresh machine: {outside}"
+
+
+def _fresh_libs() -> Path | None:
+    """shared/tools/fresh-libs beside the repository (or beside its worktree folder)."""
+    for up in Path(__file__).resolve().parents[1:4]:
+        tool = up / "shared" / "tools" / "fresh-libs"
+        if tool.is_file():
+            return tool
+    return None
+
+
+@pytest.mark.skipif(not WHEEL_PLATFORM, reason="the OpenBLAS wheel is a Linux x86-64 dependency")
+def test_a_fresh_machine_gets_an_openblas():
+    """Debian's OpenBLAS and Fortran runtime hidden, as on a newcomer's machine."""
+    tool = _fresh_libs()
+    if tool is None:
+        pytest.skip("no shared/tools/fresh-libs here")
+    cmd = ["bash", str(tool), sys.executable, "-c", PICKED]
+    env = {**os.environ, "MLXKV_BLAS": ""}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode == 3:
+        pytest.skip(out.stderr.strip())
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "openblas" in out.stdout.splitlines()[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
+@pytest.mark.parametrize(
+    "find, why",
+    [
+        ("lambda source: None", "(no OpenBLAS is installed)"),
+        ("lambda source: Path('/etc/hostname')", "(ngsolve: /etc/hostname: "),
+    ],
+)
+def test_falling_back_to_the_reference_blas_says_why_in_one_line(find, why):
+    code = (
+        "import sys; from pathlib import Path; from mlxkv import backend; "
+        f"backend._find = {find}; from mlxkv.cli import main; sys.exit(main(['models']))"
+    )
+    out = _py(code, MLXKV_BLAS="")
+    assert out.returncode == 0
+    line, *rest = out.stderr.splitlines()
+    assert rest == [] and "Traceback" not in out.stderr
+    assert (
+        line.startswith("mlxkv: warning: MLX's CPU matmuls use the reference BLAS") and why in line
+    )
+    assert "fix: " in line and "MLXKV_BLAS=reference hides this line" in line
+    quiet = _py(code, MLXKV_BLAS="reference")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS routing")
+def test_a_library_without_unprefixed_cblas_is_refused():
+    """A real library that loads but cannot serve MLX's cblas_sgemm (as scipy-openblas32's
+    scipy_cblas_sgemm cannot) is refused, not reported as the BLAS in use."""
+    libm = next(m for m in re.findall(r"/\S*/libm\.so\.6", Path("/proc/self/maps").read_text()))
+    out = _py("import sys; from mlxkv.cli import main; sys.exit(main(['models']))", MLXKV_BLAS=libm)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith(f"mlxkv: error: MLXKV_BLAS={libm}: cannot use ")
+    assert "exports no cblas_sgemm" in out.stderr
+
+
+@pytest.mark.skipif(not WHEEL_PLATFORM, reason="the OpenBLAS wheel is a Linux x86-64 dependency")
+@pytest.mark.parametrize("dist", ["mlx-cpu", "numpy"])
+def test_either_wheels_fortran_runtime_serves(dist):
+    """The runtime comes from the mlx-cpu wheel, else numpy's: each one loads the OpenBLAS."""
+    if backend._wheel_file(dist, "libgfortran", ".so.5") is None:
+        pytest.skip(f"{dist} bundles no libgfortran here")
+    code = (
+        "from mlxkv import backend; "
+        f"backend.fortran_runtime = lambda: backend._wheel_file({dist!r}, 'libgfortran', '.so.5'); "
+        + PICKED
+    )
+    out = _py(code, MLXKV_BLAS="")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    picked, *mapped = out.stdout.splitlines()
+    assert "ngsolve_openblas" in picked
+    fortran = [m for m in mapped if "gfortran" in m]
+    libs = dist.replace("-", "_") + ".libs"
+    assert fortran and all(f"/{libs}/" in m for m in fortran), fortran

@@ -8,8 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.caches import cache_for
-from mlxkv.caches.batched import BatchedKVCache, batched_form, copy_caches
+from mlxkv.caches import cache_for, copy_caches
+from mlxkv.caches.batched import BatchedKVCache, batched_form
 from mlxkv.caches.batched_kivi import BatchedKiviKVCache
 from mlxkv.caches.rotation import Rotation
 from mlxkv.memory import policy_bytes

@@ -11,9 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.caches import cache_for
+from mlxkv.caches import cache_for, copy_caches
 from mlxkv.caches import storage as st
-from mlxkv.caches.batched import BatchedKVCache, copy_caches
+from mlxkv.caches.batched import BatchedKVCache
 from mlxkv.caches.rotation import Rotation
 from mlxkv.memory.predictor import batch_allocated
 from mlxkv.policy import KVPolicy
@@ -150,7 +150,7 @@ def test_greedy_batched_is_token_identical_to_the_generator(default_model, polic
 
     settings = GenerationSettings(max_tokens=20)
     reqs = [Request(i, _chat_text(default_model, q), settings) for i, q in enumerate(PROMPTS)]
-    runner = BatchRunner(default_model, policy, 3)
+    runner = BatchRunner(default_model, policy, 3, check_kv=True)
     assert runner.batched
     got = {r.key: r for r in runner.run(reqs)}
     tok = default_model.tokenizer
@@ -227,7 +227,7 @@ def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, po
     settings = GenerationSettings(max_tokens=12)
     asks = [f"{DOCUMENT}\n\n{q}" for q in QUESTIONS]
     reqs = [Request(i, _chat_text(default_model, q), settings) for i, q in enumerate(asks)]
-    runner = BatchRunner(default_model, policy, 2)
+    runner = BatchRunner(default_model, policy, 2, check_kv=True)
     got = {r.key: r for r in runner.run(reqs)}
     assert runner.prefixes.hits == 3
     assert runner.prefixes.prefilled_tokens > 64  # the template's head and the document

@@ -11,13 +11,37 @@ Intended differences from mlx-lm's caches, each checked here:
   their current shift (mlx-lm returns its raw buffer, quantized caches the packed triples).
 * ``to_quantized()`` keeps the window, sinks and positions (mlx-lm's ``RotatingKVCache``
   raises).
+* A KIVI cache's ``keys_and_values()`` returns what its last update returned (packed after a
+  decoding step, as mlx-lm's ``QuantizedKVCache`` does; dense after a prefill chunk): the
+  layout its mask describes, which gemma3n's KV-shared layers attend over through
+  ``cache.attend``. afm7's KV-reuse layers call mlx-lm's attention with no cache and take
+  their query positions from the number of keys, which only a temporal layout gives: afm7
+  is refused under KIVI keys and runs with ``rotated`` or ``plain`` ones.
+* ``state`` is a dict of named arrays and scalars, not mlx-lm's sequence (``state[0]`` raises
+  KeyError; ``state["keys"]``): the names let a file say what it holds (quantization,
+  rotation, counters) and older files still load. mlx-lm's ``save_prompt_cache`` and
+  ``load_prompt_cache`` take it as it is (they flatten any tree); code that indexes
+  ``state`` by position does not.
+* ``from_state`` copies the arrays it is given (mlx-lm's shares them; a cache writes into
+  its buffers in place).
+* The quantized caches have no ``bits``: mlx-lm's ``scaled_dot_product_attention`` would
+  send a cache with ``bits`` to its own quantized attention, which knows nothing of a key
+  store's frame (rotated keys, KIVI's per-channel groups). ``make_caches`` routes the model's
+  attention calls to ``cache.attend`` instead (``mlxkv.caches.attention``); code that calls
+  ``mlx_lm.models.base.scaled_dot_product_attention`` itself must call
+  ``routed_attention`` (or ``cache.attend``) to reach them.
+* ``KVPolicy.from_flags(max_kv_size=M)`` keeps M tokens like ``RotatingKVCache(M, keep=4)``,
+  but its window stays larger than its sinks: below M = 9 it keeps ``(M - 1) // 2`` sinks.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models import afm7, base, llama
 from mlx_lm.models.cache import (
     can_trim_prompt_cache,
     load_prompt_cache,
@@ -32,8 +56,12 @@ from mlxkv.caches import (
     StreamingKVCache,
     make_caches,
 )
-from mlxkv.policy import KVPolicy
+from mlxkv.caches.attention import routed_attention
+from mlxkv.caches.build import check_policy
+from mlxkv.caches.kivi import KiviKVCache
+from mlxkv.policy import KVPolicy, PolicyError
 from tests._caches_ref import feed, tiny_llama
+from tests.test_caches_build import build_family
 
 POLICIES = [
     KVPolicy(),
@@ -209,3 +237,147 @@ def test_class_names_resolve_from_a_file(model, tmp_path):
 
 def caches_rotation(model):
     return make_caches(model, KVPolicy(window=8, sinks=2))[0].rotation
+
+
+def _arrays(state) -> list:
+    return [np.array(x) for _, x in tree_flatten(state) if isinstance(x, mx.array)]
+
+
+@pytest.mark.parametrize("policy", POLICIES[2:], ids=IDS[2:])
+def test_from_state_holds_its_own_arrays(model, policy):
+    """Tokens written into the original after ``from_state`` do not reach the rebuilt cache."""
+    caches = make_caches(model, policy)
+    feed(model, A[:20], caches, [19, 1])
+    c = caches[0]
+    twin = type(c).from_state(c.state)
+    before = _arrays(twin.state)
+    feed(model, A[20:40], caches, [1] * 20)  # evicts and overwrites every ring slot
+    after = _arrays(twin.state)
+    assert len(after) == len(before) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert twin.tokens_seen == 20 and c.tokens_seen == 40
+    assert not all(np.array_equal(a, b) for a, b in zip(before, _arrays(c.state), strict=True))
+
+
+@pytest.mark.parametrize("size", range(1, 10))
+def test_small_max_kv_size_keeps_that_many_tokens(model, size):
+    policy = KVPolicy.from_flags(max_kv_size=size)
+    assert policy.kept_tokens == size and policy.window > policy.sinks
+    assert policy.sinks == min(4, (size - 1) // 2)
+    caches = make_caches(model, policy)
+    feed(model, A[:20], caches, [12, 1, 7])
+    assert [c.kept for c in caches] == [size] * len(caches)
+
+
+def test_max_kv_size_too_small_for_the_sinks_asked_names_max_kv_size():
+    with pytest.raises(PolicyError) as e:
+        KVPolicy.from_flags(max_kv_size=6, sinks=4)
+    assert str(e.value) == (
+        "--max-kv-size 6 with 4 sink tokens leaves a window of 2, which must be larger than "
+        "the sinks; give --max-kv-size 9 or more, or fewer --kv-sinks"
+    )
+
+
+@pytest.mark.parametrize("bits, scheme", [(4, "kivi"), (8, "kivi"), (8, "rotated")])
+def test_quantized_caches_serve_kv_shared_layers(bits, scheme):
+    """gemma3n's last layers attend over an earlier layer's cache (``keys_and_values()``):
+    with quantized keys the model runs, and chunked prefill equals token-by-token decoding."""
+    gemma3n = build_family("gemma3n")
+    policy = KVPolicy(bits=bits, group_size=32, key_scheme=scheme)
+    check_policy(gemma3n, policy)
+    caches = make_caches(gemma3n, policy)
+    kind = KiviKVCache if scheme == "kivi" else QuantizedStreamingKVCache
+    assert any(type(c) is kind for c in caches)
+    tokens = [(7 * i + 3) % 128 for i in range(90)]
+    chunked = feed(gemma3n, tokens, caches, [33, 1, 1, 20, 35])
+    stepped = feed(gemma3n, tokens, make_caches(gemma3n, policy), [1] * 90)
+    assert mx.abs(chunked - stepped).max().item() < 1e-4
+    full = feed(gemma3n, tokens, make_caches(gemma3n, KVPolicy()), [90])
+    if bits == 8:  # the shared layers read the quantized keys, not something else
+        assert mx.abs(chunked - full).max().item() < 0.1
+
+
+def test_kivi_keys_and_values_is_the_last_update(model):
+    policy = KVPolicy(bits=4, group_size=32)
+    shared = [c for c in make_caches(build_family("gemma3n"), policy) if type(c) is KiviKVCache]
+    assert shared and all(c.shared for c in shared)
+    caches = make_caches(model, policy)
+    c = caches[0]
+    assert not c.shared  # llama's layers read only their own cache
+    assert c.keys_and_values() == (None, None)
+    feed(model, A[:40], caches, [40])
+    with pytest.raises(CacheError, match="not built as shared"):
+        c.keys_and_values()  # a chunk's dense output is not kept where nobody reads it
+    feed(model, A[40:41], caches, [1])
+    k, _ = c.keys_and_values()
+    assert isinstance(k, tuple) and k[0].dtype == mx.uint32  # the packed ring after a step
+    c.shared = True
+    feed(model, A[41:60], caches, [19])
+    k, v = c.keys_and_values()
+    assert isinstance(k, mx.array) and k.shape[2] >= 19  # dense after a chunk
+    loaded = KiviKVCache.from_state(c.state)
+    with pytest.raises(CacheError, match="before its first update"):
+        loaded.keys_and_values()
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_state_is_a_mapping_by_name(model, policy):
+    caches = make_caches(model, policy)
+    feed(model, A[:20], caches, [20])
+    state = caches[0].state
+    if isinstance(caches[0], FullKVCache):  # mlx-lm's own class: its sequence
+        assert state[0].shape[2] >= 20 and state[1].shape == state[0].shape
+        return
+    with pytest.raises(KeyError):
+        state[0]
+    assert "tokens_seen" in state and state["tokens_seen"] == 20
+    assert "values" in state and not isinstance(state["values"], (int, str))
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:2] + POLICIES[4:], ids=IDS[1:2] + IDS[4:])
+def test_quantized_caches_have_no_bits_and_attention_is_routed(model, policy):
+    caches = make_caches(model, policy)
+    c = caches[0]
+    assert c.quantized and not hasattr(c, "bits")
+    # make_caches routed the model's module: its calls reach cache.attend
+    assert llama.scaled_dot_product_attention is routed_attention
+    assert base.scaled_dot_product_attention is not routed_attention
+    feed(model, A[:20], caches, [20])
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(0))
+    kv = mx.random.normal((1, 2, 1, 32), key=mx.random.key(1))
+    keys, values = c.update_and_fetch(kv, kv)
+    mask = None
+    got = routed_attention(q, keys, values, cache=c, scale=0.25, mask=mask)
+    want = c.attend(q, keys, values, scale=0.25, mask=mask)
+    assert mx.array_equal(got, want)
+
+
+def _tiny_afm7():
+    mx.random.seed(0)
+    args = afm7.ModelArgs(
+        model_type="afm7",
+        vocab_size=128,
+        hidden_dim=128,
+        num_layers=3,
+        num_kv_reuse_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+    model = afm7.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_afm7_kv_reuse_layers_refuse_kivi_and_run_per_token_keys():
+    model = _tiny_afm7()
+    with pytest.raises(PolicyError, match="^afm7: .*drop --kv-bits$"):
+        check_policy(model, KVPolicy(bits=8, group_size=32))
+    tokens = [(7 * i + 3) % 128 for i in range(70)]
+    full = feed(model, tokens, make_caches(model, KVPolicy()), [70])
+    for scheme in ("rotated", "plain"):
+        policy = KVPolicy(bits=8, group_size=32, key_scheme=scheme)
+        check_policy(model, policy)
+        chunked = feed(model, tokens, make_caches(model, policy), [40, 1, 29])
+        stepped = feed(model, tokens, make_caches(model, policy), [1] * 70)
+        assert mx.abs(chunked - stepped).max().item() < 1e-4, scheme
+        assert mx.abs(chunked - full).max().item() < 0.1 * mx.abs(full).max().item(), scheme

@@ -170,3 +170,58 @@ def test_load_refuses_foreign_files(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(CacheError, match="not a readable cache"):
         load_caches(tmp_path / "junk.safetensors", META)
+
+
+def _arrays(tree) -> list:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
+
+
+def _rope():
+    from mlxkv.caches.rotation import Rotation
+
+    return Rotation(64, False, 100000.0, 1.0)
+
+
+def _sink_cache():
+    from mlxkv.caches import StreamingKVCache
+
+    return StreamingKVCache(16, sinks=4, rotation=_rope())
+
+
+def _kivi_cache():
+    from mlxkv.caches import KiviKVCache
+
+    return KiviKVCache(16, sinks=4, rotation=_rope(), key_bits=4, group_size=32)
+
+
+def _rotated_cache():
+    from mlxkv.caches import QuantizedStreamingKVCache
+
+    return QuantizedStreamingKVCache(16, sinks=4, rotation=_rope(), bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("make", [_sink_cache, _kivi_cache, _rotated_cache])
+def test_a_copy_shares_nothing_with_its_original(make):
+    """A shared prefix is copied into each row: writes to the original must not reach the
+    copy, whatever the cache keeps besides its arrays (stores, undo log)."""
+    import numpy as np
+
+    from mlxkv.caches import copy_caches
+    from tests.kv_rows import prefill_random, random_kv
+
+    original = prefill_random(make(), 40, seed=1, heads=2)
+    (copy,) = copy_caches([original])
+    before = [np.array(x) for x in _arrays(copy.state)]
+    k, v = random_kv(9, seed=5, heads=2)
+    original.update_and_fetch(k, v)
+    mx.eval(_arrays(original.state))
+    assert copy.tokens_seen == 40 and original.tokens_seen == 49
+    after = [np.array(x) for x in _arrays(copy.state)]
+    assert len(before) == len(after) > 0
+    for a, b in zip(before, after, strict=True):
+        assert np.array_equal(a, b)
+    for name in ("_undo", "kstore", "vstore"):
+        if hasattr(original, name):
+            assert getattr(copy, name) is not getattr(original, name)

@@ -117,7 +117,8 @@ def test_max_kv_size_keeps_that_many_tokens_in_total(default_model_path):
         ('[{"role": "user", "content": "a"}]', ["--raw"], "does not apply to --messages"),
         ('[{"role": "user", "content": "a"}]', ["--prompt-cache", "c.bin"],
          "must end in .safetensors"),
-        ('[{"role": "user", "content": "a"}]', ["--max-kv-size", "4"], "counts the 4 sink"),
+        ('[{"role": "user", "content": "a"}]', ["--max-kv-size", "6", "--kv-sinks", "4"],
+         "--max-kv-size 6 with 4 sink tokens leaves a window of 2"),
     ],
 )  # fmt: skip
 def test_bad_messages_one_line_exit_2(tmp_path, content, args, message):

@@ -54,9 +54,9 @@ def test_requests_submitted_while_others_decode_join_the_batch(default_model):
                     sched.submit(Request(_ids(default_model, q), settings)) for q in QUESTIONS[1:]
                 ]
         answers = [seen[-1]] + [_collect(h)[-1] for h in later]
-        status = sched.status()
     finally:
         sched.close()
+    status = sched.status()  # refreshed after the loop's last step
     for ans, ref in zip(answers, refs, strict=True):
         assert isinstance(ans, Finished)
         assert (ans.text, ans.finish_reason) == (ref.text, ref.finish_reason)

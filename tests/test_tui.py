@@ -42,7 +42,7 @@ async def test_send_streams_answer_and_panel():
         assert app.panel.stats.generation_tokens == 6
         assert len(app.panel.series.points) >= 6  # one plot point per token
         # every engine call ran on the one MLX worker thread
-        assert app.engine.threads == {app.worker.ident}
+        assert app.engine.owner == app.worker.ident
 
 
 @sync

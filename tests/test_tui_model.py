@@ -54,7 +54,7 @@ async def test_real_model_streams_and_panel_matches_under_three_policies(default
         assert len(app.panel.series.points) > 5
         assert [m.role for m in app.query(MessageView)] == ["user", "assistant"] * 3
         # all MLX work (load, 3 turns, 2 policy changes) ran on the one worker thread
-        assert app.engine.threads == {app.worker.ident}
+        assert app.engine.owner == app.worker.ident
 
 
 LONG = "Summarize this text. " + "The river runs past the old mill and the town. " * 60

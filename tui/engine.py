@@ -75,12 +75,17 @@ class ChatEngine:
         self._policy = policy or KVPolicy()
         self._system = system
         self.chat: ChatSession | None = None
-        self.threads: set[int] = set()  # threads that ran engine work (the tests check: one)
+        self.owner: int | None = None  # the one thread that runs MLX work (set on first use)
         self._budget = budget
         self.model_arg: str | None = None  # the MODEL the chat was opened with
 
     def _mark(self) -> None:
-        self.threads.add(threading.get_ident())
+        """MLX work stays on one thread (streams are per thread): the first caller owns it."""
+        me = threading.get_ident()
+        if self.owner is None:
+            self.owner = me
+        elif me != self.owner:
+            raise RuntimeError("engine work must run on the chat's MLX worker thread")
 
     # -- model -----------------------------------------------------------------------------
     def open(

@@ -11,7 +11,7 @@ from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.persist import load_caches, read_metadata, register_with_mlx_lm, save_caches
-from mlxkv.caches.snapshot import always_exact, restore, snapshot
+from mlxkv.caches.snapshot import always_exact, copy_caches, restore, snapshot
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache, prefill_chunk
 from mlxkv.caches.trim import trim_caches, trimmable
 
@@ -25,6 +25,7 @@ __all__ = [
     "StreamingKVCache",
     "cache_for",
     "check_policy",
+    "copy_caches",
     "load_caches",
     "make_caches",
     "plan_policy",

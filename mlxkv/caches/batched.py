@@ -38,6 +38,7 @@ from mlxkv.caches.streaming import (
     DEFAULT_REBASE_EVERY,
     QuantizedStreamingKVCache,
     StreamingKVCache,
+    evicted_after,
 )
 
 
@@ -278,8 +279,7 @@ class BatchedKVCache(BatchRowCounters):
             put = mx.put_along_axis(self.sink_keys, sidx, keys, axis=2)
             self.sink_keys = mx.where(young, put, self.sink_keys)
         for b, t in enumerate(ts):
-            if self.window is not None:
-                self.evicted[b] = max(self.evicted[b], t + 1 - S - self.window)
+            self.evicted[b] = evicted_after(t, S, self.window, self.evicted[b])
             self.n[b] = t + 1
         self._set_sink_shifts()
         out = self._fetch()
@@ -388,22 +388,3 @@ def batched_form(caches: list) -> str | None:
 def merge_rows(rows: list[list]) -> list[BatchedKVCache]:
     """Per-layer batched caches from per-row lists of single-sequence caches."""
     return [BatchedKVCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
-
-
-def copy_caches(caches: list) -> list:
-    """Independent copies of single-sequence caches (a shared prefix handed to a new row).
-
-    MLX writes into a cache's arrays in place, so each copy gets its own array objects
-    (the data is copied lazily, on the first write).
-    """
-    import copy
-
-    out = []
-    for c in caches:
-        d = copy.copy(c)
-        for name in ("keys", "values", "sink_keys", "ring", "residual"):
-            v = getattr(c, name, None)
-            if v is not None:
-                setattr(d, name, tuple(map(mx.array, v)) if isinstance(v, tuple) else mx.array(v))
-        out.append(d)
-    return out

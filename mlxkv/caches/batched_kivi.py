@@ -19,8 +19,17 @@ import mlx.core as mx
 
 from mlxkv.caches import storage as st
 from mlxkv.caches.batch_rows import BatchRowCounters
-from mlxkv.caches.kivi import KiviKVCache, _expand
+from mlxkv.caches.kivi import (
+    KiviKVCache,
+    dequantize_groups,
+    grouped_queries,
+    packed_scores,
+    quantize_groups,
+    sink_scores,
+    weighted_values,
+)
 from mlxkv.caches.rotation import Rotation
+from mlxkv.caches.streaming import evicted_after
 from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
 
 
@@ -191,9 +200,7 @@ class BatchedKiviKVCache(BatchRowCounters):
         return u if cmax is None else u % cmax
 
     def _d(self, b: int, t: int) -> int:
-        if self.window is None:
-            return 0
-        return max(self.evicted[b], t + 1 - self.sinks - self.window)
+        return evicted_after(t, self.sinks, self.window, self.evicted[b])
 
     def empty(self) -> bool:
         return self.values is None
@@ -263,7 +270,7 @@ class BatchedKiviKVCache(BatchRowCounters):
             self.sink_keys = mx.where(young, sput, self.sink_keys)
         done = [b for b, t in enumerate(ts) if t >= S and (t - S) % G == G - 1]
         if done:  # a row's group is complete: quantize it from that row's residual alone
-            q = KiviKVCache._quantize_groups(self, self.residual)
+            q = quantize_groups(self.residual, self.group_size, self.key_bits)
             words = G * self.key_bits // 32
             for b in done:
                 s = self._pos(ts[b] - S) // G
@@ -297,9 +304,9 @@ class BatchedKiviKVCache(BatchRowCounters):
             shifts[b] = -(self.evicted[b] - self.base[b])
         sh = mx.array(shifts)
         rows = mx.array([s != 0 for s in shifts]).reshape(-1, 1, 1, 1)
-        dense = KiviKVCache._dequantize(self, self.ring)
+        dense = dequantize_groups(self.ring, self.group_size, self.key_bits)
         dense = self.rotation._rope(dense[..., None, :], sh)[..., 0, :]
-        new = KiviKVCache._quantize_groups(self, dense)
+        new = quantize_groups(dense, self.group_size, self.key_bits)
         self.ring = tuple(mx.where(rows, a, b) for a, b in zip(new, self.ring, strict=True))
         res = self.rotation._rope(self.residual[..., None, :], sh)[..., 0, :]
         self.residual = mx.where(rows, res, self.residual)
@@ -312,21 +319,14 @@ class BatchedKiviKVCache(BatchRowCounters):
             raise ValueError("quantized KV caches do not support learned attention sinks")
         ts, residual, sink_keys = self._step
         S, G = self.sinks, self.group_size
-        B, n_q, L, D = queries.shape
-        n_kv = residual.shape[1]
-        rep = n_q // n_kv
-        q = queries * scale
-        if rep > 1:
-            q = q.reshape(B, n_kv, rep, L, D)
+        B = queries.shape[0]
+        q, rep = grouped_queries(queries, scale, residual.shape[1])
         parts = []
         if S:
-            parts.append(q @ _expand(sink_keys, rep).swapaxes(-1, -2))
+            parts.append(sink_scores(q, rep, sink_keys))
         C = keys[1].shape[-1] * G
         if C:
-            s_ring = mx.quantized_matmul(
-                q, *_expand(keys, rep), transpose=False, group_size=G, bits=self.key_bits
-            )
-            s_res = q @ _expand(residual, rep).swapaxes(-1, -2)
+            s_ring, s_res = packed_scores(q, rep, keys, residual, G, self.key_bits)
             # each row's group being filled: columns [j, j + i] take the residual's scores
             j = [self._pos(t - S) // G * G if t >= S else -G for t in ts]
             i = [(t - S) % G if t >= S else -1 for t in ts]
@@ -339,11 +339,4 @@ class BatchedKiviKVCache(BatchRowCounters):
             s_ring = mx.where(use.reshape(shape), res_full, s_ring)
             parts.append(s_ring)
         scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-        if mask is not None:
-            m = mask if rep == 1 else mx.expand_dims(mask, -3)
-            scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-        p = mx.softmax(scores, axis=-1, precise=True)
-        out = self.vstore.weigh(p, _expand(values, rep))
-        if rep > 1:
-            out = out.reshape(B, n_q, L, out.shape[-1])
-        return out
+        return weighted_values(scores, mask, rep, self.vstore, values, queries.shape[1])

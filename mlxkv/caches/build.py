@@ -261,6 +261,15 @@ def cache_for(
     return StreamingKVCache(policy.window, policy.sinks, rotation, rebase_every, reserve=reserve)
 
 
+def _reads_other_layers_caches(model) -> bool:
+    """KV-shared models (gemma3n, afm7): some layers attend over another layer's cache,
+    read with ``keys_and_values()``."""
+    return any(
+        getattr(m, "is_kv_shared_layer", False) or getattr(m, "kv_reuse_layers", None)
+        for m in model.modules()
+    )
+
+
 def make_caches(
     model, policy: KVPolicy, *, rebase_every: int | None = None, reserve: int = 0
 ) -> list:
@@ -270,9 +279,12 @@ def make_caches(
     after eviction stays exact (mlx-lm's speculative decoding rewinds rejected drafts)."""
     caches = base_caches(model)
     plan = plan_policy(model, policy, caches)
+    shared = _reads_other_layers_caches(model)
     for i in plan.growing:
         info = plan.layers[i]
         caches[i] = cache_for(policy, info.rotation, info.mla, rebase_every, reserve)
+        if shared and isinstance(caches[i], KiviKVCache):
+            caches[i].shared = True
     # Policy caches compute their own attention (quantized ones need to; float ones give
     # mlx-lm's fused call). Routed whatever the policy: mlx-lm's generate may quantize a
     # cache later (``to_quantized``).

@@ -44,13 +44,16 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Rotation
 from mlxkv.caches.streaming import (
-    DEFAULT_REBASE_EVERY,
     SINK_PREFILL_CHUNK,
     SinkWindowCounters,
     _rotation_from_state,
     _rotation_state,
+    check_sink_window,
+    default_rebase_every,
+    evicted_after,
     sink_copies_mask,
 )
 from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
@@ -65,10 +68,61 @@ def _expand(x, rep: int):
     return mx.expand_dims(x, -3)
 
 
+# The KIVI key arithmetic, shared by the single-sequence and the batched caches.
+def quantize_groups(k: mx.array, group_size: int, bits: int):
+    """``mx.quantize`` of keys (B, H, n*G, D) per channel along tokens: packed K^T."""
+    kt = mx.contiguous(k.swapaxes(-1, -2))
+    return tuple(mx.quantize(kt, group_size=group_size, bits=bits))
+
+
+def dequantize_groups(q, group_size: int, bits: int) -> mx.array:
+    """Keys (B, H, n*G, D) back from packed K^T."""
+    return mx.dequantize(*q, group_size=group_size, bits=bits).swapaxes(-1, -2)
+
+
+def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.array, int]:
+    """Scaled queries shaped (B, n_kv, rep, L, D) for grouped-query attention (as is when
+    every query head has its own key head), and ``rep``."""
+    B, n_q, L, D = queries.shape
+    rep = n_q // n_kv
+    q = queries * scale
+    return (q.reshape(B, n_kv, rep, L, D) if rep > 1 else q), rep
+
+
+def sink_scores(q, rep: int, sink_keys) -> mx.array:
+    """Scores against the full-precision sink keys."""
+    return q @ _expand(sink_keys, rep).swapaxes(-1, -2)
+
+
+def packed_scores(q, rep: int, ring, residual, group_size: int, bits: int):
+    """Scores against the packed ring (K^T, no dequantized copy) and the residual group."""
+    s_ring = mx.quantized_matmul(
+        q, *_expand(ring, rep), transpose=False, group_size=group_size, bits=bits
+    )
+    return s_ring, q @ _expand(residual, rep).swapaxes(-1, -2)
+
+
+def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.array:
+    """Softmax over ``scores`` (masked), times the values; heads back to (B, n_q, L, D)."""
+    if mask is not None:
+        m = mask if rep == 1 else mx.expand_dims(mask, -3)
+        scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+    p = mx.softmax(scores, axis=-1, precise=True)
+    out = vstore.weigh(p, _expand(values, rep))
+    if rep > 1:
+        B, _, _, L, D = out.shape
+        out = out.reshape(B, n_q, L, D)
+    return out
+
+
 class KiviKVCache(SinkWindowCounters):
     """Sinks + window (or a full cache) with KIVI keys and per-token quantized values."""
 
     scheme = "kivi"
+    # True where other layers read this cache (KV-shared models, see make_caches): then a
+    # prefill chunk's dense keys and values are kept for keys_and_values() until the next
+    # update. Elsewhere they are not, so they are freed as soon as attention has used them.
+    shared = False
 
     def __init__(
         self,
@@ -81,13 +135,10 @@ class KiviKVCache(SinkWindowCounters):
         value_group_size: int | None = None,
         rebase_every: int | None = None,
     ):
-        if window is None and sinks:
-            raise ValueError("sinks need a window")
-        if sinks and rotation is None:
-            raise ValueError("sinks need the layer's rotation to be re-positioned")
+        check_sink_window(window, sinks, rotation)
         self.window, self.sinks, self.rotation = window, sinks, rotation
-        if rebase_every is None and window is not None:
-            rebase_every = max(sinks + window, DEFAULT_REBASE_EVERY)
+        if rebase_every is None:
+            rebase_every = default_rebase_every(window, sinks)
         self.rebase_every = rebase_every
         self.key_bits, self.group_size = key_bits, group_size
         self.vstore = st.store_for(value_bits, value_group_size or group_size)
@@ -97,6 +148,7 @@ class KiviKVCache(SinkWindowCounters):
         self.sink_keys = None  # (B, H, S, D), rotated at positions 0..S-1
         self._n = self._evicted = self._base = 0
         self._fetched = None
+        self._last = None  # what the last update returned (keys_and_values)
 
     def empty(self) -> bool:
         return self.values is None
@@ -131,9 +183,7 @@ class KiviKVCache(SinkWindowCounters):
 
     def _d(self, t: int) -> int:
         """Evicted count once token ``t`` is in."""
-        if self.window is None:
-            return 0
-        return max(self._evicted, t + 1 - self.sinks - self.window)
+        return evicted_after(t, self.sinks, self.window, self._evicted)
 
     def prefill_chunk(self, step: int) -> int:
         """Like the float sink cache: big chunks up to the limit, small ones once evicting
@@ -240,13 +290,10 @@ class KiviKVCache(SinkWindowCounters):
                 )
 
     def _quantize_groups(self, k: mx.array):
-        """``mx.quantize`` of keys (B, H, n*G, D) per channel along tokens."""
-        kt = mx.contiguous(k.swapaxes(-1, -2))
-        return tuple(mx.quantize(kt, group_size=self.group_size, bits=self.key_bits))
+        return quantize_groups(k, self.group_size, self.key_bits)
 
     def _dequantize(self, q) -> mx.array:
-        kt = mx.dequantize(*q, group_size=self.group_size, bits=self.key_bits)
-        return kt.swapaxes(-1, -2)
+        return dequantize_groups(q, self.group_size, self.key_bits)
 
     def _write_groups(self, first_group: int, q, groups: int) -> None:
         """Write ``groups`` quantized groups (group indices from ``first_group``) into their
@@ -301,9 +348,11 @@ class KiviKVCache(SinkWindowCounters):
         if P < S:  # sink tokens: full precision keys, values in slots [0, S)
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
             st.write(self.values, P, self.vstore.encode(values[..., : S - P, :]))
-        if N == 1:
-            return self._decode_step(keys, values)
-        return self._chunk(keys, values)
+        self._last = None
+        out = self._decode_step(keys, values) if N == 1 else self._chunk(keys, values)
+        if N == 1 or self.shared:  # a step's output is the cache's own buffers: free to keep
+            self._last = out
+        return out
 
     def _decode_step(self, keys, values):
         t, S, G = self._n, self.sinks, self.group_size
@@ -398,34 +447,20 @@ class KiviKVCache(SinkWindowCounters):
             return self._attend_dense(queries, keys, values, scale, mask)
         _, t, residual, sink_keys = self._fetched
         S, G = self.sinks, self.group_size
-        B, n_q, L, D = queries.shape
         n_kv = self.values[0].shape[1] if isinstance(self.values, tuple) else self.values.shape[1]
-        rep = n_q // n_kv
-        q = queries * scale
-        if rep > 1:
-            q = q.reshape(B, n_kv, rep, L, D)
+        q, rep = grouped_queries(queries, scale, n_kv)
         parts = []
         if S:
-            parts.append(q @ _expand(sink_keys, rep).swapaxes(-1, -2))
+            parts.append(sink_scores(q, rep, sink_keys))
         if t >= S:
-            ring = _expand(keys, rep)
-            s_ring = mx.quantized_matmul(
-                q, *ring, transpose=False, group_size=G, bits=self.key_bits
-            )
-            s_res = q @ _expand(residual, rep).swapaxes(-1, -2)
+            s_ring, s_res = packed_scores(q, rep, keys, residual, G, self.key_bits)
             u = t - S
             j = self._pos(u) // G * G
             blk = mx.where(mx.arange(G) <= u % G, s_res, s_ring[..., j : j + G])
             parts += [s_ring[..., :j], blk, s_ring[..., j + G :]]
         scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-        if mask is not None:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        p = mx.softmax(scores, axis=-1, precise=True)
         v = values if t >= S else st.take(values, 0, S)
-        out = self.vstore.weigh(p, _expand(v, rep))
-        if rep > 1:
-            out = out.reshape(B, n_q, L, out.shape[-1])
-        return out
+        return weighted_values(scores, mask, rep, self.vstore, v, queries.shape[1])
 
     def _attend_dense(self, queries, keys, values, scale: float, mask) -> mx.array:
         """The fused kernel, one block of queries per key group: each block sees the keys of
@@ -463,6 +498,24 @@ class KiviKVCache(SinkWindowCounters):
         cuts = sorted(cuts)
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
+    def keys_and_values(self):
+        """What the last ``update_and_fetch`` returned, the layout its mask describes: the
+        packed ring and values after a decoding step (as mlx-lm's ``QuantizedKVCache`` hands
+        out packed triples), dense keys and values after a prefill chunk. A KV-shared layer
+        (gemma3n, afm7) reads it and attends with its own queries through :meth:`attend`,
+        which computes exactly what the layer that wrote the cache computed."""
+        if self._last is not None or self.empty():
+            return self._last if self._last is not None else (None, None)
+        if self._fetched is not None and self._fetched[0] == "dense":
+            raise CacheError(
+                "keys_and_values() after a prefill chunk of a KIVI cache not built as shared "
+                "(make_caches marks the caches of KV-shared models)"
+            )
+        raise CacheError(
+            "keys_and_values() of a KIVI cache before its first update since it was "
+            "loaded or trimmed (only an update's own layout has a mask)"
+        )
+
     # ---- trim ----
     def trimmable(self) -> int:
         """Tokens that can be removed exactly: those in the residual (the group being filled),
@@ -479,6 +532,7 @@ class KiviKVCache(SinkWindowCounters):
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.trimmable()))
         self._n -= n
+        self._last = None
         if self._n == 0:
             self.ring = self.residual = self.values = self.sink_keys = None
             return n
@@ -537,7 +591,7 @@ class KiviKVCache(SinkWindowCounters):
         vals = v["values"]
         self.values = tuple(vals) if isinstance(vals, list) else vals
         self.residual, self.sink_keys = v["residual"], v["sink_keys"]
-        self._fetched = None
+        self._fetched = self._last = None
 
     @classmethod
     def for_policy(cls, policy, rotation=None, rebase_every=None) -> KiviKVCache:

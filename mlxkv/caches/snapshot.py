@@ -9,6 +9,8 @@ until the live cache writes into them.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -37,3 +39,15 @@ def restore(caches: list, states: list) -> None:
     """Put ``caches`` back to a :func:`snapshot` (in place; the snapshot stays reusable)."""
     for c, s in zip(caches, states, strict=True):
         c.state = _copy(s)
+
+
+def copy_caches(caches: list) -> list:
+    """Independent copies of caches (a shared prefix handed to a new row): each copy is
+    rebuilt from a copy of the state, so no array, store or log is shared with the original
+    (arrays are copied lazily, on the first write)."""
+    out = []
+    for c in caches:
+        d = copy.copy(c)
+        d.state = _copy(c.state)
+        out.append(d)
+    return out

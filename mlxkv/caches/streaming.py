@@ -124,6 +124,28 @@ def prefill_chunk(caches, step: int) -> int:
     return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
 
 
+def evicted_after(t: int, sinks: int, window: int | None, before: int) -> int:
+    """Tokens a sink + window cache has evicted once token ``t`` is in (never fewer than
+    ``before``, its count so far): also the shift its sink keys need. Single and batched
+    caches (one row at a time) all count with this."""
+    if window is None:
+        return 0
+    return max(before, t + 1 - sinks - window)
+
+
+def check_sink_window(window: int | None, sinks: int, rotation) -> None:
+    """The constructor checks every sink + window cache shares."""
+    if window is None and sinks:
+        raise ValueError("sinks need a window")
+    if sinks and rotation is None:
+        raise ValueError("sinks need the layer's rotation to be re-positioned")
+
+
+def default_rebase_every(window: int | None, sinks: int) -> int | None:
+    """How many evictions a cache lets pass before it rebases its positions."""
+    return None if window is None else max(sinks + window, DEFAULT_REBASE_EVERY)
+
+
 def sink_copies_mask(S: int, m: int, t: mx.array, copy: mx.array, window_size) -> mx.array:
     """Which of the S sinks' ``m`` rotated copies (laid out sink-major) the queries at
     absolute positions ``t`` (a column) see: sink j when it is not in their future, and
@@ -167,6 +189,14 @@ class SinkWindowCounters(_BaseCache):
     def limit(self) -> int | None:
         return None if self.window is None else self.sinks + self.window
 
+    @classmethod
+    def from_state(cls, state):
+        """A new cache from ``state`` (mlx-lm's protocol), holding its own arrays: a cache
+        writes into its buffers in place (slice assignment), so sharing them with the cache
+        the state came from would let either one's later tokens leak into the other."""
+        own = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
+        return super().from_state(own)
+
 
 class StreamingKVCache(SinkWindowCounters):
     """S attention sinks + a window of W tokens (or everything when ``window`` is None)."""
@@ -181,15 +211,12 @@ class StreamingKVCache(SinkWindowCounters):
         reserve: int = 0,
         value_store=None,
     ):
-        if window is None and sinks:
-            raise ValueError("sinks need a window")
-        if sinks and rotation is None:
-            raise ValueError("sinks need the layer's rotation to be re-positioned")
+        check_sink_window(window, sinks, rotation)
         self.window = window
         self.sinks = sinks
         self.rotation = rotation
-        if rebase_every is None and window is not None:
-            rebase_every = max(sinks + window, DEFAULT_REBASE_EVERY)
+        if rebase_every is None:
+            rebase_every = default_rebase_every(window, sinks)
         self.rebase_every = rebase_every
         self.kstore = store or st.FloatStore()
         self.vstore = value_store or (st.FloatStore() if store is None else store)
@@ -222,7 +249,10 @@ class StreamingKVCache(SinkWindowCounters):
         """Attention of ``queries`` over what the last ``update_and_fetch`` returned: dense
         arrays take the fused kernel (queries moved into the key store's frame), the packed
         store the products of :func:`mlxkv.caches.attention.attention`."""
-        q = self.kstore.queries(queries)
+        # keys_and_values() hands out dense keys in the model's frame: a KV-shared layer's
+        # call passes them back (the id only, held until the next update: no dense copy kept)
+        handed = id(keys) == getattr(self, "_handed", None)
+        q = queries if handed else self.kstore.queries(queries)
         if not isinstance(keys, st.TRIPLE) and not isinstance(values, st.TRIPLE):
             return mx.fast.scaled_dot_product_attention(
                 q, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -249,7 +279,7 @@ class StreamingKVCache(SinkWindowCounters):
     # ---- the arithmetic of positions ----
     def _d(self, t: int, e0: int) -> int:
         """Evicted count (= sink shift) once token ``t`` is in, starting from ``e0``."""
-        return max(e0, t + 1 - self.sinks - self.window)
+        return evicted_after(t, self.sinks, self.window, e0)
 
     def _temporal(self, P: int, N: int) -> bool:
         return self.window is None or (self._evicted == 0 and P + N <= self.limit)
@@ -350,6 +380,7 @@ class StreamingKVCache(SinkWindowCounters):
         P, S = self._n, self.sinks
         self._dense = N > 1 and self.quantized
         self._chunk_layout = False
+        self._handed = None
         if P < S:  # sink tokens keep their original rotation in the side copy
             self._ahead.clear()
             self._ensure(keys, values, min(P + N, self.limit))
@@ -549,7 +580,9 @@ class StreamingKVCache(SinkWindowCounters):
                 [st.take(self.values, 0, S)]
                 + [st.take(self.values, a, a + n) for a, n, _ in ranges]
             )
-        return self.kstore.restore(k), self.vstore.restore(v)
+        out = self.kstore.restore(k), self.vstore.restore(v)
+        self._handed = id(out[0])
+        return out
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """The same cache (window, sinks, positions) with keys and values stored at ``bits``

@@ -411,15 +411,16 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
         )
         return 1
     elapsed = time.perf_counter() - t0
+    ranks = {}
     if cluster is not None:
-        runner.ranks_report = {
+        ranks = {
             "ranks": cluster.size,
             "shard": "data" if args.shard == "data" else loaded.shard,
             "weights_bytes_per_rank": loaded.weights_bytes,
         }
         if args.shard == "data":
-            runner.ranks_report["results_by_rank"] = work.done_by_rank
-    return _finish(args, policy, log, results, errors, plan, elapsed, runner)
+            ranks["results_by_rank"] = work.done_by_rank
+    return _finish(args, policy, log, results, errors, plan, elapsed, runner, ranks)
 
 
 def _record(job, r) -> dict:
@@ -436,7 +437,7 @@ def _record(job, r) -> dict:
     }
 
 
-def _finish(args, policy, log, results, errors, plan, elapsed, runner) -> int:
+def _finish(args, policy, log, results, errors, plan, elapsed, runner, ranks=None) -> int:
     gen_tokens = sum(r.generation_tokens for r in results)
     prompt_tokens = sum(r.prompt_tokens for r in results)
     tps = gen_tokens / elapsed if elapsed > 0 else 0.0
@@ -466,7 +467,6 @@ def _finish(args, policy, log, results, errors, plan, elapsed, runner) -> int:
             "output": str(log.path),
             **(runner.kv_summary() if runner else {}),
         }
-        if runner is not None and getattr(runner, "ranks_report", None):
-            summary.update(runner.ranks_report)
+        summary.update(ranks or {})
         print(json.dumps(summary))
     return 1 if errors or plan.errors_kept else 0

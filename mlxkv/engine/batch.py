@@ -120,11 +120,16 @@ class BatchRunner:
     def kv_summary(self) -> dict:
         """KV bytes actual vs predicted over the batched steps ({} when not checked)."""
         out = self.kv_check.summary() if self.kv_check else {}
-        prefixes = self.scheduler._prefixes.get(self.policy)
-        if self.kv_check and self.share_prefix and prefixes is not None:
+        prefixes = self.prefixes
+        if self.kv_check and prefixes is not None:
             out["shared_prefix_tokens"] = prefixes.prefilled_tokens
             out["shared_prefix_rows"] = prefixes.hits
         return out
+
+    @property
+    def prefixes(self):
+        """The prompt prefix the lines shared (None when none was)."""
+        return self.scheduler.shared_prefix(self.policy)
 
     @property
     def batched(self) -> bool:

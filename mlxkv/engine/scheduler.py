@@ -140,7 +140,8 @@ class _Job:
         self.sampler = None
         self.processors: list = []
         self.history = None  # the tokens logits processors see
-        self.next_input: int | None = None  # sampled, not yet fed to the caches
+        self.next_input: int | None = None  # the first token: shown, not yet fed
+        self.pending_lp = None  # logprobs of the token sampled ahead (not yet shown)
         self.started = self.first_token = 0.0
         self.prompt_tps = self.generation_tps = 0.0
         self.group: _Group | None = None
@@ -152,6 +153,7 @@ class _Group:
     policy: KVPolicy
     rows: list[_Job] = field(default_factory=list)
     caches: list | None = None  # batched caches once two rows have met
+    inputs: object = None  # (rows,) the tokens the next step feeds, sampled a step ahead
 
 
 class Scheduler:
@@ -234,6 +236,10 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not (self._inbox or self._waiting or self._prefilling or self._groups)
+
+    def shared_prefix(self, policy: KVPolicy) -> SharedPrefixes | None:
+        """The prefix shared by requests under ``policy`` (None until one was shared)."""
+        return self._prefixes.get(policy)
 
     def status(self) -> dict:
         """What runs now (a copy the loop refreshes after every step)."""
@@ -468,12 +474,14 @@ class Scheduler:
         prefixes = self._prefixes.setdefault(job.policy, SharedPrefixes(new))
         others = [j.ids for j in self._waiting if j.policy == job.policy]
         step = job.req.settings.prefill_step
+        from mlxkv.caches import copy_caches
+
         held, caches = prefixes.lookup(
             job.ids, others, lambda c, ids, a, b: self._prefill_range(c, ids, a, b, step)
         )
         if caches is None:
             return new(), 0
-        return copy_caches(caches, new), held
+        return copy_caches(caches), held
 
     def _prefill_range(self, caches, ids, start: int, end: int, step: int) -> None:
         import mlx.core as mx
@@ -518,11 +526,15 @@ class Scheduler:
             job.prompt_tps = (job.total - job.cached) / (now - job.started)
         job.history = mx.array(job.ids[-1:]) if job.processors else None
         tokens, lps = self._sample([job], logits)
-        if not self._take_token(job, tokens[0], lps[0]):
+        token = tokens.item()
+        job.next_input = token
+        if not self._take_token(job, token, _resolve(lps[0])):
             self._join(job)
 
     # -- decode --------------------------------------------------------------------------------
     def _join(self, job: _Job) -> None:
+        import mlx.core as mx
+
         from mlxkv.caches.batched import merge_rows
 
         key = self._group_key(job)
@@ -539,28 +551,39 @@ class Scheduler:
             job.caches = None
         job.group = g
         g.rows.append(job)
+        first = mx.array([job.next_input])
+        g.inputs = first if g.inputs is None else mx.concatenate([g.inputs, first])
 
     def _decode(self, g: _Group) -> None:
+        """One step, a token ahead (as mlx-lm's generate_step): feed the tokens sampled
+        last step and sample the next ones, start that on the device, and only then read
+        the tokens just fed and tell their callers, while the device computes. So a token
+        is shown when it is fed, and an answer's last token is in its caches."""
         import mlx.core as mx
 
         rows = list(g.rows)
         caches = g.caches if g.caches is not None else rows[0].caches
-        inputs = mx.array([[r.next_input] for r in rows])
-        logits = self.loaded.model(inputs, cache=caches)[:, -1, :]
+        inputs = g.inputs
+        logits = self.loaded.model(inputs[:, None], cache=caches)[:, -1, :]
         for i, r in enumerate(rows):
             if r.processors:  # they see the token fed, like mlx-lm's generate_step
-                r.history = mx.concatenate([r.history, inputs[i]])
-        tokens, lps = self._sample(rows, logits)
+                r.history = mx.concatenate([r.history, inputs[i : i + 1]])
+        sampled, lps = self._sample(rows, logits)
+        mx.async_eval(sampled, *[x for lp in lps if lp is not None for x in lp])
+        fed = inputs.tolist()
         self.max_rows_in_a_step = max(self.max_rows_in_a_step, len(rows))
         if g.caches is not None and self.observer is not None:
             self.observer(g.policy, g.caches)
-        for r in rows:
-            if r.session is not None:
-                r.session.tokens.append(r.next_input)
-            r.next_input = None
+        g.inputs = sampled
         ended = []
-        for r, token, lp in zip(rows, tokens, lps, strict=True):
-            if self._take_token(r, token, lp):
+        for r, token, lp in zip(rows, fed, lps, strict=True):
+            if r.session is not None:
+                r.session.tokens.append(token)
+            shown, r.pending_lp = r.pending_lp, lp
+            if r.next_input is not None:  # the first token was shown when it was sampled
+                r.next_input = None
+                continue
+            if self._take_token(r, token, _resolve(shown)):
                 ended.append(r)
         if ended:
             self._drop_rows(g, ended)
@@ -584,19 +607,15 @@ class Scheduler:
         if sampled:
             idx = mx.array([i for i, _ in sampled])
             picked[idx] = mx.concatenate([t.reshape(-1) for _, t in sampled])
-        tokens = picked.tolist()
-        lps: list = [None] * len(rows)
+        lps: list = [None] * len(rows)  # lazy (chosen, best ids, best logprobs) where asked
         for i, r in enumerate(rows):
             k = r.req.logprobs
             if k is None:
                 continue
             row = logprobs[i]
-            top = ()
-            if k > 0:
-                best = mx.argsort(-row)[:k]
-                top = tuple(zip(best.tolist(), row[best].tolist(), strict=True))
-            lps[i] = (row[tokens[i]].item(), top)
-        return tokens, lps
+            best = mx.argsort(-row)[:k]
+            lps[i] = (row[picked[i]], best, row[best])
+        return picked, lps
 
     def _take_token(self, job: _Job, token: int, lp) -> bool:
         """Record ``token`` for ``job`` and tell its caller; True when the answer ended."""
@@ -608,7 +627,6 @@ class Scheduler:
             logprob, top = lp if lp is not None else (None, None)
             stats = self._stats(job)
             job.handle._emit(TokenDelta(delta, token, stats, logprob, top))
-        job.next_input = token
         if reason is not None:
             self._end(job, reason)
             return True
@@ -620,10 +638,14 @@ class Scheduler:
             self._end(job, reason)
 
     def _drop_rows(self, g: _Group, jobs: list[_Job]) -> None:
+        import mlx.core as mx
+
         keep = [i for i, r in enumerate(g.rows) if r not in jobs]
         if g.caches is not None and keep:
             for c in g.caches:
                 c.filter(keep)
+        if g.inputs is not None and keep:
+            g.inputs = g.inputs[mx.array(keep)]
         g.rows = [g.rows[i] for i in keep]
         for job in jobs:
             job.group = None
@@ -631,8 +653,9 @@ class Scheduler:
             del self._groups[g.key]
 
     def _end(self, job: _Job, reason: str) -> None:
-        """Close ``job``'s answer: its session's caches get the last token, the caller the
-        rest of the text and the ``Finished`` event."""
+        """Close ``job``'s answer: its session's caches get a first token they were not fed
+        yet (decode steps feed every other), the caller the rest of the text and the
+        ``Finished`` event."""
         import mlx.core as mx
 
         if job.session is not None and job.next_input is not None and job.caches is not None:
@@ -688,6 +711,14 @@ class Scheduler:
         )
 
 
+def _resolve(lp) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+    """A row's logprobs as numbers (None when the request did not ask)."""
+    if lp is None:
+        return None
+    chosen, best, values = lp
+    return chosen.item(), tuple(zip(best.tolist(), values.tolist(), strict=True))
+
+
 def feed(model, caches: list, tokens, logits: bool = False):
     """One model call over ``tokens`` (1-D) into ``caches``; with ``logits``, the last
     position's logits (1, vocab), evaluated together with the caches."""
@@ -702,15 +733,6 @@ def feed(model, caches: list, tokens, logits: bool = False):
     model(tokens[None], cache=caches)
     mx.eval([c.state for c in caches])
     return None
-
-
-def copy_caches(caches: list, new: Callable[[], list]) -> list:
-    """Independent copies of single-sequence caches: fresh caches given the states."""
-    from mlxkv.caches import restore, snapshot
-
-    out = new()
-    restore(out, snapshot(caches))
-    return out
 
 
 class SharedPrefixes:

@@ -86,6 +86,16 @@ def load_registry() -> Registry:
     return Registry(default=default, models=models)
 
 
+def shipped_config(repo: str) -> Path | None:
+    """config.json of a registry model as published on its hub repo, shipped with mlxkv
+    (``mlxkv/model_configs/OWNER--NAME.json``) so that ``plan`` of an alias needs no hub."""
+    if "/" not in repo or repo.count("/") != 1 or ".." in repo:
+        return None
+    name = repo.replace("/", "--") + ".json"
+    f = resources.files("mlxkv").joinpath("model_configs", name)
+    return Path(str(f)) if f.is_file() else None
+
+
 def lookup(alias: str) -> ModelEntry | None:
     return load_registry().lookup(alias)
 

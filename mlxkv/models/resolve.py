@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import socket
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from mlxkv.errors import UserError, one_line
 from mlxkv.memory.source import ModelSource, from_path
@@ -51,10 +56,56 @@ def _has_config(p: Path) -> bool:
     return (p / "config.json").is_file()
 
 
+HUB_DNS_TIMEOUT = 3.0  # seconds for the hub's host name to resolve
+HUB_CHECK_TTL = 60.0  # seconds an answer of hub_unreachable() is reused
+_hub_checked: dict = {}  # {"at": monotonic time, "why": answer}
+
+
+def hub_unreachable() -> str | None:
+    """Why the model hub cannot be reached at all, or None if it may be: ``HF_HUB_OFFLINE``
+    is set, or its host name does not resolve (asked at most once a minute, waiting at most
+    HUB_DNS_TIMEOUT seconds; skipped behind a proxy, which resolves names itself). Without
+    this, huggingface_hub retries a hub it cannot even resolve five times (24 s)."""
+    now = time.monotonic()
+    if _hub_checked and now - _hub_checked["at"] < HUB_CHECK_TTL:
+        return _hub_checked["why"]
+    why = _hub_unreachable()
+    _hub_checked.update(at=now, why=why)
+    return why
+
+
+def _hub_unreachable() -> str | None:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY"))
+    if not host or proxied:
+        return None
+    found: list = []
+
+    def look() -> None:
+        try:
+            found.append(bool(socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)))
+        except OSError:
+            found.append(False)
+
+    asker = threading.Thread(target=look, daemon=True)
+    asker.start()
+    asker.join(HUB_DNS_TIMEOUT)
+    if not found:
+        return f"{host} did not resolve within {HUB_DNS_TIMEOUT:g} s"
+    return None if found[0] else f"{host} cannot be resolved"
+
+
 def hub_download(repo: str, local_only: bool = False) -> Path:
     """Download only the files a model needs (huggingface_hub shows the progress bar)."""
     from huggingface_hub import snapshot_download
 
+    why = None if local_only else hub_unreachable()
+    if why:
+        raise ConnectionError(f"the Hugging Face hub is unreachable: {why}")
     return Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=local_only))
 
 
@@ -200,13 +251,27 @@ def _resolve(model, offline_ok, on_status) -> ResolvedModel:
         ) from None
 
 
-def _hub_config(repo: str) -> Path:
-    """config.json of a hub repo: the local HF cache first, else a download of that file."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+def _cached_config(repo: str) -> Path | None:
+    """config.json of a hub repo in the local Hugging Face cache (beside its weights)."""
+    from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo, "config.json")
-    if isinstance(cached, str):
-        return Path(cached)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _hub_config(repo: str) -> Path:
+    """config.json of a hub repo: the local HF cache first, else a download of that file."""
+    from huggingface_hub import hf_hub_download
+
+    cached = _cached_config(repo)
+    if cached is not None:
+        return cached
+    why = hub_unreachable()
+    if why:
+        raise UserError(
+            f"could not fetch config.json of '{repo}': the Hugging Face hub is unreachable "
+            f"({why}); pass a local config.json or model folder"
+        )
     try:
         return Path(hf_hub_download(repo, "config.json"))
     except Exception as e:
@@ -233,6 +298,12 @@ def resolve_config(model: str) -> ModelSource:
         if _has_config(local):
             check_model_folder(local)
             return from_path(local, name=model, how="alias (local copy)")
+        shipped = registry.shipped_config(entry.hf_repo)
+        if shipped is not None and _cached_config(entry.hf_repo) is None:
+            # offline at once; the hub (if any) only for the safetensors sizes
+            src = from_path(shipped, name=model, how=f"alias ({entry.hf_repo}, shipped config)")
+            repo = None if hub_unreachable() else entry.hf_repo
+            return ModelSource(src.name, src.config, None, repo, src.how)
         cfg = _hub_config(entry.hf_repo)
         src = from_path(cfg, name=model, how=f"alias ({entry.hf_repo})")
         return ModelSource(src.name, src.config, src.folder, entry.hf_repo, src.how)

@@ -1,4 +1,4 @@
-"""The front door: ``mlxkv chat | plan | generate | batch | models | pull | bench``.
+"""The front door: ``mlxkv chat | plan | generate | batch | serve | models | pull | bench``.
 
 Subcommands from higher layers (the chat UI) register themselves as ``mlxkv.commands``
 entry points in pyproject.toml, so this module never imports them by name.
@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": "mlxkv.commands.plan",
     "generate": "mlxkv.commands.generate",
     "batch": "mlxkv.commands.batch",
+    "serve": "mlxkv.commands.serve",
     "models": "mlxkv.commands.models",
     "pull": "mlxkv.commands.pull",
     "bench": "mlxkv.commands.bench",

@@ -1,0 +1,172 @@
+"""``mlxkv serve``: an OpenAI-compatible HTTP server for one model (see mlxkv/server/)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from mlxkv.commands.common import (
+    add_cache_flags,
+    add_generation_flags,
+    add_model_flags,
+    policy_from_args,
+    settings_from_args,
+    status,
+)
+from mlxkv.errors import UserError
+
+HELP = "serve one model over an OpenAI-compatible HTTP API (chat and text completions)"
+KEY_ENV = "MLXKV_API_KEY"
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "model_arg",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve (as --model; default: the registry default)",
+    )
+    add_model_flags(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free one)")
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        metavar="N",
+        help="answers decoded together under one KV policy (default 16)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        metavar="N",
+        help="answers that may wait for a row; past it a request gets 429 (default 256)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' (default: ${KEY_ENV}); needed to listen "
+        "on an address other than loopback",
+    )
+    g.add_argument(
+        "--max-body",
+        type=int,
+        default=8 * 2**20,
+        metavar="BYTES",
+        help="largest request body taken, in bytes (default 8 MiB); larger gets 413",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/Ctrl+C, seconds the answers in flight get to finish before they are "
+        "cut with an error (default 10)",
+    )
+    g.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
+    add_cache_flags(p)
+    add_generation_flags(p, max_tokens=512)
+
+
+def _check(args) -> str | None:
+    """Refuse bad server flags before anything loads; returns the API key (or None)."""
+    from mlxkv.server.local import is_loopback
+
+    if args.model_arg is not None and args.model is not None:
+        raise UserError("give the model once: as MODEL or as --model")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.max_body < 1024:
+        raise UserError(f"--max-body must be at least 1024 bytes, got {args.max_body}")
+    if not args.shutdown_timeout >= 0:
+        raise UserError(f"--shutdown-timeout must be 0 or more, got {args.shutdown_timeout}")
+    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+        raise UserError("the API key must be non-empty and hold no spaces")
+    if key is None and not is_loopback(args.host):
+        raise UserError(
+            f"--host {args.host} would let other machines in without a key; "
+            f"set --api-key KEY (or {KEY_ENV}) or listen on 127.0.0.1"
+        )
+    return key
+
+
+def _names(loaded) -> tuple[str, set[str]]:
+    """The model id /v1/models lists, and every name a request may use for it."""
+    from mlxkv.models.registry import lookup
+
+    name = loaded.name
+    served = Path(name).name if ("/" in name and Path(name).exists()) else name
+    names = {served}
+    entry = lookup(name)
+    if entry is not None:
+        names |= {entry.alias, entry.hf_repo}
+    return served, names
+
+
+def run(args) -> int:
+    from mlxkv.engine.distributed import launched
+    from mlxkv.engine.loading import open_model
+    from mlxkv.engine.scheduler import Scheduler
+    from mlxkv.server.app import Served, build_app
+    from mlxkv.server.bridge import Bridge
+    from mlxkv.server.params import Limits
+    from mlxkv.server.run import listen, serve
+
+    if launched():
+        raise UserError("serve runs in one process, not under mlx.launch")
+    key = _check(args)
+    policy = policy_from_args(args)
+    defaults = settings_from_args(args)
+    sock = listen(args.host, args.port)  # a busy port fails now, not after loading
+    try:
+        loaded = open_model(
+            args.model_arg or args.model, args.dtype, policy, args.force, on_status=status
+        )
+        scheduler = Scheduler(loaded, policy=policy, max_batch=args.max_batch)
+        scheduler.start()
+        model_id, names = _names(loaded)
+        vocab = loaded.config.get("vocab_size")
+        served = Served(
+            id=model_id,
+            names=names,
+            tokenizer=loaded.tokenizer,
+            policy=policy,
+            limits=Limits(
+                max_rows=args.max_batch + args.max_queue,
+                vocab_size=vocab if isinstance(vocab, int) else None,
+                defaults=defaults,
+            ),
+            max_batch=args.max_batch,
+            api_key=key,
+            max_body=args.max_body,
+        )
+        bridge = Bridge(scheduler, args.max_batch, args.max_queue)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        status(
+            f"serving {model_id} ({policy.describe()}, up to {args.max_batch} answers per batch) "
+            f"on http://{shown}:{port}/v1" + (" with an API key" if key else "")
+        )
+        serve(
+            build_app(served, bridge), bridge, sock, args.shutdown_timeout, not args.no_access_log
+        )
+        scheduler.close(timeout=1.0)
+    finally:
+        sock.close()
+    status("server stopped")
+    # Everything is closed and flushed: leave now. The interpreter's own exit can abort
+    # ("terminate called without an active exception") once the scheduler's thread has
+    # run the model, which would turn a clean stop into exit status 134.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

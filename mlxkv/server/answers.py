@@ -1,0 +1,153 @@
+"""Engine events turned into OpenAI response objects (whole answers and stream chunks)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from mlxkv.engine.events import Stats, TokenDelta
+
+FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class TokenText:
+    """Each token's own text (for logprobs), as the tokenizer decodes it alone."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=65536)(self._decode)
+
+    def _decode(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+@dataclass
+class Choice:
+    """One answer as it arrives."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # chat entries, one per token
+    finish_reason: str | None = None
+    stats: Stats | None = None
+
+
+def chat_logprob(words: TokenText, ev: TokenDelta) -> dict | None:
+    """A chat ``logprobs.content`` entry for the token of ``ev`` (None when it has none)."""
+    if ev.logprob is None or ev.token < 0:
+        return None
+
+    def one(token: int, lp: float) -> dict:
+        t = words.text(token)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+    entry = one(ev.token, ev.logprob)
+    entry["top_logprobs"] = [one(t, lp) for t, lp in ev.top_logprobs or ()]
+    return entry
+
+
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object from chat-style entries."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """Token counts over the answers (each prompt counted once) and, as the ``mlxkv``
+    extension, the KV figures of the first answer: the cache it ran in, as MLX holds it
+    and as the memory model predicts it (a batched answer's cache is the batch's)."""
+    finals = [c.stats for c in choices if c.stats is not None]
+    prompt = sum(c.stats.prompt_tokens for c in choices if c.stats and c.index % n == 0)
+    cached = sum(c.stats.prompt_tokens_cached for c in choices if c.stats and c.index % n == 0)
+    completion = sum(s.generation_tokens for s in finals)
+    first = finals[0] if finals else Stats()
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "mlxkv": {
+            "prompt_tokens_cached": cached,
+            "kv_tokens": first.kv_tokens,
+            "kv_bytes_actual": first.kv_bytes_actual,
+            "kv_bytes_predicted": first.kv_bytes_predicted,
+            "policy": first.policy,
+        },
+    }
+
+
+@dataclass
+class Envelope:
+    """What every object of one response shares."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self):
+        self.id = self.id or new_id("chatcmpl" if self.kind == "chat" else "cmpl")
+        self.created = self.created or int(time.time())
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # -- whole answers -----------------------------------------------------------------
+    def whole(self, choices: list[Choice], n: int) -> dict:
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+            if self.kind == "chat":
+                lp = {"content": c.logprobs, "refusal": None} if c.logprobs else None
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                    }
+                )
+            else:
+                lp = completion_logprobs(c.logprobs) if c.logprobs else None
+                out.append(
+                    {"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason}
+                )
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self.head(obj), "choices": out, "usage": usage(choices, n)}
+
+    # -- stream chunks ------------------------------------------------------------------
+    def chunk(self, choices: list[dict], with_usage: bool, usage_value=None) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        out = {**self.head(obj), "choices": choices}
+        if with_usage:
+            out["usage"] = usage_value
+        return out
+
+    def delta(
+        self, index: int, text: str | None, entry: dict | None, reason: str | None, offset: int
+    ) -> dict:
+        """One choice's part of a chunk: new text (``None``: the opening role chunk of a
+        chat stream), its token's logprobs, or the finish reason."""
+        reason = FINISH_REASONS.get(reason, reason)
+        if self.kind == "chat":
+            if text is None:
+                d = {"role": "assistant", "content": ""}
+            else:
+                d = {"content": text} if reason is None else {}
+            lp = {"content": [entry], "refusal": None} if entry else None
+            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}
+        lp = completion_logprobs([entry], offset) if entry else None
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}

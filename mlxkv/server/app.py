@@ -1,0 +1,372 @@
+"""The HTTP API (Starlette): OpenAI's chat and text completions, models, health, status."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxkv.engine.events import Failed, Finished, Notice, TokenDelta
+from mlxkv.policy import KVPolicy
+from mlxkv.server.answers import Choice, Envelope, TokenText, chat_logprob
+from mlxkv.server.answers import usage as usage_of
+from mlxkv.server.bridge import Bridge, Run
+from mlxkv.server.errors import APIError, bad
+from mlxkv.server.local import foreign_source
+from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
+
+ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health"
+
+
+@dataclass
+class Served:
+    """The one model this server runs and the rules it runs it by."""
+
+    id: str  # the name /v1/models lists
+    names: set[str]  # every name a request's ``model`` may give (alias, repo id)
+    tokenizer: object  # chat template and token texts (no MLX)
+    policy: KVPolicy  # the default KV policy
+    limits: Limits = field(default_factory=Limits)
+    max_batch: int = 16
+    api_key: str | None = None
+    max_body: int = 8 * 2**20
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class Disconnect:
+    """Watches the connection while an answer is prepared (before any byte is sent)."""
+
+    def __init__(self, request: Request):
+        self.task = asyncio.ensure_future(self._watch(request.receive))
+
+    @staticmethod
+    async def _watch(receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def next(self, run: Run):
+        get = asyncio.ensure_future(run.next())
+        done, _ = await asyncio.wait({get, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        raise ClientGone
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+def build_app(served: Served, bridge: Bridge) -> Starlette:
+    words = TokenText(served.tokenizer)
+
+    def check_auth(request: Request) -> None:
+        if served.api_key is None:
+            check_local(request)
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            key.strip().encode(), served.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer KEY' with "
+                "the key the server was started with (--api-key or MLXKV_API_KEY)",
+                code="invalid_api_key",
+            )
+
+    def check_local(request: Request) -> None:
+        why = foreign_source(request.headers.get("host"), request.headers.get("origin"))
+        if why is not None:
+            raise APIError(
+                403,
+                f"this server has no API key, so it answers this machine only ({why}); "
+                "start it with --api-key to take requests from elsewhere",
+                code="forbidden_origin",
+            )
+
+    async def read_body(request: Request) -> bytes:
+        limit = served.max_body
+        declared = request.headers.get("content-length", "")
+        too_big = APIError(
+            413,
+            f"the request body is larger than this server takes ({limit} bytes, --max-body)",
+            code="request_too_large",
+        )
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in served.names:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist on this server: it serves '{served.id}' "
+                "(GET /v1/models); the model is chosen when mlxkv serve starts",
+                param="model",
+                code="model_not_found",
+            )
+
+    def render(ask: Ask) -> list[list[int]]:
+        """The prompts as token ids (the chat template applied); runs in a worker thread."""
+        encode = bridge.scheduler.encode
+        if ask.kind == "completion":
+            return [p if isinstance(p, list) else encode(p) for p in ask.prompts]
+        try:
+            text = served.tokenizer.apply_chat_template(
+                ask.messages, tokenize=False, add_generation_prompt=True, **ask.template_kwargs
+            )
+        except Exception as e:  # the template refused these messages or arguments
+            raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise bad("chat_template_kwargs made the template return no text", "messages")
+        return [encode(text)]
+
+    async def completions(request: Request, kind: str) -> Response:
+        check_auth(request)
+        body = parse_json(await read_body(request))
+        ask = (parse_chat if kind == "chat" else parse_completion)(body, served.limits)
+        check_model(ask.model)
+        prompts = await run_in_threadpool(render, ask)
+        run = bridge.start(prompts, ask.n, ask.settings, ask.policy, ask.logprobs)
+        env = Envelope(kind, served.id)
+        choices = [Choice(i) for i in range(run.rows)]
+        gone = Disconnect(request)
+        streaming = False
+        try:
+            first = await gone.next(run)
+            _raise_failed(first[1], ask)
+            if ask.stream:
+                streaming = True
+                gone.stop()
+                return _Stream(_sse(run, first, env, ask, choices), lambda: bridge.finish(run))
+            event = first
+            while True:
+                _take(choices, *event, words, ask, run)
+                if run.open == 0:
+                    break
+                event = await gone.next(run)
+            return JSONResponse(env.whole(choices, ask.n))
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                gone.stop()
+                bridge.finish(run)
+                _log(env, ask, choices, run)
+
+    async def _sse(run: Run, first, env: Envelope, ask: Ask, choices: list[Choice]):
+        usage = ask.include_usage
+        offsets = [0] * run.rows
+        try:
+            if env.kind == "chat":
+                for i in range(run.rows):
+                    yield _data(env.chunk([env.delta(i, None, None, None, 0)], usage))
+            event = first
+            while True:
+                row, ev = event
+                part = _take(choices, row, ev, words, ask, run)
+                if part is not None:
+                    text, entry, reason = part
+                    yield _data(
+                        env.chunk([env.delta(row, text, entry, reason, offsets[row])], usage)
+                    )
+                    offsets[row] += len(text or "")
+                if run.open == 0:
+                    break
+                event = await run.next()
+            if usage:
+                yield _data(env.chunk([], True, usage_of(choices, ask.n)))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _data(e.body())
+        finally:
+            bridge.finish(run)
+            _log(env, ask, choices, run)
+
+    async def chat_completions(request: Request) -> Response:
+        return await completions(request, "chat")
+
+    async def text_completions(request: Request) -> Response:
+        return await completions(request, "completion")
+
+    def model_card() -> dict:
+        return {"id": served.id, "object": "model", "created": served.started, "owned_by": "mlxkv"}
+
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request: Request) -> Response:
+        check_auth(request)
+        check_model(request.path_params["name"])
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        if bridge.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": served.id})
+
+    async def status(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse(
+            {
+                "model": served.id,
+                "policy": served.policy.describe(),
+                "max_batch": served.max_batch,
+                "rows_in_flight": bridge.rows_in_flight,
+                "draining": bridge.draining,
+                **bridge.scheduler.status(),
+            }
+        )
+
+    routes = [
+        Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
+        Route("/v1/completions", _guard(text_completions), methods=["POST"]),
+        Route("/v1/models", _guard(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", _guard(one_model), methods=["GET"]),
+        Route("/v1/status", _guard(status), methods=["GET"]),
+        Route("/health", _guard(health), methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends (even when the
+    client leaves before the first event is sent)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _guard(endpoint):
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except APIError as e:
+            return e.response()
+
+    return guarded
+
+
+def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: Run):
+    """Record one event of row ``row``; returns what a stream sends for it, (text,
+    logprobs entry, finish reason), or None. Raises APIError for a failed row."""
+    c = choices[row]
+    if isinstance(ev, TokenDelta):
+        entry = chat_logprob(words, ev) if ask.logprobs is not None else None
+        c.text.append(ev.text)
+        if entry is not None:
+            c.logprobs.append(entry)
+        return (ev.text, entry, None) if ev.text or entry else None
+    if isinstance(ev, Finished):
+        c.stats = ev.stats
+        if ev.finish_reason == "cancelled":
+            if run.shutdown:
+                raise APIError(
+                    503,
+                    "the server is shutting down; this answer was cut after "
+                    f"{ev.stats.generation_tokens} tokens",
+                    code="shutting_down",
+                )
+            raise APIError(499, "the request was cancelled", code="cancelled")
+        c.finish_reason = ev.finish_reason
+        return ("", None, ev.finish_reason)
+    if isinstance(ev, Failed):
+        _raise_failed(ev, ask)
+    if isinstance(ev, Notice):
+        print(f"mlxkv: {ev.message}", file=sys.stderr, flush=True)
+    return None
+
+
+def _raise_failed(ev, ask: Ask) -> None:
+    if not isinstance(ev, Failed):
+        return
+    where = "messages" if ask.kind == "chat" else "prompt"
+    if ev.code == "invalid_policy":
+        raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
+    if ev.code == "context_length_exceeded":
+        raise APIError(400, ev.message, where, "context_length_exceeded")
+    if ev.code == "invalid_request":
+        raise APIError(400, ev.message, where, "invalid_request")
+    if ev.code in ("shutting_down", "cancelled"):
+        raise APIError(503, "the server is shutting down; no new requests are taken", None, ev.code)
+    raise APIError(500, f"the engine failed: {ev.message}", None, ev.code or "internal")
+
+
+def _data(obj: dict) -> str:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+def _log(env: Envelope, ask: Ask, choices: list[Choice], run: Run) -> None:
+    done = [c for c in choices if c.stats is not None]
+    if run.open:
+        tokens = sum(len(c.text) for c in choices)
+        print(
+            f"mlxkv: {env.id} ended after {tokens} tokens, unfinished: its rows are cancelled",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not done:
+        return
+    s = done[0].stats
+    reasons = ",".join(sorted({c.finish_reason or "cancelled" for c in done}))
+    who = f" user={ask.user!r}" if ask.user else ""
+    print(
+        f"mlxkv: {env.id} {len(done)} answer(s), {s.prompt_tokens} prompt tokens "
+        f"({s.prompt_tokens_cached} cached), {sum(c.stats.generation_tokens for c in done)} "
+        f"generated, finish {reasons}; KV {s.kv_tokens} tokens, {s.kv_bytes_actual} bytes "
+        f"(predicted {s.kv_bytes_predicted}), {s.policy}{who}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        message = f"no endpoint {request.method} {request.url.path}; this server has {ENDPOINTS}"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return APIError(exc.status_code, message).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    print(f"mlxkv: internal error on {request.url.path}: {exc!r}", file=sys.stderr, flush=True)
+    return APIError(500, "internal server error; see the server's log").response()

@@ -1,0 +1,517 @@
+"""The request bodies of /v1/chat/completions and /v1/completions, checked field by field.
+
+Every parameter of the OpenAI API is either honoured or refused with a 400 naming it: a
+parameter whose only accepted value is its no-op default (``presence_penalty: 0``,
+``response_format: {"type": "text"}``, ``tools: []``) is accepted with that value and
+refused with any other. Names the API does not have are refused too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from mlxkv.engine.request import GenerationSettings
+from mlxkv.errors import UserError
+from mlxkv.policy import KVPolicy, PolicyError
+from mlxkv.server.errors import bad
+
+SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+# A parameter accepted only with these values (JSON null always means "not given").
+NO_OP = object()
+_COMMON_NO_OPS = {
+    "frequency_penalty": (0, "frequency penalties are not supported; send 0 or leave it out"),
+    "presence_penalty": (0, "presence penalties are not supported; send 0 or leave it out"),
+    "logit_bias": ({}, "logit_bias is not supported; leave it out"),
+}
+CHAT_NO_OPS = {
+    **_COMMON_NO_OPS,
+    "store": (False, "storing completions is not supported; leave 'store' out"),
+    "metadata": ({}, "'metadata' goes with 'store', which is not supported; leave it out"),
+    "tools": ([], "tool calling is not supported yet; leave 'tools' out"),
+    "tool_choice": ("none", "tool calling is not supported yet; leave 'tool_choice' out"),
+    "parallel_tool_calls": (NO_OP, "tool calling is not supported yet; leave it out"),
+    "functions": ([], "function calling is not supported; leave 'functions' out"),
+    "function_call": ("none", "function calling is not supported; leave it out"),
+    "response_format": (
+        {"type": "text"},
+        'structured output is not supported yet; only response_format {"type": "text"}',
+    ),
+    "modalities": (["text"], 'only text output is supported (modalities ["text"])'),
+    "audio": (NO_OP, "audio output is not supported"),
+    "prediction": (NO_OP, "predicted outputs are not supported; leave 'prediction' out"),
+    "reasoning_effort": (NO_OP, "reasoning_effort is not supported by this model server"),
+    "verbosity": (NO_OP, "verbosity is not supported; leave it out"),
+    "web_search_options": (NO_OP, "web search is not supported"),
+    "service_tier": ("auto", "there is one service tier; send 'auto' or leave it out"),
+    "prompt_cache_key": (NO_OP, "prompt_cache_key is not supported yet; leave it out"),
+}
+COMPLETION_NO_OPS = {
+    **_COMMON_NO_OPS,
+    "echo": (False, "echo is not supported; leave it out"),
+    "suffix": (NO_OP, "suffix (insertion) is not supported; leave it out"),
+}
+_HONOURED = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    # extensions (as in mlx_lm.server and vLLM)
+    "kv",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+}
+CHAT_HONOURED = _HONOURED | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "safety_identifier",
+}
+COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of"}
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# chat_template_kwargs may not reach the arguments the server sets itself
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "chat_template",
+    "tools",
+    "documents",
+    "tokenizer_kwargs",
+}
+# per-request KV policy: the CLI flags' names without "--kv-"
+KV_FIELDS = (
+    "window",
+    "sinks",
+    "bits",
+    "group_size",
+    "max_kv_size",
+    "key_bits",
+    "value_bits",
+    "value_group_size",
+)
+_FLAG_NAMES = {
+    "--kv-value-group-size": "kv.value_group_size",
+    "--kv-group-size": "kv.group_size",
+    "--kv-key-bits": "kv.key_bits",
+    "--kv-value-bits": "kv.value_bits",
+    "--kv-window": "kv.window",
+    "--kv-sinks": "kv.sinks",
+    "--kv-bits": "kv.bits",
+    "--max-kv-size": "kv.max_kv_size",
+}
+
+
+@dataclass
+class Limits:
+    """What the server allows a request (from its command line)."""
+
+    max_rows: int = 16  # choices one request may ask for (prompts x n)
+    vocab_size: int | None = None  # token-id prompts must be below it
+    defaults: GenerationSettings = field(default_factory=GenerationSettings)
+
+
+@dataclass
+class Ask:
+    """A checked request: what to render and run, and how to answer."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    settings: GenerationSettings
+    policy: KVPolicy | None  # None: the server's default policy
+    logprobs: int | None  # None: off; k: the chosen token's logprob and k alternatives
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    messages: list[dict] = field(default_factory=list)
+    template_kwargs: dict = field(default_factory=dict)
+    prompts: list = field(default_factory=list)  # completions: text or token ids, each
+    user: str | None = None
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, every string in it valid Unicode."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", code="invalid_json")
+    _check_strings(body, "")
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(value, path: str) -> None:
+    """Refuse a string that cannot be UTF-8 (a lone surrogate such as "\\ud800")."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(
+                    f"{p or 'the body'} is not valid Unicode text (a lone surrogate at "
+                    f"character {e.start}); send UTF-8 text",
+                    param=p or None,
+                ) from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    continue
+                stack.append((k, p or "the body"))
+                stack.append((x, f"{p}.{k}" if p else k))
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+
+
+# -- field checks ----------------------------------------------------------------------------
+def _given(body: dict, name: str) -> bool:
+    return body.get(name) is not None
+
+
+def _int(body: dict, name: str, lo: int, hi: int, hint: str = "") -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"{name} must be an integer, got {_show(v)}", param=name)
+    if not lo <= v <= hi:
+        raise bad(f"{name} must be in [{lo}, {hi}], got {v}" + (f"; {hint}" if hint else ""), name)
+    return v
+
+
+def _float(
+    body: dict, name: str, lo: float, hi: float | None, lo_open: bool = False, hint: str = ""
+) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise bad(f"{name} must be a number, got {_show(v)}", param=name)
+    v = float(v)
+    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        want = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi is not None else None
+        want = f"in {want}" if want else f"{'above' if lo_open else 'at least'} {lo:g}"
+        raise bad(f"{name} must be {want}, got {v:g}" + (f"; {hint}" if hint else ""), name)
+    return v
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {_show(v)}", param=name)
+    return v
+
+
+def _show(v) -> str:
+    text = json.dumps(v, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_names(body: dict, honoured: set[str], no_ops: dict) -> None:
+    for name, value in body.items():
+        if name in honoured:
+            continue
+        if name not in no_ops:
+            raise bad(
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
+            )
+        if value is None:
+            continue
+        accepted, why = no_ops[name]
+        if accepted is NO_OP or value != accepted:
+            raise bad(f"{name}: {why}", param=name, code="unsupported_parameter")
+
+
+def _stop(body: dict) -> tuple[str, ...] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP:
+        raise bad(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise bad("stop strings must not be empty", param="stop")
+    return tuple(stops)
+
+
+def _policy(body: dict) -> KVPolicy | None:
+    kv = body.get("kv")
+    if kv is None:
+        return None
+    if not isinstance(kv, dict):
+        raise bad(
+            'kv must be an object such as {"window": 1020, "sinks": 4, "bits": 4}', param="kv"
+        )
+    flags = {}
+    for name, value in kv.items():
+        if name not in KV_FIELDS:
+            raise bad(
+                f"kv.{name} is not a KV policy field; use {', '.join(KV_FIELDS)}",
+                param=f"kv.{name}",
+            )
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise bad(f"kv.{name} must be an integer, got {_show(value)}", param=f"kv.{name}")
+        flags[name] = value
+    try:
+        return KVPolicy.from_flags(**flags)
+    except PolicyError as e:
+        raise bad(_api_names(str(e)), param="kv", code="invalid_policy") from None
+
+
+def _api_names(message: str) -> str:
+    """A policy error worded for the API: ``--kv-window`` becomes ``kv.window``."""
+    return re.sub(
+        "|".join(re.escape(f) for f in _FLAG_NAMES), lambda m: _FLAG_NAMES[m.group(0)], message
+    )
+
+
+def _settings(body: dict, limits: Limits, max_tokens: int | None) -> GenerationSettings:
+    given = {
+        "max_tokens": max_tokens,
+        "temperature": _float(body, "temperature", 0, 2, hint="0 means greedy"),
+        "top_p": _float(body, "top_p", 0, 1, lo_open=True),
+        "top_k": _int(body, "top_k", 0, 2**31 - 1, "0 keeps every token"),
+        "min_p": _float(body, "min_p", 0, 1),
+        "repetition_penalty": _float(body, "repetition_penalty", 0, None, lo_open=True),
+        "seed": _int(body, "seed", 0, SEED_MAX),
+        "stop": _stop(body),
+    }
+    try:
+        return replace(limits.defaults, **{k: v for k, v in given.items() if v is not None})
+    except UserError as e:  # GenerationSettings' own checks (the ranges above cover them)
+        raise bad(str(e)) from None
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = bool(_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", param="stream_options")
+    for k, v in opts.items():
+        if k == "include_usage":
+            continue
+        if k == "include_obfuscation" and v in (None, False):
+            continue
+        raise bad(f"stream_options.{k} is not supported", param=f"stream_options.{k}")
+    return stream, bool(_bool(opts, "include_usage"))
+
+
+def _model(body: dict) -> str | None:
+    v = body.get("model")
+    if v is not None and not isinstance(v, str):
+        raise bad(f"model must be a string, got {_show(v)}", param="model")
+    return v
+
+
+def _user(body: dict, *names: str) -> str | None:
+    for name in names:
+        v = body.get(name)
+        if v is not None and not isinstance(v, str):
+            raise bad(f"{name} must be a string", param=name)
+    return next((body[n] for n in names if body.get(n)), None)
+
+
+def _n(body: dict, prompts: int, limits: Limits) -> int:
+    n = _int(body, "n", 1, limits.max_rows, "more answers than the server's rows") or 1
+    if prompts * n > limits.max_rows:
+        raise bad(
+            f"this request asks for {prompts * n} answers ({prompts} prompts x n={n}); the "
+            f"server takes at most {limits.max_rows} in one request",
+            param="n",
+        )
+    return n
+
+
+# -- the two endpoints -------------------------------------------------------------------------
+def parse_chat(body: dict, limits: Limits) -> Ask:
+    _check_names(body, CHAT_HONOURED, CHAT_NO_OPS)
+    if "messages" not in body:
+        raise bad("messages is required: a list of {role, content} objects", param="messages")
+    messages = _messages(body["messages"])
+    kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    mt = _int(body, "max_tokens", 1, 2**31 - 1)
+    mct = _int(body, "max_completion_tokens", 1, 2**31 - 1)
+    if mt is not None and mct is not None and mt != mct:
+        raise bad(
+            f"max_tokens ({mt}) and max_completion_tokens ({mct}) disagree; send one",
+            param="max_completion_tokens",
+        )
+    logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
+    stream, usage = _stream(body)
+    return Ask(
+        kind="chat",
+        model=_model(body),
+        settings=_settings(body, limits, mct if mct is not None else mt),
+        policy=_policy(body),
+        logprobs=(top or 0) if logprobs else None,
+        n=_n(body, 1, limits),
+        stream=stream,
+        include_usage=usage,
+        messages=messages,
+        template_kwargs=kwargs,
+        user=_user(body, "user", "safety_identifier"),
+    )
+
+
+def parse_completion(body: dict, limits: Limits) -> Ask:
+    _check_names(body, COMPLETION_HONOURED, COMPLETION_NO_OPS)
+    if "prompt" not in body:
+        raise bad("prompt is required: a string, a list of strings or token ids", param="prompt")
+    prompts = _prompts(body["prompt"], limits)
+    n = _n(body, len(prompts), limits)
+    best_of = _int(body, "best_of", 1, limits.max_rows)
+    if best_of is not None and best_of != n:
+        raise bad(
+            f"best_of {best_of} (ranking several answers) is not supported; send best_of = n",
+            param="best_of",
+        )
+    stream, usage = _stream(body)
+    return Ask(
+        kind="completion",
+        model=_model(body),
+        settings=_settings(body, limits, _int(body, "max_tokens", 1, 2**31 - 1)),
+        policy=_policy(body),
+        logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+        n=n,
+        stream=stream,
+        include_usage=usage,
+        prompts=prompts,
+        user=_user(body, "user"),
+    )
+
+
+def _messages(v) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object with role and content", param=where)
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise bad(
+                f"{where}: role '{role}' needs tool calling, which is not supported yet",
+                param=f"{where}.role",
+            )
+        if role not in ROLES:
+            raise bad(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
+                param=f"{where}.role",
+            )
+        for k, x in m.items():
+            if k in ("role", "content") or (k == "refusal" and x is None):
+                continue
+            if k in ("tool_calls", "function_call") and x in (None, []):
+                continue
+            raise bad(f"{where}.{k} is not supported; send role and content", f"{where}.{k}")
+        out.append({"role": ROLES[role], "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(c, where: str) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and c:
+        parts = []
+        for j, p in enumerate(c):
+            ok = isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            if not ok:
+                kind = p.get("type") if isinstance(p, dict) else None
+                raise bad(
+                    f"{where}.content[{j}]: only text parts are supported"
+                    + (f" (got '{kind}')" if isinstance(kind, str) else ""),
+                    param=f"{where}.content",
+                )
+            parts.append(p["text"])
+        return "\n".join(parts)
+    raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _template_kwargs(v) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    for k in v:
+        if k in RESERVED_TEMPLATE_KWARGS:
+            raise bad(
+                f"chat_template_kwargs.{k} is set by the server and cannot be passed",
+                param=f"chat_template_kwargs.{k}",
+            )
+    return dict(v)
+
+
+def _prompts(v, limits: Limits) -> list:
+    """Completions' prompt: a string, a list of strings, token ids, or lists of token ids."""
+    if isinstance(v, str):
+        items = [v]
+    elif (
+        isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    ):
+        items = [v]
+    elif isinstance(v, list) and v:
+        items = v
+    else:
+        raise bad("prompt must be a non-empty string, list of strings or token ids", "prompt")
+    if len(items) > limits.max_rows:
+        raise bad(f"prompt holds {len(items)} prompts; at most {limits.max_rows}", "prompt")
+    for i, p in enumerate(items):
+        where = f"prompt[{i}]" if len(items) > 1 or not isinstance(v, str) else "prompt"
+        if isinstance(p, str):
+            if not p:
+                raise bad(f"{where} is empty", param="prompt")
+            continue
+        ids = isinstance(p, list) and p
+        if not ids or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            raise bad(f"{where} must be a non-empty string or list of token ids", "prompt")
+        top = limits.vocab_size
+        bad_id = next((x for x in p if x < 0 or (top is not None and x >= top)), None)
+        if bad_id is not None:
+            raise bad(
+                f"{where} holds token id {bad_id}, outside the vocabulary [0, {top})",
+                param="prompt",
+            )
+    return items

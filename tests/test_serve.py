@@ -1,0 +1,432 @@
+"""``mlxkv serve`` as a client meets it: a real server process on 127.0.0.1 with the
+offline default model, driven by the official ``openai`` client (and raw HTTP for what a
+client library would refuse to send)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "What is the capital of France?"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting: no early EOS
+POLICIES = {  # per-request "kv" extension -> the same policy as mlxkv generate flags
+    "full": ({}, []),
+    "sink+window": ({"window": 16, "sinks": 4}, ["--kv-window", "16", "--kv-sinks", "4"]),
+    "4-bit": ({"bits": 4}, ["--kv-bits", "4"]),
+}
+MAX_TOKENS = 20
+
+
+class Server:
+    """``mlxkv serve --port 0 FLAGS`` in a subprocess; its log goes to a file."""
+
+    def __init__(self, tmp: Path, *flags: str, env: dict | None = None, key: str | None = None):
+        self.log_path = tmp / "server.log"
+        self.key = key
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxkv", "serve", "--port", "0", *flags],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + 600
+        while True:
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", self.log())
+            if found:
+                self.url = found.group(1)
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"mlxkv serve did not start:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def client(self, key: str | None = None):
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=key or self.key or "none", max_retries=0, timeout=600
+        )
+
+    def http(self, method: str, path: str, **kw) -> httpx.Response:
+        headers = kw.pop("headers", {})
+        if self.key and "authorization" not in {k.lower() for k in headers}:
+            headers["Authorization"] = f"Bearer {self.key}"
+        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=600, **kw)
+
+    def status(self) -> dict:
+        return self.http("GET", "/v1/status").json()
+
+    def wait_idle(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.status()
+            if not s["running"] and not s["waiting"] and not s["rows_in_flight"]:
+                return s
+            assert time.monotonic() < deadline, s
+            time.sleep(0.1)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def generate_reference(flags: list[str]) -> subprocess.Popen:
+    """``mlxkv generate --json`` for QUESTION under ``flags`` (read with ``.communicate``)."""
+    cmd = [sys.executable, "-m", "mlxkv", "generate", "-p", QUESTION, "--json"]
+    cmd += ["--max-tokens", str(MAX_TOKENS), *flags]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"))
+    yield s
+    code = s.stop()
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+@pytest.fixture(scope="module")
+def references(server):
+    """``mlxkv generate`` for each policy, run beside the server (started once)."""
+    procs = {name: generate_reference(flags) for name, (_, flags) in POLICIES.items()}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr
+        out[name] = json.loads(stdout)
+    return out
+
+
+def chat(client, kv: dict, **kw):
+    return client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=kw.pop("max_tokens", MAX_TOKENS),
+        temperature=0,
+        extra_body={"kv": kv} if kv else None,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_chat_answers_as_generate_does(server, references, policy):
+    kv, _ = POLICIES[policy]
+    ref = references[policy]
+    client = server.client()
+
+    whole = chat(client, kv)
+    assert whole.choices[0].message.content == ref["text"]
+    assert whole.choices[0].finish_reason == (
+        "stop" if ref["finish_reason"] == "stop" else "length"
+    )
+    assert whole.model == "smollm2-135m"
+    assert whole.usage.prompt_tokens == ref["prompt_tokens"]
+    assert whole.usage.completion_tokens == ref["generation_tokens"]
+    kvu = whole.usage.model_extra["mlxkv"]
+    assert kvu["kv_bytes_actual"] == kvu["kv_bytes_predicted"] > 0
+    assert (
+        kvu["policy"]
+        == {
+            "full": "full",
+            "sink+window": "sink 4 + window 16",
+            "4-bit": "full, 4-bit (group 64), kivi keys",
+        }[policy]
+    )
+
+    stream = chat(client, kv, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref["text"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == (
+        whole.choices[0].finish_reason
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens
+    )
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_is_server_sent_events_ending_in_done(server):
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+    }
+    r = server.http("POST", "/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in chunks[-1]  # only with stream_options.include_usage
+
+
+def test_text_completion_stream_and_logprobs(server):
+    client = server.client()
+    done = client.completions.create(
+        model="smollm2-135m", prompt=COUNTING, max_tokens=6, temperature=0, logprobs=2
+    )
+    c = done.choices[0]
+    assert c.text == "10, 1"
+    assert c.finish_reason == "length"
+    lp = c.logprobs
+    assert "".join(lp.tokens) == " " + c.text  # each token's own text; the answer's
+    # text drops the space that starts it, as mlxkv generate's does
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top.values()) == logprob == top[token] <= 0  # greedy
+    parts = list(
+        client.completions.create(
+            model="smollm2-135m", prompt=COUNTING, max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert "".join(p.choices[0].text for p in parts) == c.text
+
+
+def test_chat_logprobs_stop_and_n(server, references):
+    client = server.client()
+    r = chat(client, {}, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    assert all(e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3 for e in content)
+    assert all(bytes(e.bytes) == e.token.encode() for e in content)
+
+    cut = chat(client, {}, stop=["Paris"])
+    assert cut.choices[0].message.content == references["full"]["text"].split("Paris")[0]
+    assert cut.choices[0].finish_reason == "stop"
+
+    two = chat(client, {}, n=2, max_tokens=None, max_completion_tokens=5)  # null: not given
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == two.choices[1].message.content
+    assert two.usage.completion_tokens == 10
+
+    def sampled():
+        r = client.chat.completions.create(
+            model="HuggingFaceTB/SmolLM2-135M-Instruct",  # the repo id names it too
+            messages=[{"role": "user", "content": "Say a random word."}],
+            max_tokens=8,
+            temperature=1.5,
+            seed=7,
+            n=2,
+        )
+        return [c.message.content for c in r.choices]
+
+    assert sampled() == sampled()  # seeded: the same answers again
+
+
+def test_sixteen_streams_decode_as_one_batch(server):
+    client = server.client()
+    alone = client.completions.create(
+        model="smollm2-135m", prompt=COUNTING, max_tokens=24, temperature=0
+    ).choices[0]
+    texts = [None] * 16
+
+    def one(i):
+        stream = client.completions.create(
+            model="smollm2-135m", prompt=COUNTING, max_tokens=24, temperature=0, stream=True
+        )
+        texts[i] = "".join(p.choices[0].text for p in stream)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert texts == [alone.text] * 16  # batched greedy == alone
+    status = server.wait_idle()
+    assert status["max_rows_in_a_step"] == 16
+
+
+def test_a_closed_stream_frees_its_row(server):
+    client = server.client()
+    before = server.wait_idle()["requests_finished"]
+    stream = client.completions.create(
+        model="smollm2-135m", prompt=COUNTING, max_tokens=2400, temperature=0, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert len(server.status()["running"]) == 1
+    stream.close()  # the client goes away mid-answer
+    after = server.wait_idle()
+    assert after["requests_finished"] == before + 1
+    assert re.search(r"cmpl-\w+ ended after \d+ tokens, unfinished", server.log())
+
+
+def test_a_client_that_stops_waiting_frees_its_row(server):
+    """Not streaming: the client gives up while the whole answer is being made."""
+    before = server.wait_idle()["requests_finished"]
+    cut = re.compile(r"cmpl-\w+ ended after (\d+) tokens, unfinished")
+    seen = len(cut.findall(server.log()))
+    body = {"prompt": COUNTING, "max_tokens": 4000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=3))
+    after = server.wait_idle()
+    assert after["requests_finished"] == before + 1
+    found = cut.findall(server.log())
+    assert len(found) == seen + 1 and int(found[-1]) < 4000
+
+
+def _post(server, body, path="/v1/chat/completions", **kw) -> httpx.Response:
+    if isinstance(body, bytes):
+        return server.http("POST", path, content=body, **kw)
+    return server.http("POST", path, json=body, **kw)
+
+
+MSG = [{"role": "user", "content": "Hi"}]
+BAD_REQUESTS = [  # (body, path, status, param, words in the message)
+    (b"{not json", None, 400, None, "not valid JSON"),
+    (b"[1, 2]", None, 400, None, "must be a JSON object"),
+    (b'{"messages": "\xff\xfe"}', None, 400, None, "not valid JSON"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None, 400,
+     "messages[0].content", "lone surrogate"),
+    (b'{"messages": [], "temperature": NaN}', None, 400, None, "not a JSON number"),
+    ({"messages": []}, None, 400, "messages", "non-empty list"),
+    ({"model": "smollm2-135m"}, None, 400, "messages", "messages is required"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0].role", "robot"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].role", "tool"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400,
+     "messages[0].content", "only text parts"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools", "tool calling"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}}, None, 400,
+     "response_format", "structured output"),
+    ({"messages": MSG, "presence_penalty": 0.5}, None, 400, "presence_penalty", "not supported"),
+    ({"messages": MSG, "logit_bias": {"5": 1}}, None, 400, "logit_bias", "not supported"),
+    ({"messages": MSG, "foo": 1}, None, 400, "foo", "Unrecognized request argument supplied: foo"),
+    ({"messages": MSG, "temperature": "hot"}, None, 400, "temperature", "must be a number"),
+    ({"messages": MSG, "temperature": 3}, None, 400, "temperature", "in [0, 2]"),
+    ({"messages": MSG, "max_tokens": 0}, None, 400, "max_tokens", "in [1,"),
+    ({"messages": MSG, "max_tokens": 2.5}, None, 400, "max_tokens", "must be an integer"),
+    ({"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, None, 400,
+     "max_completion_tokens", "disagree"),
+    ({"messages": MSG, "top_p": 0}, None, 400, "top_p", "in (0, 1]"),
+    ({"messages": MSG, "seed": -1}, None, 400, "seed", "in [0,"),
+    ({"messages": MSG, "n": 0}, None, 400, "n", "in [1,"),
+    ({"messages": MSG, "stop": [""]}, None, 400, "stop", "must not be empty"),
+    ({"messages": MSG, "stop": 5}, None, 400, "stop", "string or a list"),
+    ({"messages": MSG, "top_logprobs": 2}, None, 400, "top_logprobs", "needs logprobs"),
+    ({"messages": MSG, "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options", "only allowed with stream"),
+    ({"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, None, 400,
+     "chat_template_kwargs.tokenize", "set by the server"),
+    ({"messages": MSG, "kv": {"window": 4, "sinks": 8}}, None, 400, "kv",
+     "kv.window (4) must be larger than kv.sinks (8)"),
+    ({"messages": MSG, "kv": {"bits": 7}}, None, 400, "kv", "kv.bits 7 is not supported"),
+    ({"messages": MSG, "kv": {"turbo": 1}}, None, 400, "kv.turbo", "not a KV policy field"),
+    ({"messages": MSG, "kv": {"window": "big"}}, None, 400, "kv.window", "must be an integer"),
+    ({"messages": MSG, "model": "gpt-4o"}, None, 404, "model", "does not exist on this server"),
+    ({"messages": MSG, "model": "/root/.cache/mlxkv/models/smollm2-135m"}, None, 404, "model",
+     "serves 'smollm2-135m'"),
+    ({"messages": [{"role": "user", "content": "hello " * 9000}]}, None, 400, "messages",
+     "model's context is 8192"),
+    ({"prompt": [1, 2, 99999999]}, "/v1/completions", 400, "prompt", "outside the vocabulary"),
+    ({"prompt": ""}, "/v1/completions", 400, "prompt", "is empty"),
+    ({"prompt": "x", "echo": True}, "/v1/completions", 400, "echo", "not supported"),
+    ({"prompt": "x", "best_of": 2}, "/v1/completions", 400, "best_of", "not supported"),
+    ({"prompt": "x", "messages": MSG}, "/v1/completions", 400, "messages", "Unrecognized"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=lambda c: str(c[4])[:40])
+def test_bad_requests_get_an_openai_error(server, case):
+    body, path, status, param, words = case
+    r = _post(server, body, path or "/v1/chat/completions")
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err["message"]
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    assert "\n" not in err["message"] and "Traceback" not in r.text
+
+
+def test_unknown_endpoints_and_methods(server):
+    r = server.http("GET", "/v1/engines")
+    assert r.status_code == 404 and "no endpoint GET /v1/engines" in r.json()["error"]["message"]
+    r = server.http("GET", "/v1/chat/completions")
+    assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
+
+
+def test_the_openai_client_sees_the_errors(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MSG)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=MSG,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert "tool calling is not supported" in e.value.message
+
+
+def test_without_a_key_only_this_machine_is_served(server):
+    """A web page elsewhere (its Origin) or a DNS name rebound to 127.0.0.1 (its Host)."""
+    for headers in (
+        {"Host": "evil.example:8080"},
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+    ):
+        r = server.http("POST", "/v1/chat/completions", headers=headers, json={"messages": MSG})
+        assert r.status_code == 403, headers
+        err = r.json()["error"]
+        assert err["code"] == "forbidden_origin"
+        assert err["message"].startswith("this server has no API key, so it answers this machine")
+    for headers in ({"Host": "localhost:1"}, {"Origin": "http://127.0.0.1:3000"}):
+        assert server.http("GET", "/v1/models", headers=headers).status_code == 200
+
+
+def test_models_health_and_status(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+    assert server.client().models.retrieve("smollm2-135m").id == "smollm2-135m"
+    assert server.http("GET", "/health").json() == {"status": "ok", "model": "smollm2-135m"}
+    s = server.status()
+    assert s["policy"] == "full" and s["max_batch"] == 16
+
+
+def test_the_server_module_runs_no_mlx():
+    """mlxkv/server talks to the scheduler only: no module of it imports MLX."""
+    for path in (ROOT / "mlxkv" / "server").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n == "mlx" or n.startswith(("mlx.", "mlx_lm")) for n in names), path

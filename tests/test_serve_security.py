@@ -1,0 +1,184 @@
+"""``mlxkv serve`` with an API key, a small body limit and two rows: authentication, 413,
+429, refusing to listen where it should not, and SIGTERM while answers stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_serve import COUNTING, ROOT, Server
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+KEY = "sk-test-1234"
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(
+        tmp_path_factory.mktemp("serve-secure"),
+        "--max-body",
+        "4096",
+        "--max-batch",
+        "2",
+        "--max-queue",
+        "0",
+        "--shutdown-timeout",
+        "20",
+        "--kv-bits",
+        "4",  # the server's default policy
+        env={"MLXKV_API_KEY": KEY},
+        key=KEY,
+    )
+    yield s
+    s.stop()
+
+
+def serve_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "MLXKV_API_KEY"}
+    return subprocess.run(
+        [sys.executable, "-m", "mlxkv", "serve", *args],
+        capture_output=True,
+        text=True,
+        env={**full, **(env or {})},
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_a_public_address_needs_a_key():
+    r = serve_cli("--host", "0.0.0.0")
+    assert r.returncode == 2
+    assert r.stderr == (
+        "mlxkv serve: error: --host 0.0.0.0 would let other machines in without a key; "
+        "set --api-key KEY (or MLXKV_API_KEY) or listen on 127.0.0.1\n"
+    )
+
+
+def test_a_busy_port_is_refused_before_loading():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = serve_cli("--port", str(port))
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == (
+        f"mlxkv serve: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+        "pick another --port"
+    )
+    assert "loading weights" not in r.stderr
+
+
+def test_the_key_is_required(server):
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401  # no header at all
+    for headers in (
+        {"Authorization": ""},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+    ):
+        r = server.http("GET", "/v1/models", headers=headers)
+        assert r.status_code == 401
+        err = r.json()["error"]
+        assert err["code"] == "invalid_api_key"
+        assert "Authorization: Bearer KEY" in err["message"]
+        r = server.http("POST", "/v1/chat/completions", headers=headers, json={"messages": MSG})
+        assert r.status_code == 401
+    assert server.http("GET", "/health", headers={"Authorization": ""}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="sk-wrong").models.list()
+    r = server.client().chat.completions.create(
+        model="smollm2-135m", messages=MSG, max_tokens=2, temperature=0
+    )
+    assert r.usage.completion_tokens == 2
+    assert r.usage.model_extra["mlxkv"]["policy"] == "full, 4-bit (group 64), kivi keys"
+    assert server.status()["policy"] == "full, 4-bit (group 64), kivi keys"
+
+
+def test_a_body_over_the_limit_gets_413(server):
+    big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    r = server.http("POST", "/v1/chat/completions", json=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == (
+        "the request body is larger than this server takes (4096 bytes, --max-body)"
+    )
+
+    def chunks():  # no Content-Length: the server counts what arrives
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 1000):
+            yield data[i : i + 1000]
+
+    r = server.http("POST", "/v1/completions", content=chunks())
+    assert r.status_code == 413
+
+
+def test_past_the_rows_and_queue_a_request_gets_429(server):
+    client = server.client()
+    stream = client.completions.create(  # n=2 takes both rows
+        model="smollm2-135m", prompt=COUNTING, max_tokens=4000, temperature=0, n=2, stream=True
+    )
+    next(iter(stream))
+    r = server.http("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert "2 answers are running or queued" in r.json()["error"]["message"]
+    stream.close()
+    server.wait_idle()
+    r = server.http("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 200
+
+
+def test_sigterm_lets_answers_finish_then_cuts_the_rest(server):
+    """The last test of the module: it stops the server."""
+    events: dict[str, list[str]] = {"short": [], "long": []}
+    started = {k: threading.Event() for k in events}
+
+    def read(name: str, max_tokens: int) -> None:
+        body = {"prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                if line:
+                    events[name].append(line)
+                    started[name].set()
+
+    threads = [
+        threading.Thread(target=read, args=("short", 8)),
+        threading.Thread(target=read, args=("long", 4000)),
+    ]
+    for t in threads:
+        t.start()
+    assert all(e.wait(300) for e in started.values())
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:  # the listening socket closes at once
+        try:
+            httpx.get(f"{server.url}/health", timeout=1)
+        except httpx.TransportError:
+            break
+        assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+        time.sleep(0.2)
+    for t in threads:
+        t.join(120)
+    assert server.proc.wait(120) == 0
+    assert events["short"][-1] == "data: [DONE]"
+    last = json.loads(events["short"][-2][6:])
+    assert last["choices"][0]["finish_reason"] == "length"
+    cut = json.loads(events["long"][-1][6:])
+    assert cut["error"]["code"] == "shutting_down"
+    assert cut["error"]["message"].startswith("the server is shutting down; this answer was cut")
+    assert server.log().rstrip().endswith("mlxkv: server stopped")
+    assert "Traceback" not in server.log()

@@ -23,6 +23,7 @@ LAYERS = {
     "mlxkv.models": 2,
     "mlxkv.engine": 3,
     "mlxkv.bench": 4,
+    "mlxkv.server": 4,  # the HTTP API over the engine (no MLX code)
     "mlxkv.commands": 5,
     "mlxkv.cli": 6,
     "mlxkv.__main__": 7,

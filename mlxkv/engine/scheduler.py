@@ -189,6 +189,7 @@ class Scheduler:
         self._batchable: dict[KVPolicy, bool] = {}
         self._prefixes: dict[KVPolicy, SharedPrefixes] = {}
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # the thread's loop has ended
         self._closing = False
         self._next_id = 0
         self.steps = 0
@@ -235,7 +236,7 @@ class Scheduler:
             while not self.idle and self.step():
                 pass
         else:
-            self._thread.join()
+            self._stopped.wait()
             self._thread = None
 
     @property
@@ -256,7 +257,14 @@ class Scheduler:
             while True:
                 worked = self.step()
                 if self._closing and self.idle:
-                    return
+                    import mlx.core as mx
+
+                    mx.synchronize()
+                    self._stopped.set()
+                    # Park rather than end: an MLX thread that has ended makes the
+                    # process abort at exit ("terminate called without an active
+                    # exception"); a parked daemon thread does not.
+                    threading.Event().wait()
                 if not worked:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -269,6 +277,7 @@ class Scheduler:
             self._waiting.clear()
             self._prefilling = None
             self._groups.clear()
+            self._stopped.set()
             raise
 
     def step(self) -> bool:

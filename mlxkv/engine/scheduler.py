@@ -320,6 +320,9 @@ class Scheduler:
     def _snapshot(self) -> dict:
         running = []
         for g in self._groups.values():
+            # a batch's bytes are shared by its rows: each row reports the batch's
+            caches = g.caches if g.caches is not None else g.rows[0].caches
+            kv_bytes = sum(c.nbytes for c in caches)
             for j in g.rows:
                 running.append(
                     {
@@ -327,6 +330,8 @@ class Scheduler:
                         "policy": j.describe,
                         "prompt_tokens": j.total,
                         "generated": len(j.finish.tokens) if j.finish else 0,
+                        "kv_bytes": kv_bytes,
+                        "batch_rows": len(g.rows),
                     }
                 )
         return {

@@ -41,6 +41,10 @@ _POSITIVE_INTS = (
 _POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "partial_rotary_factor")
 # Windows: null means "no window".
 _OPTIONAL_POSITIVE_INTS = ("sliding_window", "sliding_window_size", "attention_window_size")
+# Planning builds mlx-lm's model lazily, so its cost grows with the layers (about 4 s for
+# 1,000 here); the largest published models have under 200.
+MAX_LAYERS = 1024
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def load_config(path: str | Path) -> dict:
@@ -118,6 +122,13 @@ def validate(config: dict) -> str:
             raise BadInput(f"'{key}' must be an integer, got {type(v).__name__} {v!r}")
         if v <= 0:
             raise BadInput(f"'{key}' must be positive, got {v}")
+    for key in _LAYER_COUNTS:
+        v = view.get(key)
+        if _is_int(v) and v > MAX_LAYERS:
+            raise BadInput(
+                f"'{key}' is {v:,}; mlxkv plans models of up to {MAX_LAYERS:,} layers "
+                "(published models have under 200): fix config.json"
+            )
     for key in _POSITIVE_NUMBERS:
         v = view.get(key)
         if v is None:

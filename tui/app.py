@@ -6,6 +6,7 @@ come back through an EventPipe and are applied here, on the UI thread, in order.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import traceback
@@ -36,6 +37,7 @@ from tui.prompt_input import PromptInput
 from tui.worker import MLXWorker
 
 ANSWERING = "answering ... Esc or Ctrl+C stops · you can keep typing"
+QUIT_WAIT = 10.0  # seconds quitting waits for the worker's job (a stopped answer) to end
 READY = "Enter send · Shift+Enter newline · Esc stop · /help · Ctrl+Q quit"
 
 
@@ -100,6 +102,7 @@ class ChatApp(App):
         self.worker = MLXWorker()
         self.pipe = EventPipe(lambda: self.post_message(self.Wake()))
         self.busy: str | None = None  # name of the running job
+        self._quitting = False
         self.handling: str | None = None  # the job whose result is being shown
         self._stop = threading.Event()
         self._streaming: MessageView | None = None
@@ -714,11 +717,20 @@ class ChatApp(App):
         metrics.write_metrics(self.metrics_path, data)
 
     async def action_quit(self) -> None:
+        """Stop the answer, let the worker end its job, keep what it gave, then exit."""
+        if self._quitting:
+            return
+        self._quitting = True
         self._stop.set()
         self.engine.cancel()
+        if self.busy:
+            self.set_status("quitting: stopping the answer ...")
+        # A stopped answer ends within a model step; a model load cannot be stopped.
+        if await asyncio.to_thread(self.worker.finish, QUIT_WAIT):
+            await self.on_chat_app_wake(self.Wake())  # its result: the answer is kept
         self.write_metrics()
         self.exit()
 
     def on_unmount(self) -> None:
         self.engine.cancel()
-        self.worker.stop(timeout=2.0)
+        self.worker.finish(timeout=2.0)

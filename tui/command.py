@@ -47,8 +47,21 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    build_app(args).run()
-    return 0
+    import sys
+
+    app = build_app(args)
+    app.run()
+    code = app.return_code or 0
+    # The conversation and the metrics are on disk and the terminal is restored. End the
+    # process here: the interpreter's own teardown runs beside MLX's native threads (a
+    # model load that cannot be stopped, the stream threads), and that can abort the
+    # process (SIGABRT) after a clean quit.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def build_app(args):

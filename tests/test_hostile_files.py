@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
+from mlxkv.cli import main
 from mlxkv.errors import UserError
 from mlxkv.files import (
     atomic_write,
@@ -137,3 +140,62 @@ def test_safe_name_and_inside(tmp_path):
     (tmp_path / "home" / "out").symlink_to(tmp_path)
     assert inside(tmp_path / "home" / "a", tmp_path / "home")
     assert not inside(tmp_path / "home" / "out" / "x", tmp_path / "home")
+
+
+# -- the writers that use it ---------------------------------------------------------------
+
+DATA = Path(__file__).parent / "data"
+LLAMA_MAC = str(DATA / "configs" / "mac" / "llama-3.1-8b-instruct-4bit.json")
+LLAMA = DATA / "configs" / "published" / "llama-2-7b.json"
+
+
+def _plant_links(folder: Path, name: str, victim: Path) -> None:
+    """Links at every temporary name the writers used to derive from the pid."""
+    for pid in range(os.getpid() - 5, os.getpid() + 200):
+        for pattern in (f".{name}.{pid}.tmp", f".{name}.{pid}.tmp.safetensors"):
+            (folder / pattern).symlink_to(victim)
+
+
+def test_plan_chart_follows_no_planted_link(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    _plant_links(out, "x.png", victim)
+    argv = [
+        "plan",
+        LLAMA_MAC,
+        "--backend",
+        "metal",
+        "--memory",
+        "16GB",
+        "--context",
+        "8192",
+        "--chart",
+    ]
+    assert main([*argv, str(out / "x.png")]) == 0
+    assert victim.read_bytes() == b"precious"
+    assert (out / "x.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layouts_cache_follows_no_planted_link_and_survives_deep_json(tmp_path, monkeypatch):
+    from mlxkv.memory import store
+
+    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+    cfg = json.loads(LLAMA.read_text())
+    path = tmp_path / "home" / "layouts" / f"{store._key(cfg)}.json"
+    path.parent.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    for pid in range(os.getpid() - 5, os.getpid() + 200):
+        path.with_suffix(f".{pid}.tmp").symlink_to(victim)
+    first = store.layout_for(cfg)
+    assert victim.read_bytes() == b"precious"
+    path.write_text("[" * 200000 + "]" * 200000)  # a crafted cache: deep, not a layout
+    assert store.layout_for(cfg) == first
+    path.unlink()
+    path.symlink_to(victim)  # a link at the cache's own name: read as garbage, not written
+    assert store.layout_for(cfg) == first
+    assert victim.read_bytes() == b"precious"

@@ -98,6 +98,21 @@ def _llama_config(meta: dict, weights: dict) -> dict:
     return config
 
 
+MARKER = "mlxkv_source.json"  # written into every folder a conversion makes
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Refuse (one line) to replace ``out_dir`` unless it is absent or a real folder that
+    an earlier conversion made: mlxkv never removes what it did not create."""
+    if out_dir.is_symlink():
+        raise UserError(f"{out_dir} is a symbolic link; mlxkv does not replace it: remove the link")
+    if out_dir.exists() and not (out_dir.is_dir() and (out_dir / MARKER).is_file()):
+        raise UserError(
+            f"{out_dir} exists and was not made by mlxkv; move it away (mlxkv never "
+            "removes files it did not create)"
+        )
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None) -> Path:
     """Convert ``gguf_path`` into the MLX model folder ``out_dir`` atomically
     (``content_key``, the source's digest, is recorded in its mlxkv_source.json).
@@ -108,6 +123,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
     import mlx.core as mx
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    check_replaceable(out_dir)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
     header = read_header(gguf_path)
@@ -132,7 +148,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.parent.glob(f".{out_dir.name}.*.partial"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
+        if stale.is_dir() and not stale.is_symlink():  # left by a conversion that was killed
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
     try:
@@ -140,11 +157,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        (tmp / "mlxkv_source.json").write_text(
+        (tmp / MARKER).write_text(
             json.dumps(
                 {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "content": content_key}
             )
         )
+        check_replaceable(out_dir)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

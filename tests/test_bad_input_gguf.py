@@ -12,7 +12,7 @@ from tests.conftest import run_cli
 U32, I32, F32, BOOL, STR, ARR, U64 = 4, 5, 6, 7, 8, 9, 10
 
 HIDDEN, HEADS, KV, HEAD_DIM, FFN = 8, 2, 1, 4, 16
-TOKENS = ["a", "b", "<s>", "</s>"]
+TOKENS = ["a", "b", "ab", "<s>", "</s>"]
 
 
 def _s(text: str) -> bytes:
@@ -44,10 +44,10 @@ def base_meta() -> dict:
         f"{a}.attention.layer_norm_rms_epsilon": (F32, 1e-5),
         "tokenizer.ggml.model": (STR, "gpt2"),
         "tokenizer.ggml.tokens": (ARR, (STR, TOKENS)),
-        "tokenizer.ggml.token_type": (ARR, (I32, [1, 1, 3, 3])),
+        "tokenizer.ggml.token_type": (ARR, (I32, [1, 1, 1, 3, 3])),
         "tokenizer.ggml.merges": (ARR, (STR, ["a b"])),
-        "tokenizer.ggml.bos_token_id": (U32, 2),
-        "tokenizer.ggml.eos_token_id": (U32, 3),
+        "tokenizer.ggml.bos_token_id": (U32, 3),
+        "tokenizer.ggml.eos_token_id": (U32, 4),
         "tokenizer.chat_template": (STR, "{{ messages[0]['content'] }}"),
     }
 
@@ -128,7 +128,7 @@ CASES = {
     ),
     "eos out of range": (
         _with(tokenizer__ggml__eos_token_id=(U32, 99999)),
-        "'tokenizer.ggml.eos_token_id' 99999 is not a token id (0 to 3)",
+        "'tokenizer.ggml.eos_token_id' 99999 is not a token id (0 to 4)",
     ),
     "scalar token list": (
         _with(tokenizer__ggml__tokens=(U32, 4)),
@@ -152,7 +152,7 @@ CASES = {
     ),
     "token types of another length": (
         _with(tokenizer__ggml__token_type=(ARR, (I32, [1]))),
-        "'tokenizer.ggml.token_type' has 1 entries for 4 tokens",
+        "'tokenizer.ggml.token_type' has 1 entries for 5 tokens",
     ),
     "template not a string": (
         _with(tokenizer__chat_template=(U32, 7)),
@@ -161,6 +161,10 @@ CASES = {
     "missing heads": (
         _with(llama__attention__head_count=None),
         "metadata is missing 'llama.attention.head_count'",
+    ),
+    "merge of unknown tokens": (
+        _with(tokenizer__ggml__merges=(ARR, (STR, ["a zz"]))),
+        "unsupported tokenizer: merge 'a zz' joins tokens that are not in the vocabulary",
     ),
     "nan epsilon": (
         _with(llama__attention__layer_norm_rms_epsilon=(F32, float("nan"))),
@@ -195,8 +199,8 @@ def test_crafted_header_is_one_line(capsys, tmp_path, case):
             "tensor name 'blk.0.attn_q.weight.x' is not a llama layer tensor",
         ),
         (
-            [("token_embd.weight", (5, HIDDEN)), *base_tensors()[1:]],
-            "tensor token_embd.weight has shape [5, 8], the metadata says [4, 8]",
+            [("token_embd.weight", (6, HIDDEN)), *base_tensors()[1:]],
+            "tensor token_embd.weight has shape [6, 8], the metadata says [5, 8]",
         ),
     ],
 )

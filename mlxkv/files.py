@@ -131,15 +131,15 @@ def open_regular(path, what: str = "file"):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise UserError(f"{what} {path} not found") from None
+        raise UserError(f"{what} {path} does not exist") from None
     except IsADirectoryError:
-        raise UserError(f"{what} {path} is a folder, not a file") from None
+        raise UserError(f"{what} {path} is a directory, not a file") from None
     except OSError as e:
         raise UserError(f"{what} {path}: cannot read it ({e.strerror})") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise UserError(f"{what} {path} is {kind}; name a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb"), st.st_size

@@ -109,7 +109,7 @@ def test_reads_refuse_fifo_device_folder_and_oversize_without_blocking(tmp_path)
         read_text(fifo, 1 << 20, "config")
     with pytest.raises(UserError, match="not a regular file"):
         read_bytes("/dev/zero", 1 << 20, "config")
-    with pytest.raises(UserError, match="folder"):
+    with pytest.raises(UserError, match="is a directory"):
         read_bytes(tmp_path, 1 << 20, "config")
     big = tmp_path / "big"
     big.write_bytes(b"x" * 2000)

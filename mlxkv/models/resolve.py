@@ -236,6 +236,8 @@ def resolve_config(model: str) -> ModelSource:
         return from_path(_gguf(path).path, name=path.stem, how="GGUF")
     if path.is_dir():
         check_model_folder(path)
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise UserError(f"{path} is not a regular file; give a config.json file or model folder")
     if path.is_file() or path.suffix == ".json" or path.is_dir():
         return from_path(path)
     entry = registry.lookup(model)

@@ -86,3 +86,45 @@ def test_truncated_weights(capsys, tmp_path, default_model_path):
     assert snapshot(folder) == before
     (folder / "model.safetensors").write_bytes(b"\x01")
     assert "not a complete safetensors file" in refused(capsys, "plan", str(folder))
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("[" * 100000 + "]" * 100000, "--messages {p} nests arrays/objects deeper than 64 levels"),
+        ('[{"role": "user", "content": "a\\ud800b"}]', "holds '\\ud800', a lone surrogate"),
+        ("[{", "--messages {p} is not valid JSON (line 1, column 3"),
+    ],
+)
+def test_messages_file_deep_or_with_lone_surrogates(capsys, tmp_path, content, words):
+    p = tmp_path / "conv.json"
+    p.write_text(content)
+    line = refused(capsys, "generate", "--messages", str(p))
+    assert words.format(p=p) in line
+    assert p.read_text() == content
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "big"])
+def test_messages_file_that_never_ends(capsys, tmp_path, kind):
+    import os
+
+    path = kind
+    if kind == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    elif kind == "big":
+        path = tmp_path / "big.json"
+        with open(path, "wb") as f:
+            f.truncate(65 << 20)  # sparse: costs no disk
+    line = refused(capsys, "generate", "--messages", str(path))
+    assert ("is not a regular file" if kind != "big" else "more than the 64 MiB allowed") in line
+
+
+def test_lone_surrogates_in_prompt_and_system(capsys):
+    # argv decodes undecodable bytes to lone surrogates (surrogateescape)
+    assert "the prompt holds '\\udcff', a lone surrogate" in refused(
+        capsys, "generate", "-p", "caf\udcff"
+    )
+    assert "--system holds '\\ud800'" in refused(
+        capsys, "generate", "-p", "hi", "--system", "\ud800"
+    )

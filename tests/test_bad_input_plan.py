@@ -147,3 +147,25 @@ def test_a_config_with_absurdly_many_layers_is_refused_at_once(tmp_path, layers)
         "1,024 layers (published models have under 200): fix config.json\n"
     )
     assert cfg.read_text() == text
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "deep", "big"])
+def test_config_that_never_ends_or_nests_deeply(capsys, tmp_path, kind):
+    import os
+
+    path = tmp_path / "config.json"
+    if kind == "/dev/zero":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "deep":
+        path.write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(17 << 20)  # sparse
+    line = refused(capsys, "plan", str(path))
+    words = {
+        "deep": "nests arrays/objects deeper than 64 levels",
+        "big": "is 17 MiB, more than the 16 MiB allowed",
+    }.get(kind, "is not a regular file")
+    assert words in line

@@ -7,11 +7,11 @@ only *read* through the merged text view.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import parse_json, read_text
 
 
 class BadInput(UserError):
@@ -47,23 +47,20 @@ MAX_LAYERS = 1024
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
+CONFIG_LIMIT = 16 << 20  # bytes; the largest published config.json is under 100 KB
+
+
 def load_config(path: str | Path) -> dict:
     """Read a config.json file; every failure is a one-line BadInput."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInput(f"config file not found: {p}") from None
-    except IsADirectoryError:
-        raise BadInput(f"{p} is a folder, not a config.json file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read {p}: {e.__class__.__name__}: {e}") from None
+        text = read_text(p, CONFIG_LIMIT, "config file")
+    except UserError as e:
+        raise BadInput(str(e)) from None
     try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(
-            f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-        ) from None
+        config = parse_json(text, str(p))
+    except UserError as e:
+        raise BadInput(str(e)) from None
     if not isinstance(config, dict):
         raise BadInput(f"{p} must hold a JSON object, got {type(config).__name__}")
     return config

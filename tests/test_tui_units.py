@@ -133,6 +133,25 @@ def test_parse_set():
             slash.parse_set(bad)
 
 
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("temp nan", "/set temp: give a number 0 or more (0 = greedy), got nan"),
+        ("temp inf", "/set temp: give a number 0 or more (0 = greedy), got inf"),
+        ("temp 0.7 temp -1", "/set temp: give a number 0 or more (0 = greedy), got -1"),
+        ("rep -3", "/set rep: give a number above 0 (1 = none), got -3"),
+        ("rep nan", "/set rep: give a number above 0 (1 = none), got nan"),
+        ("top_p 0", "/set top_p: give a number above 0 and at most 1, got 0"),
+        ("top_p 1.5", "/set top_p: give a number above 0 and at most 1, got 1.5"),
+        ("max_tokens 0", "/set max_tokens: give a whole number 1 or more, got 0"),
+    ],
+)
+def test_parse_set_refuses_values_sampling_cannot_use(arg, message):
+    with pytest.raises(UserError) as e:
+        slash.parse_set(arg)
+    assert str(e.value) == message
+
+
 def test_sampling_defaults(tmp_path):
     base = GenerationSettings()
     s, source = chat_sampling(base, set(), tmp_path)  # no generation_config.json

@@ -37,6 +37,7 @@ from tui.prompt_input import PromptInput
 from tui.worker import MLXWorker
 
 ANSWERING = "answering ... Esc or Ctrl+C stops · you can keep typing"
+SHOWN = 50  # messages of a reopened conversation put on screen (the last ones)
 QUIT_WAIT = 10.0  # seconds quitting waits for the worker's job (a stopped answer) to end
 READY = "Enter send · Shift+Enter newline · Esc stop · /help · Ctrl+Q quit"
 
@@ -318,11 +319,12 @@ class ChatApp(App):
             await self.note(f"could not keep the conversation: {e.strerror or e}", "error")
 
     def _mark_evicted(self, shares: list[float] | None) -> None:
-        """Dim what the cache has dropped: the model no longer sees those tokens."""
+        """Dim what the cache has dropped: the model no longer sees those tokens. ``shares``
+        are per message of the conversation; the views show its last messages."""
         views = self.chat.messages()
-        if shares is None or len(shares) != len(views):
+        if shares is None or len(shares) < len(views):
             return
-        for view, share in zip(views, shares, strict=True):
+        for view, share in zip(views, shares[len(shares) - len(views) :], strict=True):
             view.set_evicted(share)
 
     # -- job results -----------------------------------------------------------------------
@@ -389,7 +391,7 @@ class ChatApp(App):
             await self.note(f"KV policy is already {self.engine.policy.describe()}; cache kept")
             return
         self.panel.reset_plot()
-        self._mark_evicted([0.0] * len(self.engine.messages))
+        self._mark_evicted([0.0] * len(self.chat.messages()))
         text = f"KV policy is now {self.engine.policy.describe()}. The old cache was dropped"
         text += f"; the next turn re-reads {tokens} tokens." if tokens else "."
         await self.note(text)
@@ -422,10 +424,18 @@ class ChatApp(App):
         )
 
     async def _show_transcript(self) -> None:
+        """The system prompt and the last SHOWN messages (a widget each: thousands would
+        keep the screen from ever coming)."""
         await self.chat.remove_children()
         if self.engine.system:
             await self.note(f"system prompt: {self.engine.system}")
-        for m in self.engine.messages:
+        messages = self.engine.messages
+        if len(messages) > SHOWN:
+            await self.note(
+                f"{len(messages) - SHOWN:,} earlier messages are in the conversation but not "
+                f"shown; the last {SHOWN} follow"
+            )
+        for m in messages[-SHOWN:]:
             await self.chat.add(MessageView(m["role"], m["content"]))
 
     def _show_policy(self) -> None:

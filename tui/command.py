@@ -82,7 +82,8 @@ def build_app(args):
     if args.resume:
         last = store.last()
         if last is None:
-            raise UserError(f"no saved conversation in {store.folder} to resume")
+            why = f" ({len(store.skipped)} unreadable: {store.skipped[0]})" if store.skipped else ""
+            raise UserError(f"no saved conversation in {store.folder} to resume{why}")
         resume = store.resume(last)
         model = model or resume.get("model_arg") or resume.get("model")
         if resume.get("policy"):

@@ -128,3 +128,24 @@ def test_lone_surrogates_in_prompt_and_system(capsys):
     assert "--system holds '\\ud800'" in refused(
         capsys, "generate", "-p", "hi", "--system", "\ud800"
     )
+
+
+def test_messages_past_the_bound_are_refused_before_the_model_loads(capsys, tmp_path):
+    """100,000 short messages are over a million tokens for the model to read, window or not:
+    refused at once (10,000 pass the check; the model is never loaded here)."""
+    import json
+
+    p = tmp_path / "conv.json"
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"m{i}"} for i in range(100_001)]
+    p.write_text(json.dumps(turns))
+    before = p.read_bytes()
+    line = refused(capsys, "generate", "--messages", str(p), "--kv-window", "256")
+    assert line == (
+        f"mlxkv generate: error: --messages {p} holds 100,001 messages; mlxkv answers "
+        "conversations of up to 10,000: keep the last ones (every message is read again, "
+        "token by token, even under --kv-window)"
+    )
+    assert p.read_bytes() == before
+    p.write_text(json.dumps(turns[:10_000]))
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        refused(capsys, "generate", "--messages", str(p), "--kv-window", "256")

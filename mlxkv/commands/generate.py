@@ -68,6 +68,10 @@ def _read_prompt(arg: str) -> str:
 
 
 MESSAGES_LIMIT = 64 << 20  # bytes of a --messages file
+# Messages of a --messages conversation. Rendering and tokenizing are linear (about 2 s per
+# 10,000 short messages here), but the model then reads every token: 100,000 short
+# messages are 1.3 million tokens, hours of prefill on a CPU.
+MAX_MESSAGES = 10_000
 PROMPT_LIMIT = 256 << 20  # bytes of a prompt on stdin
 
 
@@ -78,6 +82,12 @@ def _read_messages(path: str) -> list[dict]:
     )
     if not isinstance(data, list) or not data:
         raise UserError(f"--messages {path} must hold a non-empty JSON list of messages")
+    if len(data) > MAX_MESSAGES:
+        raise UserError(
+            f"--messages {path} holds {len(data):,} messages; mlxkv answers conversations of "
+            f"up to {MAX_MESSAGES:,}: keep the last ones (every message is read again, token "
+            "by token, even under --kv-window)"
+        )
     out = []
     for i, m in enumerate(data):
         ok = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)

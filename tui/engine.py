@@ -39,7 +39,7 @@ class ChatGenerator(Protocol):
     def stats(self) -> Stats: ...
 
 
-SPANS_LIMIT = 400  # messages whose evicted shares are measured (message_spans is quadratic)
+SPANS_LIMIT = 100  # messages whose evicted shares are measured (message_spans is quadratic)
 
 # opener(model, policy, on_status, on_progress) -> a ChatGenerator
 Opener = Callable[

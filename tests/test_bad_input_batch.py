@@ -151,3 +151,30 @@ def test_error_records_exit_1_and_retry_errors(tmp_path, capsys, preloaded):
     assert out.read_bytes().startswith(before)
     # Line 1 ran again (a new record); line 2 is an input error, not retried.
     assert [r["line"] for r in recs] == [2, 1, 1] and len(preloaded) == 2
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "fifo"])
+def test_input_that_never_ends_is_refused_at_once(tmp_path, capsys, no_model, source):
+    import os
+
+    path = source
+    if source == "fifo":
+        path = tmp_path / "in.jsonl"
+        os.mkfifo(path)
+    assert main(["batch", str(path), "-o", str(tmp_path / "out.jsonl")]) == 2
+    _one_clean_line(capsys.readouterr().err, "is not a regular file")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_deep_long_and_surrogate_lines_are_line_errors():
+    from mlxkv.engine.batch_input import LINE_LIMIT, BadLine, Job, parse_line
+
+    deep = parse_line(1, '{"id": 1, "prompt": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert isinstance(deep, BadLine) and deep.error == "JSON nested deeper than 64 levels"
+    sur = parse_line(2, '{"id": 2, "prompt": "a\\ud800"}')
+    assert isinstance(sur, BadLine) and sur.error.startswith("holds '\\ud800', a lone surrogate")
+    msg = parse_line(3, '{"id": 3, "messages": [{"role": "user", "content": "\\udfff"}]}')
+    assert isinstance(msg, BadLine) and "lone surrogate" in msg.error
+    long = parse_line(4, '{"id": 4, "prompt": "' + "x" * LINE_LIMIT + '"}')
+    assert long.error == f"the line is {LINE_LIMIT + 23} characters, more than {LINE_LIMIT}"
+    assert isinstance(parse_line(5, '{"id": 5, "prompt": "\\ud83d\\ude00"}'), Job)

@@ -47,3 +47,17 @@ def test_bad_text_is_checked_before_out_is_made(capsys, tmp_path, kind):
     out = tmp_path / "fresh"
     assert "--text" in refused(capsys, "bench", "--text", str(text), "--out", str(out))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo"])
+def test_text_that_never_ends_is_refused_at_once(capsys, tmp_path, kind):
+    import os
+
+    path = kind
+    if kind == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    out = tmp_path / "new"
+    line = refused(capsys, "bench", "--text", str(path), "--out", str(out))
+    assert f"--text {path} is not a regular file" in line
+    assert not out.exists()

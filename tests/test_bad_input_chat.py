@@ -4,6 +4,10 @@ traceback), and every user file left byte-identical."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +120,95 @@ def test_metrics_of_an_earlier_run_is_replaced_whole(tmp_path):
     write_metrics(path, {"turns": [], "panel_renders": 1})
     assert json.loads(path.read_text()) == {"turns": [], "panel_renders": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temporary left behind
+
+
+def _saved(tmp_path, data) -> Path:
+    chats = tmp_path / "home" / "chats"
+    chats.mkdir(parents=True, exist_ok=True)
+    path = chats / "chat-1.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "message 1 is not a {role, content}"),
+        ({"messages": HI, "model": 7}, "'model' must be a string, got int"),
+        ({"messages": HI, "model_arg": ["x"]}, "'model_arg' must be a string, got list"),
+        ({"messages": HI, "system": {"a": 1}}, "'system' must be a string, got dict"),
+        ({"messages": [["user", "hi"]]}, "message 1 is not a {role, content}"),
+        ({"messages": "hi"}, "not a conversation file"),
+        ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests arrays/objects deeper"),
+        ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "lone surrogate"),
+    ],
+)
+def test_resume_of_a_file_with_wrong_types_says_why(capsys, tmp_path, data, words):
+    path = _saved(tmp_path, data)
+    before = path.read_bytes()
+    err = refused(capsys, "chat", "--resume")
+    assert "no saved conversation in" in err and "1 unreadable: cannot load conversation" in err
+    assert words in err
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "policy, words",
+    [
+        ("window=64", "'policy' must be an object, got str"),
+        ({"bits": 99}, "'policy.bits' is 99; the KV caches take 2, 3, 4, 5, 6, 8 bits"),
+        ({"window": "64"}, "'policy.window' must be a whole number or null, got '64'"),
+        ({"window": 8, "sinks": 8}, "'policy.sinks' is 8; sinks need a window larger"),
+        ({"group_size": 7}, "'policy.group_size' is 7; the KV caches take groups of 32"),
+    ],
+)
+def test_resume_with_a_bad_saved_policy_names_the_saved_field(capsys, tmp_path, policy, words):
+    path = _saved(tmp_path, {"messages": HI, "policy": policy})
+    before = path.read_bytes()
+    err = refused(capsys, "chat", "--resume", "-m", "smollm2-135m")
+    assert words in err and f"cannot load conversation {path}" in err
+    assert "--kv" not in err  # no flag the user did not give
+    assert path.read_bytes() == before
+
+
+def test_metrics_that_is_a_device_or_a_fifo_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        out = subprocess.run(
+            [sys.executable, "-m", "mlxkv", "chat", "--metrics", path],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "MLXKV_HOME": str(tmp_path / "home")},
+        )
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr == (
+            f"mlxkv chat: error: --metrics {path} is not a regular file; give a file path\n"
+        )
+
+
+def test_reading_a_conversation_never_blocks_or_grows(tmp_path):
+    """A FIFO (no writer: open() would block) and /dev/zero (endless) are refused at once."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    script = (
+        "import sys\nfrom tui.conversations import read_conversation\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n        read_conversation(p)\n"
+        "    except Exception as e:\n        print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(fifo), "/dev/zero"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.stdout.splitlines() == [
+        f"UserError cannot load conversation {fifo} is not a regular file; name a regular file",
+        "UserError cannot load conversation /dev/zero is not a regular file; name a regular file",
+    ]

@@ -86,3 +86,66 @@ def test_truncated_weights(capsys, tmp_path, default_model_path):
     assert snapshot(folder) == before
     (folder / "model.safetensors").write_bytes(b"\x01")
     assert "not a complete safetensors file" in refused(capsys, "plan", str(folder))
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("[" * 100000 + "]" * 100000, "--messages {p} nests arrays/objects deeper than 64 levels"),
+        ('[{"role": "user", "content": "a\\ud800b"}]', "holds '\\ud800', a lone surrogate"),
+        ("[{", "--messages {p} is not valid JSON (line 1, column 3"),
+    ],
+)
+def test_messages_file_deep_or_with_lone_surrogates(capsys, tmp_path, content, words):
+    p = tmp_path / "conv.json"
+    p.write_text(content)
+    line = refused(capsys, "generate", "--messages", str(p))
+    assert words.format(p=p) in line
+    assert p.read_text() == content
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "big"])
+def test_messages_file_that_never_ends(capsys, tmp_path, kind):
+    import os
+
+    path = kind
+    if kind == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    elif kind == "big":
+        path = tmp_path / "big.json"
+        with open(path, "wb") as f:
+            f.truncate(65 << 20)  # sparse: costs no disk
+    line = refused(capsys, "generate", "--messages", str(path))
+    assert ("is not a regular file" if kind != "big" else "more than the 64 MiB allowed") in line
+
+
+def test_lone_surrogates_in_prompt_and_system(capsys):
+    # argv decodes undecodable bytes to lone surrogates (surrogateescape)
+    assert "the prompt holds '\\udcff', a lone surrogate" in refused(
+        capsys, "generate", "-p", "caf\udcff"
+    )
+    assert "--system holds '\\ud800'" in refused(
+        capsys, "generate", "-p", "hi", "--system", "\ud800"
+    )
+
+
+def test_messages_past_the_bound_are_refused_before_the_model_loads(capsys, tmp_path):
+    """100,000 short messages are over a million tokens for the model to read, window or not:
+    refused at once (10,000 pass the check; the model is never loaded here)."""
+    import json
+
+    p = tmp_path / "conv.json"
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"m{i}"} for i in range(100_001)]
+    p.write_text(json.dumps(turns))
+    before = p.read_bytes()
+    line = refused(capsys, "generate", "--messages", str(p), "--kv-window", "256")
+    assert line == (
+        f"mlxkv generate: error: --messages {p} holds 100,001 messages; mlxkv answers "
+        "conversations of up to 10,000: keep the last ones (every message is read again, "
+        "token by token, even under --kv-window)"
+    )
+    assert p.read_bytes() == before
+    p.write_text(json.dumps(turns[:10_000]))
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        refused(capsys, "generate", "--messages", str(p), "--kv-window", "256")

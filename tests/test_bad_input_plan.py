@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.bad_input import refused
+from tests.test_plan import plan_json
 
 LLAMA = Path(__file__).parent / "data" / "configs" / "published" / "llama-2-7b.json"
 
@@ -60,3 +61,111 @@ def test_home_that_is_a_file(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MLXKV_HOME", str(home))
     assert "MLXKV_HOME=" in refused(capsys, "plan", "smollm2-135m")
     assert home.read_text() == "x"
+
+
+PUBLISHED = LLAMA.parent
+
+
+def plan_out(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``mlxkv plan ARGV`` in a subprocess (a hang fails the test at ``timeout``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlxkv", "plan", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("memory", ["16GB,", ",", "16GB,,8GB", ",16GB"])
+def test_memory_with_an_empty_size_says_so(capsys, memory):
+    err = refused(capsys, "plan", str(LLAMA), "--hosts", "2", "--memory", memory)
+    assert err == (
+        f"mlxkv plan: error: --memory '{memory}' has an empty size between or after its "
+        "commas; give one size for every host (--memory 64GB) or one per host "
+        "(--memory 64GB,32GB)"
+    )
+
+
+def test_memory_with_too_many_sizes_counts_them(capsys):
+    err = refused(capsys, "plan", str(LLAMA), "--hosts", "1", "--memory", "8GB,8GB")
+    assert "--memory lists 2 sizes for 1 host;" in err
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--fit"], "--fit plans"), (["--chart"], "--chart plans"),
+     (["--fit", "--chart", "x.png"], "--fit and --chart plan")],
+)  # fmt: skip
+def test_fit_and_chart_are_refused_with_hosts(capsys, tmp_path, monkeypatch, flags, named):
+    monkeypatch.chdir(tmp_path)
+    err = refused(capsys, "plan", str(LLAMA), "--hosts", "2", *flags)
+    assert err.startswith(f"mlxkv plan: error: {named} one host and cannot be used with --hosts")
+    assert list(tmp_path.iterdir()) == []  # no chart written
+
+
+def test_hosts_notes_speak_of_each_host_not_of_one(capsys):
+    """DeepSeek-V3 over 8 hosts of 1 TB: each holds about 322 GiB of weights and fits; the
+    whole-model note "the weights alone exceed" would be about one host and is not shown."""
+    deepseek = str(PUBLISHED / "deepseek-v3.json")
+    code, d = plan_json(capsys, deepseek, "--hosts", "8", "--memory", "1TB")
+    assert code == 0 and d["fits"]
+    assert all(h["weights_bytes"] < h["available_bytes"] for h in d["per_host"])
+    assert d["notes"] == []
+    assert d["single_host"]["weights_bytes"] > d["per_host"][0]["available_bytes"]
+    code, d = plan_json(capsys, deepseek, "--hosts", "2", "--memory", "1TB")
+    assert code == 1
+    assert d["notes"] == [
+        f"host {r}: its weights alone exceed its available memory" for r in (0, 1)
+    ]
+
+
+def test_fit_proposes_a_pipeline_where_tensor_splits_do_not_fit(capsys):
+    """qwen2.5-7b (28 layers, 4 KV heads) on 8 GB hosts: 2 or 4 tensor-parallel hosts are
+    too small (embeddings and head are whole on each), a pipeline of enough hosts is not."""
+    qwen = str(PUBLISHED / "qwen2.5-7b-instruct.json")
+    code, d = plan_json(capsys, qwen, "--memory", "8GB", "--fit")
+    assert code == 1
+    hosts = [s["flags"] for s in d["suggestions"] if "--hosts" in s["flags"]]
+    assert [f[2:] for f in hosts] == [["--shard", "pipeline"]]
+    n = int(hosts[0][1])
+    pipeline = ["--memory", "8GB", "--shard", "pipeline"]
+    assert plan_json(capsys, qwen, *pipeline, "--hosts", str(n))[0] == 0
+    assert plan_json(capsys, qwen, *pipeline, "--hosts", str(n - 1))[0] == 1
+    assert plan_json(capsys, qwen, "--memory", "8GB", "--hosts", "4")[1]["shard"] == "tensor"
+    assert plan_json(capsys, qwen, "--memory", "8GB", "--hosts", "4")[0] == 1
+
+
+@pytest.mark.parametrize("layers", [1025, 10**6, 10**9])
+def test_a_config_with_absurdly_many_layers_is_refused_at_once(tmp_path, layers):
+    cfg = tmp_path / "config.json"
+    text = json.dumps({**json.loads(LLAMA.read_text()), "num_hidden_layers": layers})
+    cfg.write_text(text)
+    out = plan_out(str(cfg), timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        f"mlxkv plan: error: 'num_hidden_layers' is {layers:,}; mlxkv plans models of up to "
+        "1,024 layers (published models have under 200): fix config.json\n"
+    )
+    assert cfg.read_text() == text
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "deep", "big"])
+def test_config_that_never_ends_or_nests_deeply(capsys, tmp_path, kind):
+    import os
+
+    path = tmp_path / "config.json"
+    if kind == "/dev/zero":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "deep":
+        path.write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(17 << 20)  # sparse
+    line = refused(capsys, "plan", str(path))
+    words = {
+        "deep": "nests arrays/objects deeper than 64 levels",
+        "big": "is 17 MiB, more than the 16 MiB allowed",
+    }.get(kind, "is not a regular file")
+    assert words in line

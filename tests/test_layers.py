@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "mlxkv.errors": 0,
     "mlxkv.paths": 0,
+    "mlxkv.files": 0,
     "mlxkv.policy": 0,
     "mlxkv.backend": 0,
     "mlxkv": 0,  # the package's own __init__

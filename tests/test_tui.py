@@ -305,7 +305,7 @@ async def test_sampling_defaults_and_set():
         await send(app, pilot, "tell me something")
         assert app.panel.stats.generation_tokens == 3
         await send(app, pilot, "/set temp -1")
-        assert "--temp must be 0 or more" in notes(app)[-1]
+        assert notes(app)[-1] == "/set temp: give a number 0 or more (0 = greedy), got -1"
         assert app.engine.settings.temperature == 0.2
     greedy = fake_app(given={"temperature"})  # --temp 0 on the command line
     async with greedy.run_test(size=SIZE) as pilot:
@@ -397,3 +397,42 @@ async def test_failed_load_shows_at_once_and_esc_leaves_a_trace():
         await pilot.press("escape")
         assert not isinstance(app.screen, LoadingScreen)
         assert "could not load the model" in notes(app)[-1] and "still using" in notes(app)[-1]
+
+
+@sync
+async def test_resume_of_20000_messages_shows_the_last_ones(tmp_path):
+    store = ConversationStore(tmp_path)
+    messages = [
+        {"role": ("user", "assistant")[i % 2], "content": f"message {i}"} for i in range(20_000)
+    ]
+    path = store.save({"model": "fake-135m", "messages": messages})
+    store.start()
+    app = fake_app(store=store, resume=store.resume(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot, timeout=120)
+        shown = views(app)
+        assert len(shown) == 50 and shown[-1] == ("assistant", "message 19999")
+        assert shown[0] == ("user", "message 19950")
+        assert any("19,950 earlier messages are in the conversation but not shown" in n
+                   for n in notes(app))  # fmt: skip
+        assert len(app.engine.messages) == 20_000
+        await send(app, pilot, "/set temp nan")
+        assert notes(app)[-1] == "/set temp: give a number 0 or more (0 = greedy), got nan"
+
+
+@sync
+async def test_load_of_a_file_with_wrong_types_is_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": 3}]}))
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, f"/load {bad}")
+        assert notes(app)[-1] == (
+            f"cannot load conversation {bad}: message 1 is not a {{role, content}} object "
+            "with text content"
+        )
+        await send(app, pilot, "/load /dev/zero")
+        assert notes(app)[-1] == (
+            "cannot load conversation /dev/zero is not a regular file; name a regular file"
+        )

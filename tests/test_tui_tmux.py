@@ -133,3 +133,28 @@ def test_answer_panel_and_resume_after_quitting(tmp_path, default_model_path):
         chat.close()
     assert len(json.loads(kept.read_text())["messages"]) == 4
     assert os.listdir(tmp_path / "chats") == [kept.name]  # no temporary files left behind
+
+
+def test_quit_after_a_policy_change_and_mid_answer_exits_0_with_the_chat_kept(
+    tmp_path, default_model_path
+):
+    """Ctrl+Q after an answer under a changed policy, then during the next answer: exit 0
+    (this once aborted with SIGABRT), and the kept conversation holds the cut answer."""
+    chat = Chat(tmp_path, str(default_model_path), "--max-tokens", "300", "--temp", "0")
+    try:
+        chat.wait(lambda p: "Enter send" in p and "loaded" in p)
+        chat.type("/policy window=99999999999999999999999")
+        chat.wait(lambda p: "KV policy is now" in p or "policy unchanged" in p, timeout=60)
+        chat.type("What is the capital of France?")
+        chat.wait(lambda p: "done ·" in p)
+        chat.type("Write a long story about a dragon.")
+        chat.wait(lambda p: "answering" in p and "Once" in p)
+        chat.keys("C-q")
+        assert chat.exit_code() == 0
+    finally:
+        chat.close()
+    (kept,) = (tmp_path / "chats").glob("chat-*.json")
+    messages = json.loads(kept.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2
+    assert "Paris" in messages[1]["content"]
+    assert messages[3]["content"].startswith("Once")  # cut short, but kept

@@ -133,6 +133,25 @@ def test_parse_set():
             slash.parse_set(bad)
 
 
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("temp nan", "/set temp: give a number 0 or more (0 = greedy), got nan"),
+        ("temp inf", "/set temp: give a number 0 or more (0 = greedy), got inf"),
+        ("temp 0.7 temp -1", "/set temp: give a number 0 or more (0 = greedy), got -1"),
+        ("rep -3", "/set rep: give a number above 0 (1 = none), got -3"),
+        ("rep nan", "/set rep: give a number above 0 (1 = none), got nan"),
+        ("top_p 0", "/set top_p: give a number above 0 and at most 1, got 0"),
+        ("top_p 1.5", "/set top_p: give a number above 0 and at most 1, got 1.5"),
+        ("max_tokens 0", "/set max_tokens: give a whole number 1 or more, got 0"),
+    ],
+)
+def test_parse_set_refuses_values_sampling_cannot_use(arg, message):
+    with pytest.raises(UserError) as e:
+        slash.parse_set(arg)
+    assert str(e.value) == message
+
+
 def test_sampling_defaults(tmp_path):
     base = GenerationSettings()
     s, source = chat_sampling(base, set(), tmp_path)  # no generation_config.json
@@ -204,3 +223,27 @@ def test_panel_says_how_much_of_the_prompt_the_cache_held():
     again = figures(Stats(prompt_tokens=1107, prompt_tokens_cached=1106, prompt_tps=50.0)).plain
     assert "1,106/1,107 cached" in again
     assert max(len(line) for line in again.splitlines()) <= 43  # the panel's inner width
+
+
+def test_evicted_shares_stop_past_the_spans_limit():
+    """Measuring each message's tokens renders the template once per message: past
+    SPANS_LIMIT messages the chat does not dim (None) rather than stall after each turn."""
+    from dataclasses import replace
+
+    from tests.tui_fake import fake_opener
+    from tui.engine import SPANS_LIMIT, ChatEngine
+
+    engine = ChatEngine(fake_opener(), GenerationSettings(), policy=KVPolicy(window=32, sinks=4))
+    engine.open(None, on_status=lambda _m: None)
+    rendered = []
+    tokenizer = engine.chat.generator.loaded.tokenizer
+    apply = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda m, **kw: (rendered.append(len(m)), apply(m, **kw))[1]
+    stats = replace(engine.idle_stats(), kv_evicted=10)
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"m{i}"} for i in range(20)]
+    engine.chat.messages = turns[:]
+    shares = engine.evicted(stats)
+    assert len(shares) == 20 and max(shares) == 1.0 and shares[-1] == 0.0
+    rendered.clear()
+    engine.chat.messages = turns * (SPANS_LIMIT // 20 + 1)
+    assert engine.evicted(stats) is None and rendered == []

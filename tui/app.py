@@ -6,6 +6,7 @@ come back through an EventPipe and are applied here, on the UI thread, in order.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import traceback
@@ -36,6 +37,8 @@ from tui.prompt_input import PromptInput
 from tui.worker import MLXWorker
 
 ANSWERING = "answering ... Esc or Ctrl+C stops · you can keep typing"
+SHOWN = 50  # messages of a reopened conversation put on screen (the last ones)
+QUIT_WAIT = 10.0  # seconds quitting waits for the worker's job (a stopped answer) to end
 READY = "Enter send · Shift+Enter newline · Esc stop · /help · Ctrl+Q quit"
 
 
@@ -100,6 +103,7 @@ class ChatApp(App):
         self.worker = MLXWorker()
         self.pipe = EventPipe(lambda: self.post_message(self.Wake()))
         self.busy: str | None = None  # name of the running job
+        self._quitting = False
         self.handling: str | None = None  # the job whose result is being shown
         self._stop = threading.Event()
         self._streaming: MessageView | None = None
@@ -315,11 +319,12 @@ class ChatApp(App):
             await self.note(f"could not keep the conversation: {e.strerror or e}", "error")
 
     def _mark_evicted(self, shares: list[float] | None) -> None:
-        """Dim what the cache has dropped: the model no longer sees those tokens."""
+        """Dim what the cache has dropped: the model no longer sees those tokens. ``shares``
+        are per message of the conversation; the views show its last messages."""
         views = self.chat.messages()
-        if shares is None or len(shares) != len(views):
+        if shares is None or len(shares) < len(views):
             return
-        for view, share in zip(views, shares, strict=True):
+        for view, share in zip(views, shares[len(shares) - len(views) :], strict=True):
             view.set_evicted(share)
 
     # -- job results -----------------------------------------------------------------------
@@ -386,7 +391,7 @@ class ChatApp(App):
             await self.note(f"KV policy is already {self.engine.policy.describe()}; cache kept")
             return
         self.panel.reset_plot()
-        self._mark_evicted([0.0] * len(self.engine.messages))
+        self._mark_evicted([0.0] * len(self.chat.messages()))
         text = f"KV policy is now {self.engine.policy.describe()}. The old cache was dropped"
         text += f"; the next turn re-reads {tokens} tokens." if tokens else "."
         await self.note(text)
@@ -419,10 +424,18 @@ class ChatApp(App):
         )
 
     async def _show_transcript(self) -> None:
+        """The system prompt and the last SHOWN messages (a widget each: thousands would
+        keep the screen from ever coming)."""
         await self.chat.remove_children()
         if self.engine.system:
             await self.note(f"system prompt: {self.engine.system}")
-        for m in self.engine.messages:
+        messages = self.engine.messages
+        if len(messages) > SHOWN:
+            await self.note(
+                f"{len(messages) - SHOWN:,} earlier messages are in the conversation but not "
+                f"shown; the last {SHOWN} follow"
+            )
+        for m in messages[-SHOWN:]:
             await self.chat.add(MessageView(m["role"], m["content"]))
 
     def _show_policy(self) -> None:
@@ -714,11 +727,20 @@ class ChatApp(App):
         metrics.write_metrics(self.metrics_path, data)
 
     async def action_quit(self) -> None:
+        """Stop the answer, let the worker end its job, keep what it gave, then exit."""
+        if self._quitting:
+            return
+        self._quitting = True
         self._stop.set()
         self.engine.cancel()
+        if self.busy:
+            self.set_status("quitting: stopping the answer ...")
+        # A stopped answer ends within a model step; a model load cannot be stopped.
+        if await asyncio.to_thread(self.worker.finish, QUIT_WAIT):
+            await self.on_chat_app_wake(self.Wake())  # its result: the answer is kept
         self.write_metrics()
         self.exit()
 
     def on_unmount(self) -> None:
         self.engine.cancel()
-        self.worker.stop(timeout=2.0)
+        self.worker.finish(timeout=2.0)

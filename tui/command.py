@@ -47,8 +47,21 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    build_app(args).run()
-    return 0
+    import sys
+
+    app = build_app(args)
+    app.run()
+    code = app.return_code or 0
+    # The conversation and the metrics are on disk and the terminal is restored. End the
+    # process here: the interpreter's own teardown runs beside MLX's native threads (a
+    # model load that cannot be stopped, the stream threads), and that can abort the
+    # process (SIGABRT) after a clean quit.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def build_app(args):
@@ -69,7 +82,8 @@ def build_app(args):
     if args.resume:
         last = store.last()
         if last is None:
-            raise UserError(f"no saved conversation in {store.folder} to resume")
+            why = f" ({len(store.skipped)} unreadable: {store.skipped[0]})" if store.skipped else ""
+            raise UserError(f"no saved conversation in {store.folder} to resume{why}")
         resume = store.resume(last)
         model = model or resume.get("model_arg") or resume.get("model")
         if resume.get("policy"):

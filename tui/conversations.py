@@ -15,10 +15,18 @@ from datetime import datetime
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import MiB, parse_json, read_text
 from mlxkv.paths import home
-from mlxkv.policy import KVPolicy
+from mlxkv.policy import (
+    DEFAULT_KEY_SCHEME,
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+    KVPolicy,
+    PolicyError,
+)
 
 SUFFIX = ".json"
+MAX_BYTES = 64 * MiB  # a conversation file larger than this is refused before it is read
 
 
 def chats_dir() -> Path:
@@ -62,6 +70,7 @@ class ConversationStore:
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder else chats_dir()
         self.current: Path | None = None  # the file of the conversation on screen
+        self.skipped: list[str] = []  # why files were left out of the last list()
 
     def start(self) -> None:
         """The next save goes to a new file (after /clear, or at start-up)."""
@@ -85,12 +94,15 @@ class ConversationStore:
         return self.current
 
     def list(self) -> list[Saved]:
-        """Kept conversations, newest first (unreadable files are skipped)."""
+        """Kept conversations, newest first (unreadable files are skipped; ``skipped``
+        says why)."""
         out = []
+        self.skipped = []
         for path in self.folder.glob(f"chat-*{SUFFIX}"):
             try:
-                data = read_conversation(path)
-            except UserError:
+                data = read_conversation(path, policy=False)  # listed; refused on reopening
+            except UserError as e:
+                self.skipped.append(str(e))
                 continue
             policy = data.get("policy") or {}
             out.append(
@@ -111,49 +123,92 @@ class ConversationStore:
 
 
 def policy_from_dict(data: dict) -> KVPolicy:
-    """The KV policy a conversation was saved with (PolicyError if it is not valid)."""
+    """The KV policy a conversation was saved with (``read_conversation`` checked it)."""
     names = {f.name for f in fields(KVPolicy)}
     return KVPolicy(**{k: v for k, v in data.items() if k in names})
 
 
-def _describe(policy: dict) -> str:
-    try:
-        return policy_from_dict(policy).describe()
-    except (UserError, TypeError):  # a policy this version cannot read is still listed
+def _describe(policy) -> str:
+    if check_policy(policy):  # a policy this version cannot read is still listed
         return "?"
+    return policy_from_dict(policy).describe()
 
 
-def read_conversation(path: Path) -> dict:
-    """A conversation file, checked; a Markdown export is refused with what it is."""
+def _int_or_none(v) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def check_policy(policy) -> str | None:
+    """What is wrong with a saved policy (field names as saved), or None."""
+    if not isinstance(policy, dict):
+        return f"'policy' must be an object, got {type(policy).__name__}"
+    numbers = ("window", "sinks", "bits", "group_size", "key_bits", "value_bits")
+    for key in (*numbers, "value_group_size"):
+        if not _int_or_none(policy.get(key)):
+            return f"'policy.{key}' must be a whole number or null, got {policy[key]!r}"
+    if not isinstance(policy.get("key_scheme", DEFAULT_KEY_SCHEME), str):
+        return "'policy.key_scheme' must be a string"
+    for key in ("bits", "key_bits", "value_bits"):
+        b = policy.get(key)
+        if b is not None and b not in SUPPORTED_BITS:
+            bits = ", ".join(map(str, SUPPORTED_BITS))
+            return f"'policy.{key}' is {b}; the KV caches take {bits} bits"
+    for key in ("group_size", "value_group_size"):
+        g = policy.get(key)
+        if (g is not None or key == "group_size" and key in policy) and (
+            g not in SUPPORTED_GROUP_SIZES
+        ):
+            sizes = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
+            return f"'policy.{key}' is {g}; the KV caches take groups of {sizes}"
+    window, sinks = policy.get("window"), policy.get("sinks") or 0
+    if window is not None and window < 1:
+        return f"'policy.window' is {window}; a window keeps 1 token or more"
+    if sinks < 0 or (sinks and (window is None or window <= sinks)):
+        return f"'policy.sinks' is {sinks}; sinks need a window larger than them"
+    try:
+        policy_from_dict(policy)
+    except PolicyError as e:
+        return f"'policy' is not valid: {e}"
+    return None
+
+
+def _check(data, policy: bool) -> str | None:
+    """What is wrong with a parsed conversation file (``policy``: its policy too), or None."""
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        return "not a conversation file (JSON with a 'messages' list of {role, content})"
+    for i, m in enumerate(data["messages"]):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return f"message {i + 1} is not a {{role, content}} object with text content"
+        if m.get("role") not in ("user", "assistant"):
+            return f"message {i + 1} has role {m.get('role')!r}; use 'user' or 'assistant'"
+    for key in ("model", "model_arg", "system", "updated"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return f"'{key}' must be a string, got {type(data[key]).__name__}"
+    if policy and data.get("policy") is not None:
+        return check_policy(data["policy"])
+    return None
+
+
+def read_conversation(path: Path, policy: bool = True) -> dict:
+    """A conversation file, checked (size, nesting, every field mlxkv reads; ``policy``:
+    its KV policy too); a Markdown export is refused with what it is. Every problem is a
+    one-line UserError."""
     path = Path(path)
     if path.suffix.lower() in (".md", ".markdown"):
         raise UserError(
             f"{path} is a Markdown export (for reading), not a conversation; "
             "load the .json file saved with /save PATH.json, or pick one from /history"
         )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"cannot load conversation {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"cannot load conversation {path}: not UTF-8 text (byte {e.start}); "
-            "it is not a conversation file"
-        ) from None
+    what = f"cannot load conversation {path}"
+    text = read_text(path, MAX_BYTES, "cannot load conversation")
     if text.lstrip().startswith("# Chat with"):
         raise UserError(
             f"{path} is a Markdown export (for reading), not a conversation; "
             "load a .json conversation instead"
         )
-    try:
-        data = json.loads(text)
-        messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
-    except (ValueError, KeyError, TypeError):
-        raise UserError(
-            f"cannot load conversation {path}: not a conversation file (JSON with a "
-            "'messages' list of {role, content})"
-        ) from None
-    bad = {m["role"] for m in messages} - {"user", "assistant"}
-    if bad:
-        raise UserError(f"cannot load conversation {path}: unknown role(s) {sorted(bad)}")
+    data = parse_json(text, what, max_depth=8, utf8=True)
+    problem = _check(data, policy)
+    if problem:
+        raise UserError(f"cannot load conversation {path}: {problem}")
+    messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
     return {**data, "messages": messages}

@@ -39,6 +39,8 @@ class ChatGenerator(Protocol):
     def stats(self) -> Stats: ...
 
 
+SPANS_LIMIT = 100  # messages whose evicted shares are measured (message_spans is quadratic)
+
 # opener(model, policy, on_status, on_progress) -> a ChatGenerator
 Opener = Callable[
     [str | None, KVPolicy, Callable[[str], None], Callable[[int, int], None]], ChatGenerator
@@ -189,10 +191,13 @@ class ChatEngine:
             start = end
         return spans
 
-    def evicted(self, stats: Stats) -> list[float]:
-        """Per message, the share of its tokens the cache has dropped (0: all kept)."""
+    def evicted(self, stats: Stats) -> list[float] | None:
+        """Per message, the share of its tokens the cache has dropped (0: all kept); None
+        past SPANS_LIMIT messages (a template render per message would take minutes)."""
         if not stats.kv_evicted or self.policy.window is None:
             return [0.0] * len(self.messages)
+        if len(self.messages) > SPANS_LIMIT:
+            return None
         lo = self.policy.sinks
         hi = lo + stats.kv_evicted  # the tokens after the sinks went first
         out = []

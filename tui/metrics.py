@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import MiB, parse_json, read_text
 from tui.conversations import atomic_write
 
 MARK = "panel_renders"  # a key every metrics file holds
+MAX_BYTES = 16 * MiB  # a metrics file is a few KB; a larger one is not ours
 
 
 def check_metrics_path(path: str | None) -> Path | None:
@@ -22,6 +24,8 @@ def check_metrics_path(path: str | None) -> Path | None:
         raise UserError(f"--metrics {p} is a folder; give a file path, e.g. {p}/metrics.json")
     if not p.parent.is_dir():
         raise UserError(f"--metrics {p}: folder {p.parent} does not exist; create it first")
+    if p.exists() and not p.is_file():
+        raise UserError(f"--metrics {p} is not a regular file; give a file path")
     if p.exists() and not _is_metrics(p):
         raise UserError(
             f"--metrics {p} exists and is not a metrics file written by mlxkv chat; "
@@ -32,8 +36,8 @@ def check_metrics_path(path: str | None) -> Path | None:
 
 def _is_metrics(p: Path) -> bool:
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = parse_json(read_text(p, MAX_BYTES, "--metrics"), "--metrics")
+    except UserError:
         return False
     return isinstance(data, dict) and MARK in data and isinstance(data.get("turns"), list)
 

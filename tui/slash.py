@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mlxkv.errors import UserError
@@ -146,10 +147,23 @@ def parse_set(arg: str) -> dict:
             raise UserError(f"/set: unknown setting {name!r}; use temp, top_p, rep or max_tokens")
         field, kind = _SETTINGS[name.lower()]
         try:
-            out[field] = kind(raw)
+            value = kind(raw)
         except ValueError:
             raise UserError(f"/set {name}: {raw!r} is not a {kind.__name__}") from None
+        ok, want = _RANGES[field]
+        if not (math.isfinite(value) and ok(value)):
+            raise UserError(f"/set {name}: give {want}, got {raw}")
+        out[field] = value
     return out
+
+
+# field -> (the values it takes, as the refusal says them)
+_RANGES = {
+    "temperature": (lambda v: v >= 0, "a number 0 or more (0 = greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "a number above 0 and at most 1"),
+    "repetition_penalty": (lambda v: v > 0, "a number above 0 (1 = none)"),
+    "max_tokens": (lambda v: v >= 1, "a whole number 1 or more"),
+}
 
 
 def describe_settings(s) -> str:

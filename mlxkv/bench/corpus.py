@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlxkv import files
 from mlxkv.errors import UserError
+
+TEXT_LIMIT = 256 << 20  # bytes of --text; a long stream needs a few MB
 
 
 def read_text(path: str | Path) -> str:
+    """The UTF-8 text of ``path``: a regular file of at most TEXT_LIMIT bytes."""
     p = Path(path).expanduser()
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"--text {p}: no such file") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"--text {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise UserError(f"--text {p}: {e.strerror}") from None
+    text = files.read_text(p, TEXT_LIMIT, "--text")
     if not text.strip():
         raise UserError(f"--text {p} is empty")
     return text

@@ -11,7 +11,6 @@ saved and refuses a mismatch, so a cache never lands in another model or under a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
+from mlxkv.files import atomic_write_with
 
 FORMAT = "2"
 MLXKV_CLASSES = (FullKVCache, StreamingKVCache, QuantizedStreamingKVCache, KiviKVCache)
@@ -37,7 +37,7 @@ def register_with_mlx_lm() -> None:
 
 def save_caches(path, caches: list, metadata: dict) -> None:
     """Write ``caches`` and ``metadata`` (JSON-able dict) to ``path`` (.safetensors),
-    atomically: a temporary file beside it, fsynced, then renamed over it."""
+    atomically (:func:`mlxkv.files.atomic_file`)."""
     register_with_mlx_lm()
     path = Path(path)
     for c in caches:
@@ -45,19 +45,10 @@ def save_caches(path, caches: list, metadata: dict) -> None:
             mlx_cache, type(c).__name__
         ):
             raise CacheError(f"cannot save a cache of unknown class {type(c).__name__}")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-    try:
-        mlx_cache.save_prompt_cache(
-            str(tmp),
-            caches,
-            {"mlxkv_cache": FORMAT, "metadata": json.dumps(metadata, sort_keys=True)},
-        )
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    header = {"mlxkv_cache": FORMAT, "metadata": json.dumps(metadata, sort_keys=True)}
+    atomic_write_with(
+        path, lambda f: mlx_cache.save_prompt_cache(f, caches, header), what="--prompt-cache"
+    )
 
 
 def _header(path) -> dict:

@@ -151,16 +151,9 @@ def run(args) -> int:
 
 def _check_text(path: Path) -> None:
     """--text is read by worker processes much later: fail now, before --out is made."""
-    try:
-        path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise UserError(f"--text {path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(f"--text {path} is a directory; give a UTF-8 text file") from None
-    except OSError as e:
-        raise UserError(f"cannot read --text {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"--text {path} is not UTF-8 text (byte {e.start})") from None
+    from mlxkv.bench.corpus import read_text
+
+    read_text(path)
 
 
 def _check_out(out: Path) -> None:

@@ -8,6 +8,7 @@ so a call prefills only what the file does not already hold (see ``Session``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from mlxkv.commands.common import (
     status,
 )
 from mlxkv.errors import UserError
+from mlxkv.files import check_text, parse_json, read_text
 
 HELP = "generate text for one prompt or conversation (streamed; --json for a result object)"
 ROLES = ("system", "user", "assistant")
@@ -59,23 +61,33 @@ def add_arguments(p) -> None:
 
 
 def _read_prompt(arg: str) -> str:
-    text = _read_stdin() if arg == "-" else arg
+    text = check_text(_read_stdin() if arg == "-" else arg, "the prompt")
     if not text.strip():
         raise UserError("the prompt is empty; pass --prompt TEXT or pipe text to --prompt -")
     return text
 
 
+MESSAGES_LIMIT = 64 << 20  # bytes of a --messages file
+# Messages of a --messages conversation. Rendering and tokenizing are linear (about 2 s per
+# 10,000 short messages here), but the model then reads every token: 100,000 short
+# messages are 1.3 million tokens, hours of prefill on a CPU.
+MAX_MESSAGES = 10_000
+PROMPT_LIMIT = 256 << 20  # bytes of a prompt on stdin
+
+
 def _read_messages(path: str) -> list[dict]:
     """The conversation in ``path``: a non-empty list of {"role", "content"} objects."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise UserError(f"cannot read --messages {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise UserError(f"--messages {path} is not valid JSON ({e})") from None
+    data = parse_json(
+        read_text(path, MESSAGES_LIMIT, "--messages"), f"--messages {path}", utf8=True
+    )
     if not isinstance(data, list) or not data:
         raise UserError(f"--messages {path} must hold a non-empty JSON list of messages")
+    if len(data) > MAX_MESSAGES:
+        raise UserError(
+            f"--messages {path} holds {len(data):,} messages; mlxkv answers conversations of "
+            f"up to {MAX_MESSAGES:,}: keep the last ones (every message is read again, token "
+            "by token, even under --kv-window)"
+        )
     out = []
     for i, m in enumerate(data):
         ok = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -103,9 +115,11 @@ def _read_stdin() -> str:
     if sys.stdin is None or sys.stdin.closed:
         raise UserError("--prompt - reads stdin, but stdin is closed; pipe the prompt in")
     try:
-        data = sys.stdin.buffer.read()
+        data = sys.stdin.buffer.read(PROMPT_LIMIT + 1)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the prompt from stdin: {e}") from None
+    if len(data) > PROMPT_LIMIT:
+        raise UserError(f"the prompt on stdin is more than {PROMPT_LIMIT >> 20} MiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -146,6 +160,21 @@ class PrefillBar:
             self.shown = False
 
 
+def _check_cache_file(path: Path) -> None:
+    """Refuse, before the model loads, a --prompt-cache that could not be read or written
+    back (the file itself is checked again when it is read and when it is replaced)."""
+    if path.suffix != ".safetensors":
+        raise UserError(f"--prompt-cache {path} must end in .safetensors")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UserError(f"--prompt-cache {path} is not a regular file; name a .safetensors file")
+    if not path.parent.is_dir():
+        raise UserError(f"--prompt-cache {path}: the folder {path.parent} does not exist")
+    if path.exists() and not (path.stat().st_mode & 0o200 and os.access(path, os.W_OK)):
+        raise UserError(
+            f"--prompt-cache {path} is read-only; make it writable (chmod u+w) or name another file"
+        )
+
+
 def run(args) -> int:
     from mlxkv.backend import blas, blas_threads
     from mlxkv.engine.chat import ChatSession
@@ -158,14 +187,14 @@ def run(args) -> int:
     settings = settings_from_args(args)
     messages = _read_messages(args.messages) if args.messages is not None else None
     prompt = _read_prompt(args.prompt) if messages is None else None
-    system = args.system
+    system = check_text(args.system, "--system")
     if messages and messages[0]["role"] == "system":
         if system:
             raise UserError("the system prompt is in --messages; drop --system")
         system, messages = messages[0]["content"], messages[1:]
     cache_file = Path(args.prompt_cache) if args.prompt_cache else None
-    if cache_file is not None and cache_file.suffix != ".safetensors":
-        raise UserError(f"--prompt-cache {cache_file} must end in .safetensors")
+    if cache_file is not None:
+        _check_cache_file(cache_file)
     cluster = join_cluster()
     if cluster is not None and cache_file is not None:
         raise UserError("--prompt-cache works in one process; drop it under mlx.launch")

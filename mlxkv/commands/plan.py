@@ -106,6 +106,16 @@ def run(args) -> int:
     if args.hosts is not None:
         from mlxkv.commands import plan_hosts
 
+        given = [flag for flag, on in (("--fit", args.fit), ("--chart", args.chart)) if on]
+        if given:
+            print(
+                f"mlxkv plan: error: {' and '.join(given)} "
+                f"{'plans' if len(given) == 1 else 'plan'} one host and cannot be used with "
+                f"--hosts; drop --hosts (--fit then proposes a host count) or drop "
+                f"{' and '.join(given)}",
+                file=sys.stderr,
+            )
+            return 2
         return plan_hosts.run(args, _estimate)
     try:
         est = _estimate(args)
@@ -207,7 +217,7 @@ def to_json(est, suggestions=None) -> dict:
         "fits": b.fits,
         "max_context": est.max_context,
         "max_batch": est.max_batch,
-        "notes": est.notes,
+        "notes": est.notes + est.fit_notes,
         "memory_total_bytes": est.memory.total,
         "weight_bits": est.weight_bits,
         "fused_attention": rt.fused_attention,

@@ -7,11 +7,11 @@ Where a curve crosses the budget is the largest context that policy fits
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import atomic_write_with
 
 POINTS = 64
 WIDTH, HEIGHT = 64, 16
@@ -157,15 +157,10 @@ def chart_file(chart: Chart, path: str) -> str:
     ax.set_title(f"{chart.model}: memory against context")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, format="png")
-        os.link(tmp, target)  # fails rather than replace a file created meanwhile
-    except FileExistsError:
-        raise UserError(f"--chart {path} exists; choose a new file name") from None
-    except OSError as e:
-        raise UserError(f"--chart {path}: cannot write it ({e.strerror})") from None
+        atomic_write_with(
+            target, lambda f: fig.savefig(f, format="png"), what="--chart", overwrite=False
+        )
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return f"chart saved to {path}"

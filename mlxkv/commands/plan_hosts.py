@@ -39,7 +39,7 @@ def run(args, estimate) -> int:
         # The whole-model estimate is only the single-host comparison: plan it on host 0.
         args.memory = host_memories(memory, n)[0]
         est = estimate(args)
-        hp = plan_hosts(est.source.config, est.layout, est.setting, n, args.shard, memory)
+        hp = plan_hosts(est.config, est.layout, est.setting, n, args.shard, memory)
     except UserError as e:
         print(f"mlxkv plan: error: {e}", file=sys.stderr)
         return 2
@@ -99,8 +99,17 @@ def to_json(est, hp) -> dict:
             "total_bytes": one.total,
         },
         "estimated": ["activation_bytes", "logits_bytes", "overhead_bytes"],
-        "notes": est.notes,
+        "notes": est.notes + _host_notes(hp),
     }
+
+
+def _host_notes(hp) -> list[str]:
+    """What a host's verdict rests on (the whole-model notes are about one host)."""
+    return [
+        f"host {h.rank}: its weights alone exceed its available memory"
+        for h in hp.hosts
+        if h.budget.weights.bytes > h.budget.available
+    ]
 
 
 def _g(n: int) -> str:

@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, utf8_problem
 
 OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system")
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
 ROLES = ("system", "user", "assistant")
+INPUT_LIMIT = 1 << 30  # bytes of a whole input file (or stdin)
+LINE_LIMIT = 64 << 20  # characters of one line
 
 
 @dataclass
@@ -86,10 +89,18 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             return BadLine(n, f"not UTF-8 text (byte {e.start} of the line)", None, raw_bytes)
+    if len(raw) > LINE_LIMIT:
+        return BadLine(
+            n, f"the line is {len(raw)} characters, more than {LINE_LIMIT}", None, raw_bytes
+        )
+    if json_depth(raw) > JSON_DEPTH:
+        return BadLine(n, f"JSON nested deeper than {JSON_DEPTH} levels", None, raw_bytes)
     try:
         obj = json.loads(raw)
     except ValueError as e:
         return BadLine(n, f"not valid JSON: {e}", None, raw_bytes)
+    except RecursionError:
+        return BadLine(n, "JSON nested too deeply", None, raw_bytes)
     if not isinstance(obj, dict):
         return BadLine(n, f"expected a JSON object, got {type(obj).__name__}", None, obj)
     ident = obj.get("id")
@@ -113,6 +124,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         return bad(err)
     if err := _check_overrides(obj):
         return bad(err)
+    if bad_text := utf8_problem(obj):
+        return bad(f"holds {bad_text}, a lone surrogate that is not valid text")
     overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in obj}
     return Job(n, ident, obj.get("prompt"), obj.get("messages"), obj.get("system"), overrides, obj)
 
@@ -121,16 +134,17 @@ def read_input(path: Path | str) -> list[Job | BadLine]:
     """Parse every non-blank line (``-`` reads stdin). A line that is not UTF-8 or not JSON
     becomes a BadLine; raises UserError only if the file cannot be a batch at all."""
     name = "stdin" if str(path) == "-" else str(path)
-    try:
-        data = sys.stdin.buffer.read() if str(path) == "-" else Path(path).read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"input file {name} does not exist") from None
-    except IsADirectoryError:
-        raise UserError(f"input {name} is a directory, not a JSONL file") from None
-    except OSError as e:
-        raise UserError(f"cannot read input {name}: {e.strerror}") from None
-    except ValueError:  # stdin closed
-        raise UserError("stdin is closed; pipe the JSONL input into '-'") from None
+    if str(path) != "-":
+        data = read_bytes(path, INPUT_LIMIT, "input file")
+    else:
+        try:
+            data = sys.stdin.buffer.read(INPUT_LIMIT + 1)
+        except OSError as e:
+            raise UserError(f"cannot read input {name}: {e.strerror}") from None
+        except (ValueError, AttributeError):  # stdin closed
+            raise UserError("stdin is closed; pipe the JSONL input into '-'") from None
+        if len(data) > INPUT_LIMIT:
+            raise UserError(f"input on stdin is more than {INPUT_LIMIT >> 20} MiB; split it")
     # Lines end at b"\n" only: a JSON string may hold U+2028 or a lone \r.
     lines = [raw.removesuffix(b"\r") for raw in data.split(b"\n")]
     entries = [parse_line(i, raw) for i, raw in enumerate(lines, 1) if raw.strip()]

@@ -7,11 +7,11 @@ only *read* through the merged text view.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import parse_json, read_text
 
 
 class BadInput(UserError):
@@ -41,25 +41,26 @@ _POSITIVE_INTS = (
 _POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "partial_rotary_factor")
 # Windows: null means "no window".
 _OPTIONAL_POSITIVE_INTS = ("sliding_window", "sliding_window_size", "attention_window_size")
+# Planning builds mlx-lm's model lazily, so its cost grows with the layers (about 4 s for
+# 1,000 here); the largest published models have under 200.
+MAX_LAYERS = 1024
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+CONFIG_LIMIT = 16 << 20  # bytes; the largest published config.json is under 100 KB
 
 
 def load_config(path: str | Path) -> dict:
     """Read a config.json file; every failure is a one-line BadInput."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInput(f"config file not found: {p}") from None
-    except IsADirectoryError:
-        raise BadInput(f"{p} is a folder, not a config.json file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read {p}: {e.__class__.__name__}: {e}") from None
+        text = read_text(p, CONFIG_LIMIT, "config file")
+    except UserError as e:
+        raise BadInput(str(e)) from None
     try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(
-            f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-        ) from None
+        config = parse_json(text, str(p))
+    except UserError as e:
+        raise BadInput(str(e)) from None
     if not isinstance(config, dict):
         raise BadInput(f"{p} must hold a JSON object, got {type(config).__name__}")
     return config
@@ -118,6 +119,13 @@ def validate(config: dict) -> str:
             raise BadInput(f"'{key}' must be an integer, got {type(v).__name__} {v!r}")
         if v <= 0:
             raise BadInput(f"'{key}' must be positive, got {v}")
+    for key in _LAYER_COUNTS:
+        v = view.get(key)
+        if _is_int(v) and v > MAX_LAYERS:
+            raise BadInput(
+                f"'{key}' is {v:,}; mlxkv plans models of up to {MAX_LAYERS:,} layers "
+                "(published models have under 200): fix config.json"
+            )
     for key in _POSITIVE_NUMBERS:
         v = view.get(key)
         if v is None:

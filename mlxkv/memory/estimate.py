@@ -32,6 +32,8 @@ class Estimate:
     max_context: int | None = None  # None: any context fits (every cache bounded)
     max_batch: int = 0
     notes: list[str] = field(default_factory=list)
+    # Notes on the verdict for one host holding the whole model (not for a split over hosts).
+    fit_notes: list[str] = field(default_factory=list)
     trained_context: int | None = None  # the model's, from config.json (mlxkv.memory.context)
     weight_bits: int | None = None  # planned as an MLX conversion quantized to these bits
     wired: WiredAdvice | None = None  # the sysctl that makes it fit on this Mac, if any
@@ -42,6 +44,13 @@ class Estimate:
     def past_trained_context(self) -> bool:
         s = self.setting
         return past_trained_context(self.trained_context, s.policy.window, s.context)
+
+    @property
+    def config(self) -> dict:
+        """The config as planned: with ``--weight-bits``, that of the MLX conversion."""
+        if self.weight_bits is None:
+            return self.source.config
+        return with_weight_bits(self.source.config, self.weight_bits)
 
     @property
     def runnable(self) -> bool:
@@ -167,9 +176,9 @@ def estimate_model(
     if note:
         notes.append(note)
     if weights.bytes > mem.available:
-        notes.append("the weights alone exceed the available memory")
+        est.fit_notes.append("the weights alone exceed the available memory")
     elif est.max_context == 0:
-        notes.append(f"not even one prefill chunk fits at batch {batch}")
+        est.fit_notes.append(f"not even one prefill chunk fits at batch {batch}")
     return est
 
 

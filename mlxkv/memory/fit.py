@@ -19,7 +19,9 @@ from mlxkv.memory.weights import Weights, from_layout
 from mlxkv.policy import KVPolicy, PolicyError
 
 MAX_SUGGESTIONS = 8
-MAX_HOSTS = 8  # the largest split --fit proposes
+# The largest split --fit proposes: tensor parallelism pays a collective per layer, so few
+# hosts; a pipeline only hands activations on, one host to the next.
+MAX_HOSTS = {"tensor": 8, "pipeline": 64}
 DEFAULT_SINKS = 4
 ROUND = 256  # windows and contexts are proposed in multiples of this (when that large)
 WEIGHT_BITS = 4
@@ -171,28 +173,29 @@ class _Search:
                 self.add(flags, sw, wbits, layout, weights, quality, kv_cost)
 
     def hosts(self) -> None:
-        """The fewest hosts like this one (same --memory) that hold it, split as mlx-lm
-        splits it (mlxkv.memory.hosts); only for memory, not for the trained context."""
+        """The fewest hosts like this one (same --memory) that hold it, for each way
+        mlx-lm splits the model (mlxkv.memory.hosts); only for memory, not for the
+        trained context."""
         from mlxkv.memory.config import BadInput
-        from mlxkv.memory.hosts import plan_hosts
+        from mlxkv.memory.hosts import fewest_hosts, split_support
 
         est = self.est
         if est.past_trained_context or (est.memory_arg and "," in est.memory_arg):
             return
-        for n in range(2, MAX_HOSTS + 1):
-            try:
-                hp = plan_hosts(
-                    est.source.config, est.layout, est.setting, n, "auto", est.memory_arg, False
-                )
-            except BadInput:
-                continue  # e.g. heads not divisible n ways: try more hosts
-            if hp.fits:
-                b = hp.tightest.budget
-                q = lossless(f"{n} machines like this one ({hp.mode} parallel, mlx.launch): "
-                             "same outputs")  # fmt: skip
-                flags = ("--hosts", str(n), "--shard", hp.mode)
-                self.found.setdefault(flags, Suggestion(flags, est.setting, None, b, q, 0.0))
-                return
+        try:
+            can = split_support(est.config)
+        except BadInput:  # mlx-lm cannot build it: no split to propose
+            return
+        for mode in (m for m, ok in can.items() if ok):
+            most, memory = MAX_HOSTS[mode], est.memory_arg
+            hp = fewest_hosts(est.config, est.layout, est.setting, mode, memory, most)
+            if hp is None:
+                continue
+            n = len(hp.hosts)
+            q = lossless(f"{n} machines like this one ({mode} parallel, mlx.launch): same outputs")
+            flags = ("--hosts", str(n), "--shard", mode)
+            b = hp.tightest.budget
+            self.found.setdefault(flags, Suggestion(flags, est.setting, None, b, q, 0.0))
 
     def shape(self) -> None:
         """A smaller batch or a shorter context, the policy as asked."""

@@ -110,6 +110,17 @@ def _build(config: dict):
         raise BadInput(f"mlx-lm cannot build a '{module}' model: {one_line(e)}") from None
 
 
+def _param_bytes(module, wb: int, mx) -> tuple[int, int]:
+    """(bytes as held, parameters) of ``module``: floating ones at ``wb`` bytes each."""
+    from mlx.utils import tree_flatten
+
+    total = params = 0
+    for _, p in tree_flatten(module.parameters()):
+        total += p.size * wb if mx.issubdtype(p.dtype, mx.floating) else p.nbytes
+        params += p.size
+    return total, params
+
+
 def host_weights(
     config: dict,
     n: int,
@@ -122,30 +133,57 @@ def host_weights(
     split with a stand-in group."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
 
     from mlxkv.memory.dtypes import dtype_bytes
     from mlxkv.memory.probe import _quantize
 
     wb = dtype_bytes(weight_dtype)
+    ranks = list(range(n)) if ranks is None else ranks
+    how = f"mlx-lm model split {n} ways ({mode})"
+    if mode == "pipeline" and n > 1:
+        table = PipelineWeights(config, weight_dtype, dequantize)
+        ranges = pipeline_split(len(table.layers), n)
+        return [replace(table.rank(*ranges[r]), source=how) for r in ranks]
     out = []
-    for rank in range(n) if ranks is None else ranks:
+    for rank in ranks:
         model = _build(config)
         if not dequantize:
             _quantize(nn, model, config)
-        group = StandInGroup(rank, n)
         if n > 1:
-            if mode == "tensor":
-                model.shard(group)
-            else:
-                model.model.pipeline(group)
-        total = params = 0
-        for _, p in tree_flatten(model.parameters()):
-            floating = mx.issubdtype(p.dtype, mx.floating)
-            total += p.size * wb if floating else p.nbytes
-            params += p.size
-        out.append(Weights(total, None, params, f"mlx-lm model split {n} ways ({mode})"))
+            model.shard(StandInGroup(rank, n))
+        total, params = _param_bytes(model, wb, mx)
+        out.append(Weights(total, None, params, how))
     return out
+
+
+class PipelineWeights:
+    """Bytes of every layer of mlx-lm's model and of the rest, from one lazy build: a
+    pipeline rank holds the rest (embeddings, final norm, head) and its run of layers
+    (``PipelineMixin.pipeline`` keeps ``layers[start:end]`` and drops the others)."""
+
+    def __init__(self, config: dict, weight_dtype: str, dequantize: bool):
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from mlxkv.memory.dtypes import dtype_bytes
+        from mlxkv.memory.probe import _quantize
+
+        wb = dtype_bytes(weight_dtype)
+        model = _build(config)
+        if not dequantize:
+            _quantize(nn, model, config)
+        self.layers = [_param_bytes(layer, wb, mx) for layer in model.model.layers]
+        total, params = _param_bytes(model, wb, mx)
+        self.rest = (
+            total - sum(b for b, _ in self.layers),
+            params - sum(p for _, p in self.layers),
+        )
+
+    def rank(self, start: int, end: int) -> Weights:
+        run = self.layers[start:end]
+        total = self.rest[0] + sum(b for b, _ in run)
+        params = self.rest[1] + sum(p for _, p in run)
+        return Weights(total, None, params, "mlx-lm model split by layers (pipeline)")
 
 
 def split_support(config: dict) -> dict[str, bool]:
@@ -185,11 +223,17 @@ def host_memories(spec: str | None, n: int) -> list[str | None]:
     if spec is None:
         return [None] * n
     parts = [p.strip() for p in spec.split(",")]
+    if not all(parts):
+        raise BadInput(
+            f"--memory '{spec}' has an empty size between or after its commas; give one size "
+            "for every host (--memory 64GB) or one per host (--memory 64GB,32GB)"
+        )
     if len(parts) == 1:
         return parts * n
-    if len(parts) != n or not all(parts):
+    if len(parts) != n:
+        hosts = "1 host" if n == 1 else f"{n} hosts"
         raise BadInput(
-            f"--memory lists {len(parts)} sizes for {n} hosts; give one size for every host "
+            f"--memory lists {len(parts)} sizes for {hosts}; give one size for every host "
             "or one per host, e.g. --memory 64GB,32GB"
         )
     return parts
@@ -241,7 +285,6 @@ def plan_hosts(
 ) -> HostsPlan:
     """Weights, KV, runtime and verdict for each of ``n`` hosts (``setting``: a
     ``mlxkv.memory.budget.Setting``); ``memory`` is ``--memory`` (one size or one per host)."""
-    from mlxkv.memory.budget import budget, max_batch, max_context
     from mlxkv.memory.dtypes import default_weight_dtype
     from mlxkv.memory.system import system_memory
 
@@ -249,6 +292,13 @@ def plan_hosts(
     mems = [system_memory(m, setting.backend) for m in host_memories(memory, n)]
     wdtype = default_weight_dtype(config, setting.backend)
     weights = host_weights(config, n, mode, wdtype, dequantize=setting.backend == "cpu")
+    return _plan(layout, setting, mode, mems, weights, search)
+
+
+def _plan(layout: Layout, setting, mode: str, mems, weights, search: bool) -> HostsPlan:
+    from mlxkv.memory.budget import budget, max_batch, max_context
+
+    n = len(mems)
     if mode == "pipeline":
         ranges = pipeline_split(len(layout.layers), n)
     else:
@@ -264,6 +314,36 @@ def plan_hosts(
             h.max_batch = max_batch(lay, weights[rank], setting, avail)
         hosts.append(h)
     return HostsPlan(mode, hosts)
+
+
+def fewest_hosts(
+    config: dict, layout: Layout, setting, mode: str, memory: str | None, most: int
+) -> HostsPlan | None:
+    """The plan over the fewest hosts (2 to ``most``, each with ``memory``) split by
+    ``mode`` on which every host fits, or None. The model must have that split
+    (``split_support``)."""
+    from mlxkv.memory.dtypes import default_weight_dtype
+    from mlxkv.memory.system import system_memory
+
+    wdtype = default_weight_dtype(config, setting.backend)
+    dequantize = setting.backend == "cpu"
+    mem = system_memory(memory, setting.backend)
+    table = PipelineWeights(config, wdtype, dequantize) if mode == "pipeline" else None
+    if table is not None:
+        most = min(most, len(table.layers))  # a rank runs one layer at least
+    for n in range(2, most + 1):
+        try:
+            check_split(config, n, mode)
+        except BadInput:
+            continue  # e.g. heads not divisible n ways: try more hosts
+        if table is not None:
+            weights = [table.rank(*r) for r in pipeline_split(len(table.layers), n)]
+        else:
+            weights = host_weights(config, n, mode, wdtype, dequantize)
+        hp = _plan(layout, setting, mode, [mem] * n, weights, search=False)
+        if hp.fits:
+            return hp
+    return None
 
 
 def check_host_fits(path, policy, context: int | None, batch: int, n: int, rank: int, mode: str):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 
+from mlxkv.errors import UserError
+from mlxkv.files import MiB, atomic_write, parse_json, read_text
 from mlxkv.memory.layout import Layout
 from mlxkv.paths import home
 
@@ -40,17 +41,16 @@ def layout_for(config: dict) -> Layout:
     """The layout of ``config``: from disk when known, else probed (and saved)."""
     path = home() / "layouts" / f"{_key(config)}.json"
     try:
-        return Layout.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+        text = read_text(path, 16 * MiB, "layouts cache")
+        return Layout.from_dict(parse_json(text, "layouts cache"))
+    except (UserError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass  # not there, or not usable: probe again and replace it
     from mlxkv.memory.probe import probe
 
     layout = probe(config)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(layout.to_dict()))
-        tmp.replace(path)
-    except OSError:
+        atomic_write(path, json.dumps(layout.to_dict()), what="layouts cache")
+    except (OSError, UserError):
         pass  # a read-only home only costs the next run a probe
     return layout

@@ -12,11 +12,12 @@ dequantized by mlx-lm's sanitize, their block scales dropped.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxkv.errors import UserError
+from mlxkv.files import open_regular, parse_json
 from mlxkv.memory.dtypes import dtype_bytes
 
 # safetensors dtype -> (bytes per element, is a floating weight the engine may cast)
@@ -55,9 +56,14 @@ class Weights:
 
 def read_header(path: Path) -> list[Tensor]:
     """Tensors of one safetensors file from its JSON header (reads a few KB, not the data)."""
-    with open(path, "rb") as f:
+    f, size = open_regular(path, "weight file")
+    with f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        if 8 + n > size or n > 256 << 20:
+            raise UserError(f"{path} is not a complete safetensors file")
+        header = parse_json(f.read(n).decode("utf-8", "replace"), str(path), max_depth=4)
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise UserError(f"{path} is not a safetensors file (its header is not a table)")
     return [
         Tensor(name, info["dtype"], _numel(info["shape"]))
         for name, info in header.items()

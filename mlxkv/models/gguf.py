@@ -8,12 +8,13 @@ layout; they are permuted back here (rows only, so quantized tensors stay lossle
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
 
 from mlxkv.errors import UserError
-from mlxkv.models.gguf_header import check_supported, read_header
+from mlxkv.models.gguf_header import GGUFArray, GGUFHeader, check_supported, read_header
 from mlxkv.models.gguf_tokenizer import build_tokenizer_files
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -98,6 +99,109 @@ def _llama_config(meta: dict, weights: dict) -> dict:
     return config
 
 
+def _bad(path: Path, what: str) -> UserError:
+    return UserError(f"{path}: GGUF {what}; the file is corrupt or not a llama chat model")
+
+
+def check_llama(header: GGUFHeader, path: Path) -> None:
+    """Check, from the header alone, every value the conversion and the model will use:
+    types, ranges and agreement with the tensor shapes. MLX reads the file only after."""
+    meta, a = header.metadata, "llama"
+
+    def pos_int(key: str, default=None, required=True) -> int | None:
+        v = meta.get(key, default)
+        if v is None and not required:
+            return None
+        if v is None:
+            raise _bad(path, f"metadata is missing '{key}'")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > MAX_SIZE:
+            raise _bad(path, f"'{key}' must be a positive integer, not {v!r}")
+        return v
+
+    def pos_float(key: str) -> None:
+        v = meta.get(key)
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf
+        ):
+            raise _bad(path, f"'{key}' must be a positive number, not {v!r}")
+
+    hidden = pos_int(f"{a}.embedding_length")
+    heads = pos_int(f"{a}.attention.head_count")
+    kv_heads = pos_int(f"{a}.attention.head_count_kv", heads)
+    layers = pos_int(f"{a}.block_count")
+    pos_int(f"{a}.feed_forward_length")
+    pos_int(f"{a}.context_length", 4096)
+    head_dim = pos_int(f"{a}.rope.dimension_count", hidden // heads)
+    pos_float(f"{a}.attention.layer_norm_rms_epsilon")
+    pos_float(f"{a}.rope.freq_base")
+    if heads % kv_heads:
+        raise _bad(path, f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, GGUFArray) or not tokens.of_strings or tokens.n == 0:
+        raise _bad(path, "'tokenizer.ggml.tokens' must be a non-empty list of strings")
+    n_vocab = tokens.n
+    for key, of_ints in (("token_type", True), ("merges", False)):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and (
+            not isinstance(v, GGUFArray) or (v.of_ints if of_ints else v.of_strings) is False
+        ):
+            raise _bad(path, f"'tokenizer.ggml.{key}' must be a list of "
+                       + ("integers" if of_ints else "strings"))  # fmt: skip
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None and types.n != n_vocab:
+        raise _bad(path, f"'tokenizer.ggml.token_type' has {types.n} entries for {n_vocab} tokens")
+    for key in ("bos", "eos", "unknown", "padding"):
+        v = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if v is not None and (
+            not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n_vocab
+        ):
+            raise _bad(path, f"'tokenizer.ggml.{key}_token_id' {v!r} is not a token id "
+                       f"(0 to {n_vocab - 1})")  # fmt: skip
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if key in meta and not isinstance(meta[key], str):
+            raise _bad(path, f"'{key}' must be a string")
+    blocks = set()
+    for t in header.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            if len(parts) != 4 or not parts[1].isdigit() or parts[2] not in _LAYER_NAMES:
+                raise _bad(path, f"tensor name {t.name!r} is not a llama layer tensor")
+            blocks.add(int(parts[1]))
+        elif len(parts) != 2 or parts[0] not in _TOP_NAMES:
+            raise _bad(path, f"tensor name {t.name!r} is not a llama tensor")
+    if blocks != set(range(layers)):
+        raise _bad(path, f"block_count is {layers} but the file holds {len(blocks)} layers")
+    want = {
+        "token_embd.weight": (n_vocab, hidden),
+        "blk.0.attn_q.weight": (heads * head_dim, hidden),
+        "blk.0.attn_k.weight": (kv_heads * head_dim, hidden),
+    }
+    shapes = {t.name: t.shape for t in header.tensors}
+    for name, shape in want.items():
+        if shapes.get(name) != shape:
+            raise _bad(
+                path, f"tensor {name} has shape {list(shapes.get(name, ()))}, the metadata "
+                f"says {list(shape)}"
+            )  # fmt: skip
+
+
+MAX_SIZE = 1 << 24  # no dimension, count or length of a llama model comes near this
+
+MARKER = "mlxkv_source.json"  # written into every folder a conversion makes
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Refuse (one line) to replace ``out_dir`` unless it is absent or a real folder that
+    an earlier conversion made: mlxkv never removes what it did not create."""
+    if out_dir.is_symlink():
+        raise UserError(f"{out_dir} is a symbolic link; mlxkv does not replace it: remove the link")
+    if out_dir.exists() and not (out_dir.is_dir() and (out_dir / MARKER).is_file()):
+        raise UserError(
+            f"{out_dir} exists and was not made by mlxkv; move it away (mlxkv never "
+            "removes files it did not create)"
+        )
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None) -> Path:
     """Convert ``gguf_path`` into the MLX model folder ``out_dir`` atomically
     (``content_key``, the source's digest, is recorded in its mlxkv_source.json).
@@ -108,10 +212,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
     import mlx.core as mx
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    check_replaceable(out_dir)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
     header = read_header(gguf_path)
     check_supported(header, gguf_path, SUPPORTED_ARCHITECTURES)
+    check_llama(header, gguf_path)
     try:
         weights, meta = mx.load(str(gguf_path), return_metadata=True)
     except Exception as e:  # MLX's loader reports corrupt data as a bare runtime error
@@ -132,7 +238,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.parent.glob(f".{out_dir.name}.*.partial"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
+        if stale.is_dir() and not stale.is_symlink():  # left by a conversion that was killed
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
     try:
@@ -140,11 +247,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        (tmp / "mlxkv_source.json").write_text(
+        (tmp / MARKER).write_text(
             json.dumps(
                 {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "content": content_key}
             )
         )
+        check_replaceable(out_dir)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

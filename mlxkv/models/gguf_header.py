@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import open_regular
 
 # ggml tensor types: name, elements per block, bytes per block
 GGML_TYPES = {
@@ -49,6 +50,26 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 
 
+@dataclass(frozen=True)
+class GGUFArray:
+    """An array in the metadata: only its item type and length are kept (MLX reads it)."""
+
+    item_type: int
+    n: int
+
+    @property
+    def of_strings(self) -> bool:
+        return self.item_type == _STRING
+
+    @property
+    def of_ints(self) -> bool:
+        return self.item_type in _INTS
+
+
+_INTS = (0, 1, 2, 3, 4, 5, 10, 11)
+MAX_DIMS = 4  # GGML_MAX_DIMS: ggml (and MLX's reader) has room for four
+
+
 @dataclass
 class TensorInfo:
     name: str
@@ -61,7 +82,7 @@ class TensorInfo:
 @dataclass
 class GGUFHeader:
     version: int
-    metadata: dict = field(default_factory=dict)  # scalars and strings; arrays as lengths
+    metadata: dict = field(default_factory=dict)  # scalars and strings; arrays as GGUFArray
     tensors: list[TensorInfo] = field(default_factory=list)
     data_start: int = 0
 
@@ -93,20 +114,22 @@ class _Reader:
             item_type, n = self.unpack("I"), self.unpack("Q")
             if item_type in _SCALARS:
                 self.take(n * struct.calcsize(_SCALARS[item_type]))
-            else:
+            elif item_type == _STRING:
                 for _ in range(n):
-                    self.value(item_type)
-            return n  # arrays (vocabularies) are read by MLX; only their length matters here
+                    self.take(self.unpack("Q"))
+            else:
+                what = "nested arrays" if item_type == _ARRAY else f"value type {item_type}"
+                raise UserError(f"{self.path}: GGUF metadata with {what} is not supported")
+            return GGUFArray(item_type, n)  # vocabularies are read by MLX
         raise UserError(f"{self.path}: corrupt GGUF metadata (value type {vtype})")
 
 
 def read_header(path: Path) -> GGUFHeader:
     """Parse the header and check that every tensor's bytes are inside the file."""
     path = Path(path)
+    f, size = open_regular(path, "GGUF file")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            # Vocabularies make headers a few MB; read generously, once.
+        with f:  # vocabularies make headers a few MB; read generously, once
             data = f.read(min(size, 64 << 20))
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
@@ -124,16 +147,35 @@ def read_header(path: Path) -> GGUFHeader:
     for _ in range(n_tensors):
         name = r.string()
         n_dims = r.unpack("I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise UserError(
+                f"{path}: GGUF tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed); "
+                "the file is corrupt"
+            )
         dims = tuple(r.unpack("Q") for _ in range(n_dims))
         type_id, offset = r.unpack("I"), r.unpack("Q")
         tname, block, block_bytes = GGML_TYPES.get(type_id, (f"type {type_id}", 1, 0))
+        if 0 in dims or dims[0] % block:
+            raise UserError(
+                f"{path}: GGUF tensor {name} has shape {list(dims)}, which {tname} blocks of "
+                f"{block} cannot hold; the file is corrupt"
+            )
         n = 1
         for d in dims:
             n *= d
         header.tensors.append(TensorInfo(name, dims[::-1], tname, offset, n // block * block_bytes))
-    align = int(header.metadata.get("general.alignment", 32))
+    align = header.metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+        raise UserError(
+            f"{path}: GGUF general.alignment {align!r} is not a positive power of two; "
+            "the file is corrupt"
+        )
     header.data_start = (r.pos + align - 1) // align * align
     for t in header.tensors:
+        if t.offset % align:
+            raise UserError(
+                f"{path}: GGUF tensor {t.name} is not aligned to {align} bytes; the file is corrupt"
+            )
         if header.data_start + t.offset + t.nbytes > size:
             raise UserError(
                 f"{path} is truncated: tensor {t.name} ends past the end of the file "

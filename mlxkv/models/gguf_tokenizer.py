@@ -44,6 +44,11 @@ def build_tokenizer_files(meta: dict) -> tuple[dict, dict]:
     tokens = _as_list(meta["tokenizer.ggml.tokens"])
     types = _as_list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = _as_list(meta.get("tokenizer.ggml.merges", []))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    for m in merges:
+        pair = m.split(" ", 1) if isinstance(m, str) else []
+        if len(pair) != 2 or pair[0] + pair[1] not in vocab or not all(p in vocab for p in pair):
+            raise ValueError(f"merge {m!r} joins tokens that are not in the vocabulary")
     added = [
         {
             "id": i,
@@ -85,7 +90,7 @@ def build_tokenizer_files(meta: dict) -> tuple[dict, dict]:
             "fuse_unk": False,
             "byte_fallback": False,
             "ignore_merges": False,
-            "vocab": {tok: i for i, tok in enumerate(tokens)},
+            "vocab": vocab,
             "merges": [m.split(" ", 1) for m in merges],
         },
     }

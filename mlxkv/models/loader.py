@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, one_line
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 
@@ -60,8 +60,11 @@ def load(
         raise UserError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
     try:
         model, tokenizer, config = mlx_lm.load(str(path), lazy=True, return_config=True)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise UserError(f"cannot load the model in {path}: {e}") from None
+    except Exception as e:  # the folder's files are the user's: any failure is theirs
+        raise UserError(f"cannot load the model in {path}: {one_line(e)}") from None
+    from mlxkv.models.chat_template import install
+
+    install(tokenizer)  # the model's template is untrusted code: render it bounded
     if dtype == "native":  # as stored: quantized layers stay quantized (mlx-lm's default)
         target = _float_dtype(model)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from functools import cache
@@ -15,6 +16,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mlxkv.errors import UserError
+from mlxkv.files import read_text
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,51 @@ def _registry_text() -> tuple[str, str]:
     env = os.environ.get("MLXKV_MODELS")
     if env:
         try:
-            return Path(env).read_text(encoding="utf-8"), f"MLXKV_MODELS={env}"
-        except (OSError, UnicodeDecodeError) as e:
-            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror
+            return read_text(Path(env), REGISTRY_LIMIT, "MLXKV_MODELS"), f"MLXKV_MODELS={env}"
+        except UserError as e:
             raise UserError(
-                f"MLXKV_MODELS={env}: cannot read the model registry ({why}); point it at a "
-                "models.toml file or unset it"
+                f"MLXKV_MODELS={env}: cannot use it as the model registry ({e}); point it "
+                "at a models.toml file or unset it"
             ) from None
     # models.toml lives at the repository top and is shipped inside the package.
     return resources.files("mlxkv").joinpath("models.toml").read_text(), "models.toml"
+
+
+REGISTRY_LIMIT = 4 << 20  # bytes; the shipped registry is 3 KB
+# An alias becomes a folder name under mlxkv's home: one plain path component.
+_ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_PYPI = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
+_WHEEL_FILE = re.compile(r"^[\w.-]+(/[\w.-]+)*\.gguf$")
+
+
+def _entry(alias, m) -> ModelEntry:
+    """One ``[models.ALIAS]`` table, every field checked: names from this file become
+    folder names, pip arguments and paths inside a zip, so nothing may lead elsewhere."""
+    if not isinstance(alias, str) or not _ALIAS.match(alias) or ".." in alias:
+        raise ValueError(f"alias {alias!r} is not a plain name (letters, digits, . _ + -, no '..')")
+    if not isinstance(m, dict):
+        raise ValueError(f"models.{alias} must be a table")
+    strings = {k: m.get(k, d) for k, d in
+               (("name", alias), ("params", ""), ("attention", ""), ("notes", ""))}  # fmt: skip
+    strings["hf_repo"] = m.get("hf_repo")
+    for k, v in strings.items():
+        if not isinstance(v, str):
+            raise ValueError(f"models.{alias}.{k} must be a string")
+    if not _HF_REPO.match(strings["hf_repo"]) or ".." in strings["hf_repo"]:
+        raise ValueError(f"models.{alias}.hf_repo {strings['hf_repo']!r} is not owner/name")
+    off = m.get("offline")
+    if off is not None:
+        if not isinstance(off, dict) or not all(
+            isinstance(off.get(k), str) for k in ("pypi", "file")
+        ):
+            raise ValueError(f"models.{alias}.offline needs the strings pypi and file")
+        if not _PYPI.match(off["pypi"]):
+            raise ValueError(f"models.{alias}.offline.pypi {off['pypi']!r} is not NAME==VERSION")
+        if not _WHEEL_FILE.match(off["file"]) or ".." in off["file"].split("/"):
+            raise ValueError(f"models.{alias}.offline.file {off['file']!r} is not a .gguf path")
+        off = OfflineSource(off["pypi"], off["file"])
+    return ModelEntry(alias=alias, offline=off, **strings)
 
 
 @cache
@@ -66,21 +104,16 @@ def load_registry() -> Registry:
     text, origin = _registry_text()
     try:
         data = tomllib.loads(text)
-        models = {}
-        for alias, m in data["models"].items():
-            off = m.get("offline")
-            models[alias] = ModelEntry(
-                alias=alias,
-                name=m.get("name", alias),
-                hf_repo=m["hf_repo"],
-                params=m.get("params", ""),
-                attention=m.get("attention", ""),
-                notes=m.get("notes", ""),
-                offline=OfflineSource(off["pypi"], off["file"]) if off else None,
-            )
+        if not isinstance(data.get("models"), dict):
+            raise ValueError("no [models] table")
+        models = {alias: _entry(alias, m) for alias, m in data["models"].items()}
         default = data["default"]
-    except (tomllib.TOMLDecodeError, KeyError, TypeError) as e:
+        if not isinstance(default, str):
+            raise ValueError("'default' must be an alias")
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{origin}: invalid model registry ({e})") from None
+    except RecursionError:
+        raise UserError(f"{origin}: invalid model registry (nested too deeply)") from None
     if default not in models:
         raise UserError(f"{origin}: default model '{default}' is not in the registry")
     return Registry(default=default, models=models)

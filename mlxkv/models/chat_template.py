@@ -1,0 +1,306 @@
+"""Render a model's chat template as untrusted code: sandboxed, and bounded in time and size.
+
+A chat template comes from a model folder or a GGUF file, so anyone may have written it.
+It is rendered the way transformers renders it (jinja2's ImmutableSandboxedEnvironment,
+``raise_exception``, ``tojson``, ``strftime_now``, loop controls) with limits added:
+
+* no loader: ``{% include %}`` / ``{% import %}`` reach no file;
+* a time limit (a watchdog raises inside the rendering thread): loops end;
+* a size limit on the output and on every string or list the template builds (``*``,
+  ``+``, ``~``, ``%``, filters and method calls are checked before or right after they
+  run), and integer arguments and powers are kept small;
+* every failure (syntax, ``raise_exception``, a limit, a Python error) is one line.
+
+:func:`install` puts the bounded renderer in place of the tokenizer's own
+``apply_chat_template``, so every caller (chat, batch, TUI, server) goes through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import inspect
+import json
+import re
+import threading
+from datetime import datetime
+
+from mlxkv.errors import UserError
+
+TIME_LIMIT = 10.0  # seconds; real templates take milliseconds, even for long chats
+SIZE_LIMIT = 32 << 20  # characters of output, and of any string or list built on the way
+INT_LIMIT = 100_000  # the largest integer passed to a filter or method (widths, counts)
+_BIG_WIDTH = re.compile(r"\d{7,}")  # a format width of a million or more
+
+
+class TemplateLimit(Exception):
+    """A chat template went over a limit (the message says which)."""
+
+
+class _Timeout(BaseException):
+    """Raised inside the rendering thread by the watchdog (a BaseException so that a
+    template's own error handling cannot swallow it)."""
+
+
+def _size(x) -> int:
+    return len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 0
+
+
+def _check_size(x):
+    if _size(x) > SIZE_LIMIT:
+        raise TemplateLimit(f"it builds a value of {_size(x)} items (limit {SIZE_LIMIT})")
+    return x
+
+
+def _check_args(args, kwargs) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > INT_LIMIT:
+            raise TemplateLimit(f"it passes the number {a} (limit {INT_LIMIT})")
+
+
+def _too_long(n: int) -> None:
+    if n > SIZE_LIMIT:
+        raise TemplateLimit(f"it builds a string longer than {SIZE_LIMIT}")
+
+
+def _grows(name: str, value, args) -> None:
+    """Refuse, before it runs, a string operation whose result would be too long."""
+    if not isinstance(value, str):
+        if name == "join" and isinstance(value, (list, tuple)):
+            _too_long(sum(map(_size, value)) + len(value) * (len(str(args[0])) if args else 0))
+        return
+    if name == "replace" and len(args) >= 2 and isinstance(args[1], str):
+        _too_long(len(value) + value.count(str(args[0])) * len(args[1]))
+    elif name == "indent" and args and isinstance(args[0], int):
+        _too_long(len(value) + (value.count("\n") + 1) * args[0])
+    elif name in ("format", "format_map") and _BIG_WIDTH.search(value):
+        raise TemplateLimit("it formats with a width of a million or more")
+
+
+def _guard(name: str, f):
+    """A filter or global that checks its arguments, and the size of its result."""
+    skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0  # context/environment
+
+    @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
+    def guarded(*args, **kwargs):
+        _check_args(args[skip + 1 :], kwargs)
+        if len(args) > skip:
+            _grows(name, args[skip], args[skip + 1 :])
+        return _check_size(f(*args, **kwargs))
+
+    return guarded
+
+
+def _environment():
+    import jinja2
+    import jinja2.ext
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generator(CodeGenerator):
+        def visit_Concat(self, node, frame):  # "a ~ b": joined, then measured
+            self.write("environment.checked_join((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        code_generator_class = _Generator
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def checked_join(self, parts):
+            if sum(_size(p) if isinstance(p, str) else 0 for p in parts) > SIZE_LIMIT:
+                raise TemplateLimit(f"it builds a string longer than {SIZE_LIMIT}")
+            return _check_size("".join(map(str, parts)))
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if _size(seq) and isinstance(n, int) and _size(seq) * n > SIZE_LIMIT:
+                        raise TemplateLimit(f"it repeats a value {n} times")
+                if isinstance(left, int) and isinstance(right, int):
+                    if left.bit_length() + right.bit_length() > 4096:
+                        raise TemplateLimit("it multiplies numbers too large")
+            elif operator == "**" and isinstance(right, (int, float)):
+                bits = left.bit_length() if isinstance(left, int) else 64
+                if abs(right) > 1 << 16 or bits * abs(right) > 1 << 16:
+                    raise TemplateLimit(f"it raises a number to the power {right}")
+            elif operator == "+":
+                if _size(left) + _size(right) > SIZE_LIMIT:
+                    raise TemplateLimit(f"it builds a value longer than {SIZE_LIMIT}")
+            elif operator == "%" and isinstance(left, str) and _BIG_WIDTH.search(left):
+                raise TemplateLimit("it formats with a width of a million or more")
+            return _check_size(super().call_binop(context, operator, left, right))
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, str) and attribute in ("format", "format_map"):
+                _grows("format", obj, ())
+            return super().getattr(obj, attribute)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's names)
+            _check_args(args, kwargs)
+            owner = getattr(__obj, "__self__", None)
+            if isinstance(owner, str) and args:
+                name = getattr(__obj, "__name__", "")
+                if name == "join":
+                    args = (list(args[0]), *args[1:])
+                    _grows("join", args[0], (owner,))
+                else:
+                    _grows(name, owner, args)
+            return _check_size(super().call(__context, __obj, *args, **kwargs))
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = BoundedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols],
+        loader=jinja2.DictLoader({}),  # include / import / extends find nothing
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=dict)
+    env.filters = {k: _guard(k, f) for k, f in env.filters.items()}
+    env.globals = {
+        k: _guard(k, f) if inspect.isfunction(f) and k != "raise_exception" else f
+        for k, f in env.globals.items()
+    }
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str):
+    return _environment().from_string(source)
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise :class:`_Timeout` in this thread if the block runs longer than ``seconds``."""
+    tid, lock, done, fired = threading.get_ident(), threading.Lock(), threading.Event(), []
+
+    def watch():
+        if not done.wait(seconds):
+            with lock:
+                if not done.is_set():
+                    fired.append(True)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(tid), ctypes.py_object(_Timeout)
+                    )
+
+    watcher = threading.Thread(target=watch, name="chat-template-deadline", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+            if fired:  # delivered already, or still pending: clear a pending one
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        watcher.join()
+
+
+def render(source: str, **variables) -> str:
+    """``source`` (a chat template) rendered with ``variables``, within the limits; any
+    failure is a one-line :class:`UserError`."""
+    import jinja2
+
+    why = None
+    try:
+        with _deadline(TIME_LIMIT):
+            template = _compile(source)
+            parts, total = [], 0
+            for chunk in template.generate(**variables):
+                total += len(chunk)
+                if total > SIZE_LIMIT:
+                    raise TemplateLimit(f"its output is longer than {SIZE_LIMIT} characters")
+                parts.append(chunk)
+            return "".join(parts)
+    except _Timeout:
+        why = f"it ran longer than {TIME_LIMIT:g} s"
+    except TemplateLimit as e:
+        why = str(e)
+    except jinja2.TemplateSyntaxError as e:
+        why = f"it does not parse (line {e.lineno}: {e.message})"
+    except jinja2.TemplateNotFound as e:
+        why = f"it includes {e.name!r}; a chat template may not read other files"
+    except jinja2.TemplateError as e:
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    except RecursionError:
+        why = "it recurses too deeply"
+    except MemoryError:
+        why = "it needs more memory than there is"
+    except Exception as e:  # a template is code: anything it raises is its own failure
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    raise UserError(f"the model's chat template failed: {why}")
+
+
+def _template_source(tokenizer, chat_template=None) -> str:
+    source = chat_template if chat_template is not None else tokenizer.chat_template
+    if isinstance(source, dict):  # named templates: transformers picks "default"
+        source = source.get("default")
+    if not isinstance(source, str):
+        raise UserError(
+            "the model has no chat template; give a plain prompt with --raw, or use a chat model"
+        )
+    return source
+
+
+# apply_chat_template's own options: for the tokenizer, not variables of the template
+_TOKENIZE_OPTIONS = ("return_dict", "padding", "truncation", "max_length", "return_tensors",
+                     "tokenizer_kwargs", "return_assistant_tokens_mask")  # fmt: skip
+
+
+def install(tokenizer) -> None:
+    """Route ``tokenizer.apply_chat_template`` through :func:`render` (the HF tokenizer's
+    own method is kept for the token ids, when a caller asks for them)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if getattr(hf.apply_chat_template, "mlxkv_bounded", False):
+        return
+    original = hf.apply_chat_template
+
+    def apply_chat_template(
+        conversation,
+        tools=None,
+        documents=None,
+        chat_template=None,
+        add_generation_prompt=False,
+        tokenize=True,
+        **kwargs,
+    ):
+        options = {k: kwargs.pop(k) for k in _TOKENIZE_OPTIONS if k in kwargs}
+        special = {
+            k: v for k, v in getattr(hf, "special_tokens_map", {}).items() if isinstance(v, str)
+        }
+        text = render(
+            _template_source(hf, chat_template),
+            **{**special, **kwargs},
+            messages=conversation,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+        )
+        if not tokenize:
+            return text
+        return original(
+            conversation,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **options,
+            **kwargs,
+        )
+
+    apply_chat_template.mlxkv_bounded = True
+    hf.apply_chat_template = apply_chat_template

@@ -1,0 +1,230 @@
+"""Crafted GGUF headers: refused with one line before MLX reads the file, nothing written."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from tests.bad_input import refused
+from tests.conftest import run_cli
+
+U32, I32, F32, BOOL, STR, ARR, U64 = 4, 5, 6, 7, 8, 9, 10
+
+HIDDEN, HEADS, KV, HEAD_DIM, FFN = 8, 2, 1, 4, 16
+TOKENS = ["a", "b", "ab", "<s>", "</s>"]
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(vtype: int, v) -> bytes:
+    if vtype == STR:
+        return _s(v)
+    if vtype == ARR:
+        item_type, items = v
+        out = struct.pack("<IQ", item_type, len(items))
+        return out + b"".join(_value(item_type, x) for x in items)
+    return struct.pack("<" + {U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q"}[vtype], v)
+
+
+def base_meta() -> dict:
+    a = "llama"
+    return {
+        "general.architecture": (STR, "llama"),
+        f"{a}.block_count": (U32, 1),
+        f"{a}.context_length": (U32, 64),
+        f"{a}.embedding_length": (U32, HIDDEN),
+        f"{a}.feed_forward_length": (U32, FFN),
+        f"{a}.attention.head_count": (U32, HEADS),
+        f"{a}.attention.head_count_kv": (U32, KV),
+        f"{a}.rope.dimension_count": (U32, HEAD_DIM),
+        f"{a}.attention.layer_norm_rms_epsilon": (F32, 1e-5),
+        "tokenizer.ggml.model": (STR, "gpt2"),
+        "tokenizer.ggml.tokens": (ARR, (STR, TOKENS)),
+        "tokenizer.ggml.token_type": (ARR, (I32, [1, 1, 1, 3, 3])),
+        "tokenizer.ggml.merges": (ARR, (STR, ["a b"])),
+        "tokenizer.ggml.bos_token_id": (U32, 3),
+        "tokenizer.ggml.eos_token_id": (U32, 4),
+        "tokenizer.chat_template": (STR, "{{ messages[0]['content'] }}"),
+    }
+
+
+def base_tensors() -> list:
+    t = [("token_embd.weight", (len(TOKENS), HIDDEN)), ("output_norm.weight", (HIDDEN,))]
+    for name, shape in {
+        "attn_q": (HEADS * HEAD_DIM, HIDDEN),
+        "attn_k": (KV * HEAD_DIM, HIDDEN),
+        "attn_v": (KV * HEAD_DIM, HIDDEN),
+        "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+        "ffn_gate": (FFN, HIDDEN),
+        "ffn_up": (FFN, HIDDEN),
+        "ffn_down": (HIDDEN, FFN),
+        "attn_norm": (HIDDEN,),
+        "ffn_norm": (HIDDEN,),
+    }.items():
+        t.append((f"blk.0.{name}.weight", shape))
+    return t
+
+
+def gguf(meta: dict, tensors: list, align: int = 32) -> bytes:
+    """A llama GGUF file with F32 tensors (shapes in numpy order, all zeros)."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    for key, (vtype, v) in meta.items():
+        out += _s(key) + struct.pack("<I", vtype) + _value(vtype, v)
+    offset = 0
+    for name, shape in tensors:
+        out += _s(name) + struct.pack("<I", len(shape))
+        out += b"".join(struct.pack("<Q", d) for d in reversed(shape))
+        out += struct.pack("<IQ", 0, offset)
+        n = 4
+        for d in shape:
+            n *= d
+        offset += (n + 31) // 32 * 32
+    out += b"\0" * (-len(out) % max(align, 1))
+    return out + b"\0" * offset
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+
+
+def test_the_crafted_base_file_converts(tmp_path):
+    """The writer makes a file the importer accepts: every refusal below is the change's."""
+    from mlxkv.models.gguf import convert_gguf
+
+    f = tmp_path / "ok.gguf"
+    f.write_bytes(gguf(base_meta(), base_tensors()))
+    out = convert_gguf(f, tmp_path / "out")
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+def _with(**changes):
+    meta = base_meta()
+    for k, v in changes.items():
+        key = k.replace("__", ".")
+        if v is None:
+            meta.pop(key)
+        else:
+            meta[key] = v
+    return meta
+
+
+CASES = {
+    "alignment 0": (
+        _with(general__alignment=(U32, 0)),
+        "general.alignment 0 is not a positive power of two",
+    ),
+    "alignment 3": (
+        _with(general__alignment=(U32, 3)),
+        "general.alignment 3 is not a positive power of two",
+    ),
+    "nested arrays": (
+        _with(general__tags=(ARR, (ARR, [(U32, [1])]))),
+        "GGUF metadata with nested arrays is not supported",
+    ),
+    "eos out of range": (
+        _with(tokenizer__ggml__eos_token_id=(U32, 99999)),
+        "'tokenizer.ggml.eos_token_id' 99999 is not a token id (0 to 4)",
+    ),
+    "scalar token list": (
+        _with(tokenizer__ggml__tokens=(U32, 4)),
+        "'tokenizer.ggml.tokens' must be a non-empty list of strings",
+    ),
+    "zero heads": (
+        _with(llama__attention__head_count=(U32, 0)),
+        "'llama.attention.head_count' must be a positive integer, not 0",
+    ),
+    "string length": (
+        _with(llama__embedding_length=(STR, "8")),
+        "'llama.embedding_length' must be a positive integer, not '8'",
+    ),
+    "huge block count": (
+        _with(llama__block_count=(U64, 10**9)),
+        "'llama.block_count' must be a positive integer, not 1000000000",
+    ),
+    "more blocks than tensors": (
+        _with(llama__block_count=(U32, 3)),
+        "block_count is 3 but the file holds 1 layers",
+    ),
+    "token types of another length": (
+        _with(tokenizer__ggml__token_type=(ARR, (I32, [1]))),
+        "'tokenizer.ggml.token_type' has 1 entries for 5 tokens",
+    ),
+    "template not a string": (
+        _with(tokenizer__chat_template=(U32, 7)),
+        "'tokenizer.chat_template' must be a string",
+    ),
+    "missing heads": (
+        _with(llama__attention__head_count=None),
+        "metadata is missing 'llama.attention.head_count'",
+    ),
+    "merge of unknown tokens": (
+        _with(tokenizer__ggml__merges=(ARR, (STR, ["a zz"]))),
+        "unsupported tokenizer: merge 'a zz' joins tokens that are not in the vocabulary",
+    ),
+    "nan epsilon": (
+        _with(llama__attention__layer_norm_rms_epsilon=(F32, float("nan"))),
+        "'llama.attention.layer_norm_rms_epsilon' must be a positive number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_crafted_header_is_one_line(capsys, tmp_path, case):
+    meta, words = CASES[case]
+    align = meta.get("general.alignment", (0, 32))[1]
+    f = tmp_path / "m.gguf"
+    data = gguf(meta, base_tensors(), align=align if align in (1, 2, 4, 8, 16, 32) else 32)
+    f.write_bytes(data)
+    line = refused(capsys, "pull", str(f))
+    assert words in line, line
+    assert f.read_bytes() == data
+    models = tmp_path / "home" / "models"
+    assert not models.exists() or not any(models.iterdir())
+
+
+@pytest.mark.parametrize(
+    "tensors, words",
+    [
+        (
+            [*base_tensors()[:-1], ("blk.0.ffn_norm.weight", (1,) * 10)],
+            "blk.0.ffn_norm.weight has 10 dimensions (1 to 4 allowed)",
+        ),
+        (
+            [*base_tensors(), ("blk.0.attn_q.weight.x", (8,))],
+            "tensor name 'blk.0.attn_q.weight.x' is not a llama layer tensor",
+        ),
+        (
+            [("token_embd.weight", (6, HIDDEN)), *base_tensors()[1:]],
+            "tensor token_embd.weight has shape [6, 8], the metadata says [5, 8]",
+        ),
+    ],
+)
+def test_crafted_tensor_table_is_one_line(capsys, tmp_path, tensors, words):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(gguf(base_meta(), tensors))
+    assert words in refused(capsys, "pull", str(f))
+
+
+def test_ten_dimensions_never_reach_mlx(tmp_path):
+    """This one aborted inside MLX's GGUF reader (exit 134): checked in a subprocess."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(gguf(base_meta(), [*base_tensors(), ("blk.0.x.weight", (1,) * 10)]))
+    p = run_cli("pull", str(f), env={"MLXKV_HOME": str(tmp_path / "home")}, timeout=60)
+    assert p.returncode == 2, p.stderr
+    errors = [x for x in p.stderr.splitlines() if ": error: " in x]
+    assert len(errors) == 1 and "10 dimensions" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_fifo_named_as_gguf_is_refused_without_blocking(capsys, tmp_path):
+    import os
+
+    f = tmp_path / "pipe.gguf"
+    os.mkfifo(f)
+    line = refused(capsys, "pull", str(f))
+    assert "pipe.gguf" in line

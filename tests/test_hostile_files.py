@@ -1,0 +1,201 @@
+"""mlxkv.files: atomic writes that follow no planted link and keep modes; bounded reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from mlxkv.cli import main
+from mlxkv.errors import UserError
+from mlxkv.files import (
+    atomic_write,
+    inside,
+    parse_json,
+    read_bytes,
+    read_text,
+    safe_name,
+)
+
+
+def test_atomic_write_replaces_whole_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    atomic_write(target, b"new content")
+    assert target.read_bytes() == b"new content"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_atomic_write_follows_no_link_planted_at_old_temporary_names(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    target = tmp_path / "x.png"
+    # the names the old code used: .NAME.PID.tmp and .NAME.PID.tmp.safetensors
+    for name in (f".x.png.{os.getpid()}.tmp", f".x.png.{os.getpid()}.tmp.safetensors"):
+        (tmp_path / name).symlink_to(victim)
+    atomic_write(target, b"chart")
+    assert victim.read_bytes() == b"precious"
+    assert target.read_bytes() == b"chart"
+
+
+def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    target = tmp_path / "cache.bin"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    atomic_write(target, b"new")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+
+
+def test_new_file_gets_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "new.bin", b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.bin").stat().st_mode) == 0o640
+
+
+def test_read_only_file_is_refused_not_replaced(tmp_path):
+    target = tmp_path / "ro.bin"
+    target.write_bytes(b"keep me")
+    target.chmod(0o444)
+    with pytest.raises(UserError, match="read-only") as e:
+        atomic_write(target, b"new", what="--prompt-cache")
+    assert "\n" not in str(e.value)
+    assert target.read_bytes() == b"keep me"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o444
+
+
+def test_missing_folder_and_link_target_are_one_line_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        atomic_write(tmp_path / "nope" / "f.bin", b"x", what="--prompt-cache")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v")
+    (tmp_path / "link.bin").symlink_to(victim)
+    with pytest.raises(UserError, match="symbolic link"):
+        atomic_write(tmp_path / "link.bin", b"x")
+    assert victim.read_bytes() == b"v"
+
+
+def test_no_overwrite_refuses_an_existing_file(tmp_path):
+    target = tmp_path / "chart.png"
+    target.write_bytes(b"mine")
+    with pytest.raises(UserError, match="exists"):
+        atomic_write(target, b"x", overwrite=False)
+    assert target.read_bytes() == b"mine"
+
+
+def test_write_error_at_the_os_boundary_leaves_target_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "c.bin"
+    target.write_bytes(b"old")
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UserError, match="No space left on device"):
+        atomic_write(target, b"new", what="--prompt-cache")
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin"]
+
+
+def test_reads_refuse_fifo_device_folder_and_oversize_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="not a regular file"):
+        read_text(fifo, 1 << 20, "config")
+    with pytest.raises(UserError, match="not a regular file"):
+        read_bytes("/dev/zero", 1 << 20, "config")
+    with pytest.raises(UserError, match="is a directory"):
+        read_bytes(tmp_path, 1 << 20, "config")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 2000)
+    with pytest.raises(UserError, match="more than the 1000 bytes allowed"):
+        read_bytes(big, 1000, "config")
+    with pytest.raises(UserError, match="not UTF-8"):
+        (tmp_path / "bin").write_bytes(b"\xff\xfe")
+        read_text(tmp_path / "bin", 100, "config")
+
+
+def test_parse_json_refuses_deep_nesting_and_lone_surrogates():
+    with pytest.raises(UserError, match="deeper than 64"):
+        parse_json("[" * 100000 + "]" * 100000, "--messages")
+    assert parse_json('{"a": "[[[[["}', "x") == {"a": "[[[[["}
+    with pytest.raises(UserError, match="lone surrogate"):
+        parse_json('[{"content": "\\ud800"}]', "--messages", utf8=True)
+    assert parse_json('"\\ud83d\\ude00"', "x", utf8=True) == "\U0001f600"
+    with pytest.raises(UserError, match="not valid JSON"):
+        parse_json("{", "x")
+
+
+def test_safe_name_and_inside(tmp_path):
+    for bad in ("../../../victim", "..", "a/b", "", ".hidden"):
+        with pytest.raises(UserError):
+            safe_name(bad, "alias")
+    assert safe_name("llama3.1-8b") == "llama3.1-8b"
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "out").symlink_to(tmp_path)
+    assert inside(tmp_path / "home" / "a", tmp_path / "home")
+    assert not inside(tmp_path / "home" / "out" / "x", tmp_path / "home")
+
+
+# -- the writers that use it ---------------------------------------------------------------
+
+DATA = Path(__file__).parent / "data"
+LLAMA_MAC = str(DATA / "configs" / "mac" / "llama-3.1-8b-instruct-4bit.json")
+LLAMA = DATA / "configs" / "published" / "llama-2-7b.json"
+
+
+def _plant_links(folder: Path, name: str, victim: Path) -> None:
+    """Links at every temporary name the writers used to derive from the pid."""
+    for pid in range(os.getpid() - 5, os.getpid() + 200):
+        for pattern in (f".{name}.{pid}.tmp", f".{name}.{pid}.tmp.safetensors"):
+            (folder / pattern).symlink_to(victim)
+
+
+def test_plan_chart_follows_no_planted_link(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    _plant_links(out, "x.png", victim)
+    argv = [
+        "plan",
+        LLAMA_MAC,
+        "--backend",
+        "metal",
+        "--memory",
+        "16GB",
+        "--context",
+        "8192",
+        "--chart",
+    ]
+    assert main([*argv, str(out / "x.png")]) == 0
+    assert victim.read_bytes() == b"precious"
+    assert (out / "x.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layouts_cache_follows_no_planted_link_and_survives_deep_json(tmp_path, monkeypatch):
+    from mlxkv.memory import store
+
+    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+    cfg = json.loads(LLAMA.read_text())
+    path = tmp_path / "home" / "layouts" / f"{store._key(cfg)}.json"
+    path.parent.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    for pid in range(os.getpid() - 5, os.getpid() + 200):
+        path.with_suffix(f".{pid}.tmp").symlink_to(victim)
+    first = store.layout_for(cfg)
+    assert victim.read_bytes() == b"precious"
+    path.write_text("[" * 200000 + "]" * 200000)  # a crafted cache: deep, not a layout
+    assert store.layout_for(cfg) == first
+    path.unlink()
+    path.symlink_to(victim)  # a link at the cache's own name: read as garbage, not written
+    assert store.layout_for(cfg) == first
+    assert victim.read_bytes() == b"precious"

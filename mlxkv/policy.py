@@ -28,6 +28,7 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SINKS = 4
 KEY_SCHEMES = ("kivi", "rotated", "plain")
 DEFAULT_KEY_SCHEME = "kivi"
+MAX_TOKENS = 2**30  # positions MLX indexes with int32; no model's context comes near
 
 
 class PolicyError(UserError, ValueError):
@@ -78,8 +79,15 @@ class KVPolicy:
             )
         if self.window is not None and self.window < 1:
             raise PolicyError(f"--kv-window must be a positive number of tokens, got {self.window}")
+        if self.window is not None and self.window > MAX_TOKENS:
+            raise PolicyError(
+                f"--kv-window {self.window} is past any model's context; use at most "
+                f"{MAX_TOKENS} (or no window, for the full cache)"
+            )
         if self.sinks < 0:
             raise PolicyError(f"--kv-sinks must be 0 or more, got {self.sinks}")
+        if self.sinks > MAX_TOKENS:
+            raise PolicyError(f"--kv-sinks {self.sinks} is too many; use at most {MAX_TOKENS}")
         if self.window is None and self.sinks:
             raise PolicyError("--kv-sinks needs a window: add --kv-window W")
         if self.window is not None and self.sinks and self.window <= self.sinks:

@@ -33,6 +33,8 @@ def _no_model(monkeypatch):
         (["--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["--prefill-step", "0"], "--prefill-step must be at least 1"),
         (["--kv-window", "-3"], "--kv-window"),
+        (["--kv-window", "9" * 23], "is past any model's context; use at most 1073741824"),
+        (["--kv-sinks", "9" * 23, "--kv-window", "64"], "--kv-sinks 99999999999999999999999"),
         (["--kv-bits", "7"], "--kv-bits"),
     ],
 )

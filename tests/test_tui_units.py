@@ -70,7 +70,10 @@ def test_parse_policy(arg, current, expected):
     assert slash.parse_policy(arg, current) == expected
 
 
-@pytest.mark.parametrize("arg", ["", "bits=7", "window=abc", "colour=red", "window"])
+@pytest.mark.parametrize(
+    "arg",
+    ["", "bits=7", "window=abc", "colour=red", "window", "window=99999999999999999999999"],
+)
 def test_parse_policy_errors(arg):
     with pytest.raises(PolicyError):
         slash.parse_policy(arg, KVPolicy())

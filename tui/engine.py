@@ -176,7 +176,6 @@ class ChatEngine:
     def message_spans(self) -> list[tuple[int, int]]:
         """Token positions [start, end) of each message in the conversation as the model
         reads it (system prompt and template included)."""
-        self._mark()
         tok = self.chat.generator.loaded.tokenizer
         head = [{"role": "system", "content": self.system}] if self.system else []
         spans, start, msgs = [], 0, self.chat.messages

@@ -14,6 +14,7 @@ from tests.conftest import run_cli
 TEXT = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow  # a whole `bench --quick` (about a minute); the units below stay in CI
 @pytest.mark.model
 def test_quick_writes_report_and_results(default_model_path, tmp_path):
     out = run_cli("bench", "--quick", "--text", str(TEXT), "--out", str(tmp_path), timeout=900)

@@ -178,3 +178,30 @@ def test_deep_long_and_surrogate_lines_are_line_errors():
     long = parse_line(4, '{"id": 4, "prompt": "' + "x" * LINE_LIMIT + '"}')
     assert long.error == f"the line is {LINE_LIMIT + 23} characters, more than {LINE_LIMIT}"
     assert isinstance(parse_line(5, '{"id": 5, "prompt": "\\ud83d\\ude00"}'), Job)
+
+
+@pytest.mark.model
+def test_huge_prompt_is_refused_before_the_tokenizer_reads_it(
+    tmp_path, capsys, preloaded, default_model, monkeypatch
+):
+    """A 4 MB prompt cannot fit an 8192-token context: refused by its length, never
+    tokenized (it was tokenized in full before: 6.8 GB and 81 s for 50 MB)."""
+    tok = default_model.tokenizer._tokenizer
+    seen = []
+    real = type(tok).encode
+
+    def encode(self, text, *a, **k):
+        seen.append(len(text))
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(type(tok), "encode", encode)
+    inp = write_lines(
+        tmp_path / "in.jsonl", [{"id": 1, "prompt": "x " * 2_000_000}, {"id": 2, "prompt": "hi"}]
+    )
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out), "--max-tokens", "2"]) == 1
+    recs = {r["id"]: r for r in read_records(out)}
+    assert recs[1]["error"].startswith("the prompt is 400")
+    assert "characters, more than the model's context of 8192 tokens" in recs[1]["error"]
+    assert "error" not in recs[2]
+    assert max(seen) < 1000

@@ -207,6 +207,20 @@ def _prompt_text(job, tokenizer, args) -> str:
         raise UserError(f"the chat template rejected these messages: {e}") from None
 
 
+def _most_characters(loaded, policy) -> int | None:
+    """Characters no prompt can exceed and still fit the context (None: no bound, with a
+    window): the context times the longest token's text. Longer prompts are refused
+    before the tokenizer reads them."""
+    limit = loaded.context_length
+    if not limit or policy.window is not None:
+        return None
+    try:
+        longest = max(map(len, loaded.tokenizer.get_vocab()), default=1)
+    except Exception:  # a tokenizer without a vocabulary to list: no bound
+        return None
+    return limit * max(longest, 16)
+
+
 def _settings(job, base):
     return replace(base, **job.overrides) if job.overrides else base
 
@@ -374,10 +388,18 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
         log.append({**err.record(), "fp": fps[job.line]})
         errors.append(err)
 
+    most = _most_characters(loaded, policy)
+
     def requests():
         for job in jobs:
             try:
                 text = _prompt_text(job, loaded.tokenizer, args)
+                if most is not None and len(text) > most:
+                    raise UserError(
+                        f"the prompt is {len(text)} characters, more than the model's context "
+                        f"of {loaded.context_length} tokens can hold; shorten it or use a "
+                        "window (--kv-window)"
+                    )
             except UserError as e:
                 write_error(job, str(e))
                 progress.update(False, 0)

@@ -114,9 +114,12 @@ class Session:
 
     # -- prompt caches on disk ----------------------------------------------------------
     def identity(self) -> dict:
-        """What a saved cache must match to be used here."""
+        """What a saved cache must match to be used here: the model by its content (config,
+        weights, tokenizer; never its name), the policy and the dtype."""
+        from mlxkv.models.identity import model_identity
+
         return {
-            "model": self.loaded.name,
+            "model_id": model_identity(self.loaded.path),
             "policy": self.policy.to_dict(),
             "dtype": self.loaded.dtype,
         }
@@ -129,7 +132,8 @@ class Session:
         from mlxkv.caches import save_caches
 
         caches = list(self.caches)
-        meta = dict(self.identity(), tokens=self.tokens, layers=len(caches))
+        meta = dict(self.identity(), model=self.loaded.name, tokens=self.tokens)
+        meta["layers"] = len(caches)
         cp = self._checkpoint
         if cp is not None:
             for c, state in zip(self.caches, cp.states, strict=True):
@@ -140,17 +144,15 @@ class Session:
         save_caches(path, caches, meta)
 
     def load_cache(self, path) -> None:
-        """Take the caches and token ids saved at ``path``; :class:`CacheError` (one line)
-        if it was made for another model, policy or dtype (this session is then unchanged)."""
-        from mlxkv.caches import load_caches, read_metadata
+        """Take the caches and token ids saved at ``path``, every part checked against this
+        model and policy first; :class:`CacheError` (one line) otherwise (this session is
+        then unchanged)."""
+        from mlxkv.caches.persist import load_session
 
-        caches = load_caches(path, self.identity())
-        meta = read_metadata(path)
-        n = meta["layers"]
-        self._install(caches[:n], meta["tokens"])
-        if "checkpoint_tokens" in meta:
-            states = [c.state for c in caches[n:]]
-            self._checkpoint = _Checkpoint(list(meta["checkpoint_tokens"]), states)
+        caches, tokens, cp = load_session(path, self.identity(), self.loaded.model, self.policy)
+        self._install(caches, tokens)
+        if cp is not None:
+            self._checkpoint = _Checkpoint(list(cp[1]), [c.state for c in cp[0]])
 
     # -- what the scheduler asks of a session ---------------------------------------------
     def prepare(self, ids: list[int]) -> int:

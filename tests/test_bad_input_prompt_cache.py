@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.caches import CacheError
-from mlxkv.engine.session import GenerationSettings, Generator
+from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
 from tests.bad_input import refused
@@ -30,7 +30,7 @@ def saved(default_model, tmp_path_factory):
     out = {}
     folder = tmp_path_factory.mktemp("caches")
     for name, policy in (("full", KVPolicy()), ("window", WINDOW)):
-        gen = Generator(default_model, policy)
+        gen = Session(default_model, policy)
         for prompt in ("Hello there, how are you today?", "word " * 90):
             for _ in gen.run(prompt, GenerationSettings(max_tokens=4, prefill_step=32)):
                 pass
@@ -149,7 +149,7 @@ def test_crafted_cache_is_refused_before_mlx(saved, default_model, tmp_path, cas
     src, _ = saved[name]
     path = _edit(src, tmp_path / "c.safetensors", **edits)
     before = path.read_bytes()
-    gen = Generator(default_model, KVPolicy() if name == "full" else WINDOW)
+    gen = Session(default_model, KVPolicy() if name == "full" else WINDOW)
     with pytest.raises(CacheError) as e:
         gen.load_cache(path)
     assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
@@ -159,7 +159,7 @@ def test_crafted_cache_is_refused_before_mlx(saved, default_model, tmp_path, cas
 def test_saved_caches_load_back(saved, default_model):
     for name, policy in (("full", KVPolicy()), ("window", WINDOW)):
         path, tokens = saved[name]
-        gen = Generator(default_model, policy)
+        gen = Session(default_model, policy)
         gen.load_cache(path)
         assert gen.tokens == tokens
 
@@ -167,7 +167,7 @@ def test_saved_caches_load_back(saved, default_model):
 def test_header_garbage_is_one_line(saved, default_model, tmp_path):
     src, _ = saved["full"]
     data = src.read_bytes()
-    gen = Generator(default_model, KVPolicy())
+    gen = Session(default_model, KVPolicy())
     for blob, words in [
         (b"\xff" * 8 + data[8:], "not a safetensors file"),
         (data[:8] + b"x" + data[9:], "header: its header is not valid JSON"),
@@ -234,7 +234,7 @@ def test_fifo_cache_is_refused_before_the_model_loads(capsys, tmp_path, no_model
 )
 def test_unwritable_destination_is_one_line(saved, default_model, tmp_path, monkeypatch, setup,
                                             words):  # fmt: skip
-    gen = Generator(default_model, KVPolicy())
+    gen = Session(default_model, KVPolicy())
     for _ in gen.run("hi", GenerationSettings(max_tokens=2)):
         pass
     path = tmp_path / "c.safetensors"
@@ -264,7 +264,7 @@ def test_unwritable_destination_is_one_line(saved, default_model, tmp_path, monk
 
 
 def test_save_keeps_the_files_mode_and_follows_no_planted_link(default_model, tmp_path):
-    gen = Generator(default_model, KVPolicy())
+    gen = Session(default_model, KVPolicy())
     for _ in gen.run("hi", GenerationSettings(max_tokens=2)):
         pass
     path = tmp_path / "c.safetensors"

@@ -395,7 +395,7 @@ def _token_ids(value, vocab: int, what: str, path) -> list[int]:
 
 
 def load_session(path, expect_metadata: dict, model, policy):
-    """A generator's saved caches (see ``Generator.save_cache``), everything checked:
+    """A session's saved caches (see ``Session.save_cache``), everything checked:
     the layers (``layers`` and the turn-boundary copy after them), the token ids (ids of
     this vocabulary, exactly as many as every cache has seen).
 

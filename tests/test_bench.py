@@ -38,7 +38,7 @@ def test_quick_writes_report_and_results(default_model_path, tmp_path):
 def test_missing_text_is_a_one_line_error(tmp_path):
     out = run_cli("bench", "--quick", "--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path))
     assert out.returncode == 2
-    assert "no such file" in out.stderr
+    assert "does not exist" in out.stderr
     assert "Traceback" not in out.stderr
 
 

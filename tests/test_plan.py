@@ -114,7 +114,7 @@ def _bad(capsys, *argv: str) -> str:
 
 
 def test_bad_inputs(tmp_path, capsys):
-    assert "not found" in _bad(capsys, str(tmp_path / "missing.json"))
+    assert "does not exist" in _bad(capsys, str(tmp_path / "missing.json"))
     (tmp_path / "bad.json").write_text("{not json")
     assert "not valid JSON" in _bad(capsys, str(tmp_path / "bad.json"))
     (tmp_path / "list.json").write_text("[1, 2]")

@@ -143,7 +143,7 @@ def test_quit_after_a_policy_change_and_mid_answer_exits_0_with_the_chat_kept(
     chat = Chat(tmp_path, str(default_model_path), "--max-tokens", "300", "--temp", "0")
     try:
         chat.wait(lambda p: "Enter send" in p and "loaded" in p)
-        chat.type("/policy window=99999999999999999999999")
+        chat.type("/policy window=99999")
         chat.wait(lambda p: "KV policy is now" in p or "policy unchanged" in p, timeout=60)
         chat.type("What is the capital of France?")
         chat.wait(lambda p: "done ·" in p)

@@ -62,7 +62,11 @@ def read_header(path: Path) -> list[Tensor]:
         if 8 + n > size or n > 256 << 20:
             raise UserError(f"{path} is not a complete safetensors file")
         header = parse_json(f.read(n).decode("utf-8", "replace"), str(path), max_depth=4)
-    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+    if not isinstance(header, dict) or not all(
+        isinstance(v, dict)
+        for k, v in header.items()
+        if k != "__metadata__"  # MLX writes null
+    ):
         raise UserError(f"{path} is not a safetensors file (its header is not a table)")
     return [
         Tensor(name, info["dtype"], _numel(info["shape"]))

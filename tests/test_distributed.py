@@ -105,6 +105,7 @@ def test_pipeline_over_two_ranks_samples_the_single_process_tokens(tiny_qwen2, p
     assert ranks[0]["kv_bytes_actual"] + ranks[1]["kv_bytes_actual"] == single["kv_bytes_actual"]
 
 
+@pytest.mark.slow
 def test_plan_hosts_pipeline_matches_what_each_rank_holds(tiny_qwen2):
     """Per-host weights and KV from plan --hosts 2 equal the real ranks' bytes, and the KV is
     the sum over the layers each rank holds (5 layers: ranks hold 3 and 2)."""
@@ -260,6 +261,7 @@ def _rank_pid(rank: int, marker: str) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tmp_path, tiny_qwen2):
     """Rank 1 is killed mid-job: rank 0 says so in one line and what is safe; the re-run
     finishes with every line answered exactly once, as a single process answers it."""

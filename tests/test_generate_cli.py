@@ -38,6 +38,7 @@ def test_streams_text_from_stdin_prompt(default_model_path):
     assert "tok/s" in out.stderr
 
 
+@pytest.mark.slow  # bytes under sinks + window are checked per event in test_engine.py
 @pytest.mark.model
 def test_sink_window_keeps_at_most_window_plus_sinks(default_model_path):
     out = run_cli(

@@ -43,7 +43,9 @@ def generate(tmp_path, messages, policy_args, cache="c.safetensors") -> dict:
 @pytest.mark.model
 @pytest.mark.parametrize(
     "policy_args",
-    [[], ["--kv-window", "256", "--kv-sinks", "4"]],
+    # the full cache's exact trims are covered by tests/test_engine.py; the window's
+    # turn-boundary copy only here
+    [pytest.param([], marks=pytest.mark.slow), ["--kv-window", "256", "--kv-sinks", "4"]],
     ids=["full", "sink 4 + window 256"],
 )
 def test_regenerate_and_next_turn_prefill_only_what_is_new(default_model, tmp_path, policy_args):

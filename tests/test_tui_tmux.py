@@ -135,6 +135,7 @@ def test_answer_panel_and_resume_after_quitting(tmp_path, default_model_path):
     assert os.listdir(tmp_path / "chats") == [kept.name]  # no temporary files left behind
 
 
+@pytest.mark.slow  # the exit itself is checked in tests/test_tui_worker.py
 def test_quit_after_a_policy_change_and_mid_answer_exits_0_with_the_chat_kept(
     tmp_path, default_model_path
 ):

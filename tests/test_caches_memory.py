@@ -129,8 +129,14 @@ def _prefill_peak(policy, tokens, chunk):
 @pytest.mark.parametrize("window", [None, 300])
 def test_quantized_prefill_peak_not_above_unquantized(window):
     sinks = 4 if window else 0
-    fp = _prefill_peak(KVPolicy(window, sinks), 1024, 256)
-    q4 = _prefill_peak(KVPolicy(window, sinks, bits=4), 1024, 256)
+    # each the lower of two runs, alternated: what earlier tests left in MLX's allocator
+    # can move one run's peak by a few tens of KB
+    runs = [
+        _prefill_peak(KVPolicy(window, sinks, bits=b), 1024, 256)
+        for _ in range(2)
+        for b in (None, 4)
+    ]
+    fp, q4 = min(runs[0::2]), min(runs[1::2])
     assert q4 <= fp
 
 

@@ -13,7 +13,8 @@ slots.
 A row is prefilled alone in its single-sequence cache (chunked prefill is exact there) and
 then joins with :meth:`BatchedKVCache.merge` / :meth:`extend`; finished rows leave with
 :meth:`filter`, and :meth:`BatchedKVCache.row` gives a row back as the single cache it would
-be had it decoded alone (the prefix cache keeps a finished answer's caches that way). Updates here are decode steps (one token per row): each row writes its
+be had it decoded alone (the prefix cache keeps a finished answer's caches that way).
+Updates here are decode steps (one token per row): each row writes its
 token into its own slot, evicting rows re-rotate their sink keys by their own shift (one
 RoPE call with per-row offsets, bitwise equal to the single cache's), and a row rebases on
 the same schedule as alone. So every row attends to exactly the keys and values its single

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlxkv.server import metrics
+from tests.tui_pilot import sync
 from tui import top, top_client, top_view
 
 MiB = 2**20
@@ -130,14 +131,14 @@ def test_view_reads_every_section():
         100 * MiB,
     )
     assert (b.unused, b.used, b.free) == (17 * MiB, 90 * MiB, 10 * MiB)
-    # lookups: 3 memory hits + 1 disk hit + 4 misses
+    # 3 hits, one of them read from disk first, and 4 misses: 7 lookups
     assert (v.memory.entries, v.memory.bytes, v.memory.hits, v.memory.hit_ratio) == (
         2,
         10 * MiB,
-        3,
-        3 / 8,
+        2,
+        2 / 7,
     )
-    assert (v.disk.entries, v.disk.bytes, v.disk.hits, v.disk.hit_ratio) == (5, 40 * MiB, 1, 1 / 8)
+    assert (v.disk.entries, v.disk.bytes, v.disk.hits, v.disk.hit_ratio) == (5, 40 * MiB, 1, 1 / 7)
     assert (v.misses, v.tokens_reused, v.disk_dir) == (4, 320, "/tmp/p")
     assert v.tokens_per_second == 12.5
     assert v.counters == {
@@ -221,8 +222,8 @@ def test_texts_a_user_reads():
         "      … 2 more",
     ]
     cache = top_view.cache_text(v).plain.splitlines()
-    assert cache[2] == "memory         2   10.0 MiB   64.0 MiB       3     37.5%"
-    assert cache[3] == "disk           5   40.0 MiB          -       1     12.5%"
+    assert cache[2] == "memory         2   10.0 MiB   64.0 MiB       2     28.6%"
+    assert cache[3] == "disk           5   40.0 MiB          -       1     14.3%"
     assert cache[4] == "misses 4 · tokens reused 320 · disk /tmp/p"
     assert top_view.header(v, "http://h:1").plain == (
         "smollm2-135m at http://h:1 · policy full · 12.5 tok/s"
@@ -271,8 +272,8 @@ def test_metrics_read_the_status():
         "mlxkv_prefix_cache_entries": (2, 5),
         "mlxkv_prefix_cache_bytes": (10 * MiB, 40 * MiB),
         "mlxkv_prefix_cache_limit_bytes": (64 * MiB, 0),
-        "mlxkv_prefix_cache_hits_total": (3, 1),
-        "mlxkv_prefix_cache_hit_ratio": (3 / 8, 1 / 8),
+        "mlxkv_prefix_cache_hits_total": (2, 1),
+        "mlxkv_prefix_cache_hit_ratio": (2 / 7, 1 / 7),
     }
     for name, (memory, disk) in tiered.items():
         assert m[(name, (("tier", "memory"),))] == memory, name
@@ -337,3 +338,32 @@ def test_read_status_takes_a_status():
 def test_interval_refuses(text):
     with pytest.raises(argparse.ArgumentTypeError):
         top._interval(text)
+
+
+def shown(app, selector: str) -> str:
+    return str(app.query_one(selector).content)
+
+
+@sync
+async def test_app_draws_the_status_and_says_when_the_server_is_gone():
+    """The first status is drawn at once; polls of a port nothing listens on put the
+    "disconnected, retrying" line under the last figures, and q quits with status 0."""
+    from tui.top_app import TopApp
+
+    app = TopApp("http://127.0.0.1:1", None, 0.1, STATUS)
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert "sink 4 + window 16 ×2" in shown(app, "#top-running")
+        assert "reserved 20.0 MiB (KV 3.0 MiB)" in shown(app, "#top-mem")
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if not app.connected:
+                break
+        assert shown(app, "#top-conn") == (
+            "disconnected, retrying every 0.1 s: cannot connect to http://127.0.0.1:1 "
+            "(is mlxkv serve running there?)"
+        )
+        assert "sink 4 + window 16 ×2" in shown(app, "#top-running")  # the last figures stay
+        assert app.return_code is None
+        await pilot.press("q")
+        await pilot.pause(0.1)
+        assert app.return_code == 0 and not app.is_running

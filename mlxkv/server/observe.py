@@ -89,17 +89,25 @@ def refused(status: dict) -> dict[str, int]:
 
 
 def prefix_cache(status: dict) -> dict:
-    """Both tiers of the prefix cache: entries, bytes, limit, hits, and each tier's hit
-    ratio (its hits over all lookups: hits in memory + hits on disk + misses in both)."""
+    """Both tiers of the prefix cache: entries, bytes, limit, hits and hit ratio. The
+    status counts every lookup that reused tokens in ``hits`` and every one that did not
+    in ``misses``; ``disk.hits`` are the hits whose entry was read from disk first. So
+    the memory tier's hits are ``hits - disk.hits``, and each tier's hit ratio is its hits
+    over all lookups (the two add up to the cache's hit ratio)."""
     section = status.get("prefix_cache")
     section = section if isinstance(section, dict) else {}
     disk = section.get("disk") if isinstance(section.get("disk"), dict) else {}
+    keys = ("entries", "bytes", "limit_bytes")
+    hits, disk_hits, misses = (
+        integer(section, "hits"),
+        integer(disk, "hits"),
+        integer(section, "misses"),
+    )
     tiers = {
-        "memory": {k: integer(section, k) for k in ("entries", "bytes", "limit_bytes", "hits")},
-        "disk": {k: integer(disk, k) for k in ("entries", "bytes", "limit_bytes", "hits")},
+        "memory": {**{k: integer(section, k) for k in keys}, "hits": max(hits - disk_hits, 0)},
+        "disk": {**{k: integer(disk, k) for k in keys}, "hits": disk_hits},
     }
-    misses = integer(section, "misses")
-    lookups = tiers["memory"]["hits"] + tiers["disk"]["hits"] + misses
+    lookups = max(hits, disk_hits) + misses
     for tier in tiers.values():
         tier["hit_ratio"] = tier["hits"] / lookups if lookups else 0.0
     dir_ = disk.get("dir")

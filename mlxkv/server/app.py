@@ -1,4 +1,5 @@
-"""The HTTP API (Starlette): OpenAI's chat and text completions, models, health, status."""
+"""The HTTP API (Starlette): OpenAI's chat and text completions, models, health, status,
+metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, TokenDelta
 from mlxkv.policy import KVPolicy
+from mlxkv.server import metrics
 from mlxkv.server.answers import Choice, Envelope, TokenText, chat_logprob
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
@@ -25,7 +27,7 @@ from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
 
-ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health"
+ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /metrics, /health"
 
 
 @dataclass
@@ -227,20 +229,28 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         return JSONResponse({"status": "ok", "model": served.id})
 
-    async def status(request: Request) -> Response:
-        check_auth(request)
+    def status_now() -> dict:
         now = bridge.scheduler.status()
         now["refused"] = {**now.get("refused", {}), "busy": bridge.refused_busy}
-        return JSONResponse(
-            {
-                "model": served.id,
-                "policy": served.policy.describe(),
-                "max_batch": served.max_batch,
-                "rows_in_flight": bridge.rows_in_flight,
-                "draining": bridge.draining,
-                **now,
-            }
-        )
+        return {
+            "model": served.id,
+            "policy": served.policy.describe(),
+            "max_batch": served.max_batch,
+            "rows_in_flight": bridge.rows_in_flight,
+            "draining": bridge.draining,
+            **now,
+        }
+
+    async def status(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse(status_now())
+
+    scrape = metrics.registry(status_now)
+
+    async def metrics_text(request: Request) -> Response:
+        check_auth(request)
+        body, content_type = metrics.exposition(scrape)
+        return Response(body, media_type=content_type)
 
     routes = [
         Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
@@ -248,6 +258,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/models", _guard(models), methods=["GET"]),
         Route("/v1/models/{name:path}", _guard(one_model), methods=["GET"]),
         Route("/v1/status", _guard(status), methods=["GET"]),
+        Route("/metrics", _guard(metrics_text), methods=["GET"]),
         Route("/health", _guard(health), methods=["GET"]),
     ]
     return Starlette(

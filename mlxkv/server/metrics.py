@@ -1,0 +1,127 @@
+"""``GET /metrics``: the scheduler's status in Prometheus' text format.
+
+A custom collector reads the status on each scrape (nothing is counted twice: the counters
+are the scheduler's own, since the server started), so the figures are exactly those of
+``GET /v1/status`` at that moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from mlxkv.server import observe
+
+# name (after mlxkv_) -> (memory key, help)
+MEMORY_GAUGES = {
+    "kv_bytes_actual": ("kv_bytes_actual", "KV bytes MLX holds for the running requests"),
+    "kv_bytes_predicted": (
+        "kv_bytes_predicted",
+        "KV bytes the memory model predicts for the running requests",
+    ),
+    "reserved_bytes": ("reserved_bytes", "KV bytes reserved by admitted requests"),
+    "weights_bytes": ("weights_bytes", "bytes of the model's weights"),
+    "runtime_bytes": ("runtime_bytes", "bytes the runtime needs beside weights and KV"),
+    "active_bytes": ("active_bytes", "bytes MLX holds now"),
+    "peak_bytes": ("peak_bytes", "the most bytes MLX has held"),
+}
+# name (after mlxkv_, before _total) -> (status key, help)
+COUNTERS = {
+    "requests_finished": ("requests_finished", "requests that ended"),
+    "prompt_tokens_prefilled": ("prompt_tokens_prefilled", "prompt tokens run through the model"),
+    "prompt_tokens_cached": ("prompt_tokens_cached", "prompt tokens served from a cache"),
+    "tokens_generated": ("tokens_generated", "tokens generated"),
+    "scheduler_steps": ("steps", "scheduler rounds"),
+}
+
+
+class StatusCollector:
+    """Turns ``status()`` (the dict ``GET /v1/status`` returns) into metric families."""
+
+    def __init__(self, status: Callable[[], dict]):
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.status()
+        mem = observe.memory(s)
+
+        budget = GaugeMetricFamily(
+            "mlxkv_memory_budget_bytes", "bytes the server may use (absent: no budget set)"
+        )
+        if mem["budget_bytes"] is not None:
+            budget.add_metric([], mem["budget_bytes"])
+        yield budget
+        for name, (key, doc) in MEMORY_GAUGES.items():
+            yield GaugeMetricFamily(f"mlxkv_{name}", doc, value=mem[key])
+
+        yield GaugeMetricFamily(
+            "mlxkv_requests_waiting", "requests waiting to start", value=observe.waiting(s)
+        )
+        yield GaugeMetricFamily(
+            "mlxkv_requests_running",
+            "requests decoding or prefilling",
+            value=len(observe.running(s)) + observe.integer(s, "prefilling"),
+        )
+        yield GaugeMetricFamily(
+            "mlxkv_tokens_per_second",
+            "tokens generated per second over the last few seconds",
+            value=observe.real(s, "tokens_per_second"),
+        )
+
+        counts = observe.counters(s)
+        for name, (key, doc) in COUNTERS.items():
+            yield CounterMetricFamily(f"mlxkv_{name}", doc, value=counts[key])
+        refused = CounterMetricFamily(
+            "mlxkv_requests_refused",
+            "requests refused: busy (429, the queue is full), too_large (can never fit)",
+            labels=["reason"],
+        )
+        for reason, n in observe.refused(s).items():
+            refused.add_metric([reason], n)
+        yield refused
+
+        cache = observe.prefix_cache(s)
+        families = {
+            "entries": GaugeMetricFamily(
+                "mlxkv_prefix_cache_entries", "prefixes kept", labels=["tier"]
+            ),
+            "bytes": GaugeMetricFamily(
+                "mlxkv_prefix_cache_bytes", "bytes of the prefixes kept", labels=["tier"]
+            ),
+            "limit_bytes": GaugeMetricFamily(
+                "mlxkv_prefix_cache_limit_bytes", "byte limit of the tier", labels=["tier"]
+            ),
+            "hits": CounterMetricFamily(
+                "mlxkv_prefix_cache_hits", "lookups the tier served", labels=["tier"]
+            ),
+            "hit_ratio": GaugeMetricFamily(
+                "mlxkv_prefix_cache_hit_ratio",
+                "hits of the tier over all lookups",
+                labels=["tier"],
+            ),
+        }
+        for tier in ("memory", "disk"):
+            for key, family in families.items():
+                family.add_metric([tier], cache[tier][key])
+        yield from families.values()
+        yield CounterMetricFamily(
+            "mlxkv_prefix_cache_misses", "lookups no tier served", value=cache["misses"]
+        )
+        yield CounterMetricFamily(
+            "mlxkv_prefix_cache_tokens_reused",
+            "prompt tokens taken from the prefix cache",
+            value=cache["tokens_reused"],
+        )
+
+
+def registry(status: Callable[[], dict]) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StatusCollector(status))
+    return reg
+
+
+def exposition(reg: CollectorRegistry) -> tuple[bytes, str]:
+    """The text format and its content type."""
+    return generate_latest(reg), CONTENT_TYPE_LATEST

@@ -1,0 +1,120 @@
+"""The scheduler's status read as figures: what ``GET /metrics`` exports and ``mlxkv top``
+draws. Plain dicts in, plain numbers out (no MLX, no HTTP): a key a server does not report
+reads as 0 (or empty), so an older server's status still reads."""
+
+from __future__ import annotations
+
+MEMORY_KEYS = (
+    "weights_bytes",
+    "runtime_bytes",
+    "reserved_bytes",
+    "prefix_cache_bytes",
+    "kv_bytes_actual",
+    "kv_bytes_predicted",
+    "active_bytes",
+    "peak_bytes",
+)
+COUNTERS = (  # counters since the server started
+    "requests_finished",
+    "prompt_tokens_prefilled",
+    "prompt_tokens_cached",
+    "tokens_generated",
+    "steps",
+)
+
+
+def integer(d: dict | None, key: str) -> int:
+    """``d[key]`` as an int; a missing key, null or a non-number reads as 0."""
+    value = (d or {}).get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    return int(value)
+
+
+def real(d: dict | None, key: str) -> float:
+    value = (d or {}).get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value)
+
+
+def running(status: dict) -> list[dict]:
+    rows = status.get("running")
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def queue(status: dict) -> list[dict]:
+    """The waiting requests in order (those the server lists; ``waiting`` counts them all)."""
+    rows = status.get("queue")
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def waiting(status: dict) -> int:
+    return integer(status, "waiting")
+
+
+def batch_bytes(rows: list[dict], key: str) -> int:
+    """The sum of ``key`` over batches: every row of a batch reports the batch's bytes
+    (``batch_rows`` rows each), so each row counts for 1/batch_rows of them."""
+    total = 0.0
+    for r in rows:
+        total += integer(r, key) / max(integer(r, "batch_rows"), 1)
+    return round(total)
+
+
+def memory(status: dict) -> dict:
+    """The ``memory`` section with every key: ``budget_bytes`` is None when the server has
+    no budget. Without the section the KV bytes are summed from the running batches."""
+    section = status.get("memory")
+    mem = {k: integer(section, k) for k in MEMORY_KEYS}
+    budget = (section or {}).get("budget_bytes") if isinstance(section, dict) else None
+    mem["budget_bytes"] = (
+        budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+    )
+    if not isinstance(section, dict):
+        rows = running(status)
+        mem["kv_bytes_actual"] = batch_bytes(rows, "kv_bytes")
+        mem["kv_bytes_predicted"] = batch_bytes(rows, "kv_bytes_predicted")
+        mem["reserved_bytes"] = sum(integer(r, "reserved_bytes") for r in rows)
+    return mem
+
+
+def counters(status: dict) -> dict[str, int]:
+    return {k: integer(status, k) for k in COUNTERS}
+
+
+def refused(status: dict) -> dict[str, int]:
+    section = status.get("refused")
+    return {"busy": integer(section, "busy"), "too_large": integer(section, "too_large")}
+
+
+def prefix_cache(status: dict) -> dict:
+    """Both tiers of the prefix cache: entries, bytes, limit, hits and hit ratio. The
+    status counts every lookup that reused tokens in ``hits`` and every one that did not
+    in ``misses``; ``disk.hits`` are the hits whose entry was read from disk first. So
+    the memory tier's hits are ``hits - disk.hits``, and each tier's hit ratio is its hits
+    over all lookups (the two add up to the cache's hit ratio)."""
+    section = status.get("prefix_cache")
+    section = section if isinstance(section, dict) else {}
+    disk = section.get("disk") if isinstance(section.get("disk"), dict) else {}
+    keys = ("entries", "bytes", "limit_bytes")
+    hits, disk_hits, misses = (
+        integer(section, "hits"),
+        integer(disk, "hits"),
+        integer(section, "misses"),
+    )
+    tiers = {
+        "memory": {**{k: integer(section, k) for k in keys}, "hits": max(hits - disk_hits, 0)},
+        "disk": {**{k: integer(disk, k) for k in keys}, "hits": disk_hits},
+    }
+    lookups = max(hits, disk_hits) + misses
+    for tier in tiers.values():
+        tier["hit_ratio"] = tier["hits"] / lookups if lookups else 0.0
+    dir_ = disk.get("dir")
+    tiers["disk"]["dir"] = dir_ if isinstance(dir_, str) else None
+    return {
+        **tiers,
+        "misses": misses,
+        "lookups": lookups,
+        "tokens_reused": integer(section, "tokens_reused"),
+    }

@@ -1,0 +1,222 @@
+"""Watching a running ``mlxkv serve``: ``GET /metrics`` scraped and parsed as Prometheus
+reads it, next to ``GET /v1/status`` and the ``usage`` of real requests (the official
+``openai`` client), and ``mlxkv top`` in a real terminal (tmux). One server, with a key."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve_helpers import ROOT, Server
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+KEY = "sk-observe-5678"
+QUESTION = "What is the capital of France?"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting: no early EOS
+WINDOW = {"window": 16, "sinks": 4}  # "sink 4 + window 16": its KV bytes stop growing
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve-observe"), env={"MLXKV_API_KEY": KEY}, key=KEY)
+    yield s
+    code = s.stop()
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """``GET /metrics`` as Prometheus parses it: sample name (with its labels) -> value."""
+    r = server.http("GET", "/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+@contextlib.contextmanager
+def long_stream(server: Server, max_tokens: int = 400):
+    """A streamed completion under WINDOW that is running (it has sent text) until the
+    block ends; leaving the block closes the stream, which cancels the request."""
+    stream = server.client().completions.create(
+        model="smollm2-135m",
+        prompt=COUNTING,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"kv": WINDOW},
+    )
+    try:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                break
+        yield stream
+    finally:
+        stream.close()
+
+
+def test_counters_move_by_the_requests(server):
+    server.wait_idle()
+    before = scrape(server)
+    client = server.client()
+    chat = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=8,
+        temperature=0,
+    )
+    text = client.completions.create(
+        model="smollm2-135m", prompt=COUNTING, max_tokens=6, temperature=0
+    )
+    status = server.wait_idle()
+    after = scrape(server)
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert moved("mlxkv_requests_finished_total") == 2
+    assert after["mlxkv_requests_finished_total"] == status["requests_finished"]
+    assert after["mlxkv_scheduler_steps_total"] == status["steps"]
+    assert (chat.usage.completion_tokens, text.usage.completion_tokens) == (8, 6)
+    assert after["mlxkv_requests_running"] == 0 and after["mlxkv_requests_waiting"] == 0
+    assert after["mlxkv_kv_bytes_actual"] == 0  # nothing runs: no KV held for a request
+
+
+def test_kv_gauges_equal_the_status_while_a_request_runs(server):
+    server.wait_idle()
+    with long_stream(server):
+        # two statuses that agree around a scrape: the scrape saw the same figures
+        for _ in range(100):
+            first = server.status()
+            metrics = scrape(server)
+            second = server.status()
+            if first["running"] and [r["kv_bytes"] for r in first["running"]] == [
+                r["kv_bytes"] for r in second["running"]
+            ]:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the status kept changing: {first} {second}")
+    (row,) = first["running"]
+    assert row["policy"] == "sink 4 + window 16"
+    assert row["kv_bytes"] > 0
+    assert metrics["mlxkv_kv_bytes_actual"] == row["kv_bytes"]
+    assert metrics["mlxkv_requests_running"] == 1
+    assert metrics["mlxkv_requests_waiting"] == first["waiting"] == 0
+    server.wait_idle()
+
+
+def test_metrics_need_the_key_and_health_does_not(server):
+    r = httpx.get(f"{server.url}/metrics", timeout=60)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert "mlxkv_" not in r.text
+    wrong = httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer no"}, timeout=60)
+    assert wrong.status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+
+
+def top(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mlxkv", "top", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_top_without_a_server_says_so_in_one_line():
+    done = top("http://127.0.0.1:1")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == (
+        "mlxkv top: error: cannot connect to http://127.0.0.1:1 (is mlxkv serve running there?)\n"
+    )
+
+
+def test_top_of_a_server_that_is_not_mlxkv_says_so_in_one_line(tmp_path):
+    other = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1", "-d", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        port = re.search(r"port (\d+)", other.stdout.readline()).group(1)
+        done = top(f"http://127.0.0.1:{port}")
+    finally:
+        other.terminate()
+        other.wait(30)
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"mlxkv top: error: http://127.0.0.1:{port} is not an mlxkv server: "
+        "GET /v1/status answered HTTP 404\n"
+    )
+
+
+def test_top_without_the_key_says_so_in_one_line(server):
+    env = {k: v for k, v in os.environ.items() if k != "MLXKV_API_KEY"}
+    done = top(server.url, env=env)
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"mlxkv top: error: {server.url} wants an API key: give it with --api-key or "
+        "MLXKV_API_KEY\n"
+    )
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_top_in_a_terminal_shows_the_running_request(server, tmp_path):
+    session = f"mlxkv-top-{uuid.uuid4().hex[:8]}"
+    done = tmp_path / "exit"
+    cmd = shlex.join(
+        [sys.executable, "-m", "mlxkv", "top", f"{server.url}/v1", "--interval", "0.3"]
+    )
+    script = f"cd {shlex.quote(str(ROOT))} && {cmd} --api-key {KEY}; echo $? > {done}"
+    tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40")
+    try:
+        with long_stream(server):
+            tmux("send-keys", "-t", session, script, "Enter")
+            end = time.monotonic() + 120
+            while True:
+                pane = tmux("capture-pane", "-p", "-t", session)
+                if "sink 4 + window 16" in pane and "Running 1" in pane:
+                    break
+                assert time.monotonic() < end, pane
+                time.sleep(0.3)
+        assert f"smollm2-135m at {server.url} · policy full" in pane
+        assert "█" in pane  # the memory bar
+        assert re.search(r"weights \S+ \S+ +runtime \S+ \S+ +reserved \S+ \S+ \(KV \S+ \S+\)", pane)
+        assert "KV actual" in pane and "Prefix cache" in pane
+        assert "connected · every 0.3 s · q quits" in pane
+        tmux("send-keys", "-t", session, "q")
+        end = time.monotonic() + 30
+        while not done.exists():
+            assert time.monotonic() < end, tmux("capture-pane", "-p", "-t", session)
+            time.sleep(0.2)
+        assert done.read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    server.wait_idle()

@@ -174,12 +174,12 @@ def _memory_and_prefixes(args, loaded, policy):
     if limit == 0:
         return memory, None
     disk = None
-    if args.prefix_cache_dir != "none":
+    disk_limit = _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
+    if args.prefix_cache_dir != "none" and disk_limit > 0:
         identity = {"model_id": model_identity(loaded.path), "dtype": loaded.dtype}
         folder = args.prefix_cache_dir
         if folder is None:
             folder = home() / "prefix-cache" / identity["model_id"][:16]
-        disk_limit = _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
         try:
             disk = DiskTier(Path(folder), disk_limit, identity, status)
         except OSError as e:

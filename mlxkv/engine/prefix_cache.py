@@ -259,11 +259,20 @@ class PrefixCache:
         self.entries.append(e)
 
     def make_room(self, need: int) -> int:
-        """Evict least recently used entries (to disk) until ``need`` bytes are free under
-        the limit, or ``need`` bytes are gone when the limit is already met; returns the
-        bytes freed."""
+        """Free memory until the entries fit the limit and ``need`` bytes are freed;
+        returns the bytes freed. Turn-boundary copies go first, least recently used first
+        (an entry without one still serves every prompt that extends it, the common case),
+        then whole entries, least recently used first (to disk)."""
         freed = 0
         while self.entries and (self.nbytes > self.limit or freed < need):
+            copies = [e for e in self.entries if e.checkpoint is not None]
+            if copies:
+                e = min(copies, key=lambda x: x.used)
+                size = _state_bytes(e.checkpoint.states)
+                e.checkpoint = None
+                e.nbytes -= size
+                freed += size
+                continue
             e = min(self.entries, key=lambda x: x.used)
             self.entries.remove(e)
             freed += e.nbytes

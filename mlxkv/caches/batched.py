@@ -12,7 +12,9 @@ slots.
 
 A row is prefilled alone in its single-sequence cache (chunked prefill is exact there) and
 then joins with :meth:`BatchedKVCache.merge` / :meth:`extend`; finished rows leave with
-:meth:`filter`. Updates here are decode steps (one token per row): each row writes its
+:meth:`filter`, and :meth:`BatchedKVCache.row` gives a row back as the single cache it would
+be had it decoded alone (the prefix cache keeps a finished answer's caches that way).
+Updates here are decode steps (one token per row): each row writes its
 token into its own slot, evicting rows re-rotate their sink keys by their own shift (one
 RoPE call with per-row offsets, bitwise equal to the single cache's), and a row rebases on
 the same schedule as alone. So every row attends to exactly the keys and values its single
@@ -89,6 +91,7 @@ class BatchedKVCache(BatchRowCounters):
         self.keys = self.values = self.sink_keys = None
         self.sink_shift: list[int] = []
         self._no_offset: list[bool] = []  # rows whose key offset comes with their first token
+        self._single = None  # (class, scalar state) of the single caches the rows came from
 
     # ---- building from single-sequence caches ----
     @classmethod
@@ -103,6 +106,7 @@ class BatchedKVCache(BatchRowCounters):
             out = cls._of(first)
         else:
             raise TypeError(f"{type(first).__name__} has no batched form")
+        out._single = (type(first), None if isinstance(first, FullKVCache) else _scalars(first))
         out.extend_rows(caches)
         return out
 
@@ -232,6 +236,36 @@ class BatchedKVCache(BatchRowCounters):
         self.values = _pad(_rows(self.values, idx), cap)
         if self.sinks:
             self.sink_keys = self.sink_keys[idx]
+
+    def row(self, i: int):
+        """Row ``i`` as its single-sequence cache: the same slots, counters and allocation
+        as if it had decoded alone (a row's buffer is that cache's, zero-padded)."""
+        cls, scalars = self._single
+        n = self.n[i]
+        if cls is FullKVCache:
+            c = FullKVCache()
+            if n and self.keys is not None:
+                c.keys = _pad(self.keys[i : i + 1], st.round_up(n))
+                c.values = _pad(self.values[i : i + 1], st.round_up(n))
+                c.offset = n
+            return c
+        state = dict(scalars)
+        state.update(tokens_seen=n, evicted=self.evicted[i], base=self.base[i])
+        state.update(sink_shift=self.sink_shift[i], keys=None, values=None, sink_keys=None)
+        state["key_offset"] = None
+        if n and self.keys is not None:
+            idx = mx.array([i])
+            cap = st.capacity(n, self.limit)
+            state["keys"] = _pad(_rows(self.keys, idx), cap)
+            state["values"] = _pad(_rows(self.values, idx), cap)
+            if self.sinks:
+                state["sink_keys"] = self.sink_keys[i : i + 1]
+            if self.kstore.offset is not None and not self._row_waits_for_offset(i):
+                state["key_offset"] = self.kstore.offset[i : i + 1]
+        return cls.from_state(state)
+
+    def _row_waits_for_offset(self, i: int) -> bool:
+        return i < len(self._no_offset) and self._no_offset[i]
 
     # ---- the protocol mlx-lm models call ----
     def _capacity(self, tokens: int) -> int:
@@ -388,3 +422,13 @@ def batched_form(caches: list) -> str | None:
 def merge_rows(rows: list[list]) -> list[BatchedKVCache]:
     """Per-layer batched caches from per-row lists of single-sequence caches."""
     return [BatchedKVCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+
+
+def split_row(caches: list, i: int) -> list:
+    """Row ``i`` of per-layer batched caches, as the single-sequence caches it decoded like."""
+    return [c.row(i) for c in caches]
+
+
+def _scalars(c: StreamingKVCache) -> dict:
+    """A single cache's state without its arrays (what every row of a batch shares)."""
+    return {k: v for k, v in c.state.items() if not isinstance(v, mx.array | tuple | list)}

@@ -82,6 +82,10 @@ def _shapes_of(c: KiviKVCache):
     return mx.zeros((1, H, 1, D), keys.dtype), mx.zeros((1, H, 1, dv), vdt)
 
 
+def _is_buffer(v) -> bool:
+    return isinstance(v, mx.array | tuple | list)
+
+
 def _take_rows(s, idx: mx.array):
     return tuple(x[idx] for x in s) if isinstance(s, tuple) else s[idx]
 
@@ -98,6 +102,7 @@ class BatchedKiviKVCache(BatchRowCounters):
         self.ring = self.residual = self.values = self.sink_keys = None
         self._shapes = None  # (B=1, H, 1, D) keys and values standing for the rows' shapes
         self._step = None
+        self._like = {k: v for k, v in like.state.items() if not _is_buffer(v)}
 
     # ---- building from single caches ----
     @classmethod
@@ -169,6 +174,29 @@ class BatchedKiviKVCache(BatchRowCounters):
         self.values = _cat_rows([p[2] for p in parts])
         if self.sinks:
             self.sink_keys = mx.concatenate([p[3] for p in parts], axis=0)
+
+    def row(self, i: int) -> KiviKVCache:
+        """Row ``i`` as its single KIVI cache: its ring cut to the slots it would hold alone."""
+        state = dict(self._like, ring=None, residual=None, values=None, sink_keys=None)
+        state.update(tokens_seen=self.n[i], evicted=self.evicted[i], base=self.base[i])
+        if self.n[i] and self.values is not None:
+            C = self._ring_slots(self.n[i])
+            G, b, S = self.group_size, self.key_bits, self.sinks
+            idx = mx.array([i])
+            if C:
+                packed, scales, biases = _take_rows(self.ring, idx)
+                state["ring"] = (
+                    _pad_last(packed, C * b // 32),
+                    _pad_last(scales, C // G),
+                    _pad_last(biases, C // G),
+                )
+            state["residual"] = self.residual[i : i + 1]
+            state["values"] = _pad_tokens(_take_rows(self.values, idx), S + C)
+            if self.sink_keys is not None:
+                state["sink_keys"] = self.sink_keys[i : i + 1]
+        c = KiviKVCache.__new__(KiviKVCache)
+        c.state = state
+        return c
 
     def filter(self, keep: list[int]) -> None:
         """Keep only rows ``keep``; the ring shrinks to what the longest one left needs."""

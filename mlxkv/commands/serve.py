@@ -69,6 +69,32 @@ def add_arguments(p) -> None:
         "cut with an error (default 10)",
     )
     g.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
+    m = p.add_argument_group("memory and the prefix cache")
+    m.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="memory budget for weights + runtime + KV reservations + kept prefixes, e.g. "
+        "16GB (default: what the machine has, as mlxkv plan reads it); a request starts only "
+        "when its KV reservation fits",
+    )
+    m.add_argument(
+        "--prefix-cache-bytes",
+        metavar="SIZE",
+        help="memory for finished requests' caches that later requests reuse (default: half "
+        "of what the budget leaves after the weights and runtime; 0 turns the cache off)",
+    )
+    m.add_argument(
+        "--prefix-cache-dir",
+        metavar="DIR",
+        help="folder for prefix-cache entries evicted from memory (default: "
+        "MLXKV_HOME/prefix-cache/<model>); 'none' keeps no files",
+    )
+    m.add_argument(
+        "--prefix-cache-disk-bytes",
+        metavar="SIZE",
+        default="8GiB",
+        help="most bytes of files in --prefix-cache-dir (default 8GiB)",
+    )
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=512)
 
@@ -100,6 +126,71 @@ def _check(args) -> str | None:
     return key
 
 
+def _size(flag: str, text: str) -> int:
+    from mlxkv.memory.config import BadInput
+    from mlxkv.memory.system import parse_size
+
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text)
+    except BadInput:
+        raise UserError(f"{flag} must be a size like 2GB, 512MiB or 0, got '{text}'") from None
+
+
+def _check_memory_flags(args) -> None:
+    """Refuse bad memory flags before anything loads."""
+    from mlxkv.memory.config import BadInput
+    from mlxkv.memory.system import parse_size
+
+    if args.memory is not None:
+        try:
+            parse_size(args.memory)
+        except BadInput as e:
+            raise UserError(str(e)) from None
+    if args.prefix_cache_bytes is not None:
+        _size("--prefix-cache-bytes", args.prefix_cache_bytes)
+    _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
+    d = args.prefix_cache_dir
+    if d is not None and d != "none" and Path(d).exists() and not Path(d).is_dir():
+        raise UserError(f"--prefix-cache-dir {d} is not a folder; name a folder or 'none'")
+
+
+def _memory_and_prefixes(args, loaded, policy):
+    """The memory budget and the prefix cache (memory tier, and the disk tier's folder)."""
+    from mlxkv.engine.admission import MemoryBudget
+    from mlxkv.engine.prefix_cache import DiskTier, PrefixCache
+    from mlxkv.memory.dtypes import backend
+    from mlxkv.memory.system import system_memory
+    from mlxkv.models.identity import model_identity
+    from mlxkv.paths import home
+
+    budget = system_memory(args.memory, backend()).available
+    memory = MemoryBudget(loaded, budget, args.max_batch, 512)
+    free = max(budget - memory.base(), 0)
+    limit = free // 2
+    if args.prefix_cache_bytes is not None:
+        limit = _size("--prefix-cache-bytes", args.prefix_cache_bytes)
+    if limit == 0:
+        return memory, None
+    disk = None
+    if args.prefix_cache_dir != "none":
+        identity = {"model_id": model_identity(loaded.path), "dtype": loaded.dtype}
+        folder = args.prefix_cache_dir
+        if folder is None:
+            folder = home() / "prefix-cache" / identity["model_id"][:16]
+        disk_limit = _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
+        try:
+            disk = DiskTier(Path(folder), disk_limit, identity, status)
+        except OSError as e:
+            raise UserError(f"--prefix-cache-dir {folder}: {e.strerror or e}") from None
+    status(
+        f"memory budget {budget / 2**30:.2f} GiB; prefix cache {limit / 2**30:.2f} GiB in memory"
+        + (f", files in {disk.folder} ({len(disk.files)} kept)" if disk else "")
+    )
+    return memory, PrefixCache(limit, loaded.model, disk, status)
+
+
 def _names(loaded) -> tuple[str, set[str]]:
     """The model id /v1/models lists, and every name a request may use for it."""
     from mlxkv.models.registry import lookup
@@ -125,6 +216,7 @@ def run(args) -> int:
     if launched():
         raise UserError("serve runs in one process, not under mlx.launch")
     key = _check(args)
+    _check_memory_flags(args)
     policy = policy_from_args(args)
     defaults = settings_from_args(args)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
@@ -132,7 +224,10 @@ def run(args) -> int:
         loaded = open_model(
             args.model_arg or args.model, args.dtype, policy, args.force, on_status=status
         )
-        scheduler = Scheduler(loaded, policy=policy, max_batch=args.max_batch)
+        memory, prefix = _memory_and_prefixes(args, loaded, policy)
+        scheduler = Scheduler(
+            loaded, policy=policy, max_batch=args.max_batch, prefix_cache=prefix, memory=memory
+        )
         scheduler.start()
         model_id, names = _names(loaded)
         vocab = loaded.config.get("vocab_size")

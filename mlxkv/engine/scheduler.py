@@ -27,6 +27,13 @@ One step:
 A request that carries a session (``chat``, ``generate``) runs in that session's caches,
 reusing what they hold, and keeps its own group: the session gets its caches back, with
 every generated token fed, when the answer ends.
+
+With a prefix cache (:mod:`mlxkv.engine.prefix_cache`, the server's), a request without a
+session starts from the cached caches that share the longest prefix with its prompt, and
+leaves its own caches there when it ends (a batched row is split back out). With a memory
+budget (:mod:`mlxkv.engine.admission`), step 3 starts the oldest waiting request only when
+its KV reservation fits beside the running ones and the kept prefixes (evicting prefixes
+first); a request that can never fit is refused at step 1.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from mlxkv.engine.events import Event, Failed, Finished, PrefillProgress, Stats,
 from mlxkv.engine.finish import FinishRule, token_budget
 from mlxkv.engine.kv_stats import KVAccounting
 from mlxkv.engine.request import GenerationSettings, common_prefix, encode_prompt
+from mlxkv.engine.reuse import Checkpoint
 from mlxkv.engine.samplers import sampler_for
 from mlxkv.errors import UserError
 from mlxkv.models.loader import LoadedModel
@@ -147,6 +155,11 @@ class _Job:
         self.started = self.first_token = 0.0
         self.prompt_tps = self.generation_tps = 0.0
         self.group: _Group | None = None
+        self.limit_tokens = self.total  # prompt + the most answer tokens (the reservation's)
+        self.reserved = 0  # KV bytes reserved for it alone
+        self.keep = False  # its caches go to the prefix cache when it ends
+        self.fed: list[int] = []  # answer tokens fed to its caches (kept requests)
+        self.checkpoint: Checkpoint | None = None  # its caches at the turn boundary
 
 
 @dataclass
@@ -170,6 +183,8 @@ class Scheduler:
         share_prefix: bool = True,
         observer: Callable[[KVPolicy, list], None] | None = None,
         prefill_budget: int = 512,  # prompt tokens a round prefills before it decodes
+        prefix_cache=None,  # mlxkv.engine.prefix_cache.PrefixCache: reuse across requests
+        memory=None,  # mlxkv.engine.admission.MemoryBudget: admit by KV reservations
     ):
         if max_batch < 1:
             raise UserError(f"--max-batch must be at least 1, got {max_batch}")
@@ -179,6 +194,8 @@ class Scheduler:
         self.share_prefix = share_prefix
         self.prefill_budget = prefill_budget
         self.observer = observer  # sees every batched decode step's caches (opt-in checks)
+        self.prefix = prefix_cache
+        self.memory = memory
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[_Job] = deque()
@@ -195,6 +212,9 @@ class Scheduler:
         self.steps = 0
         self.max_rows_in_a_step = 0
         self.requests_finished = 0
+        self.tokens_generated = self.prompt_tokens_prefilled = self.prompt_tokens_cached = 0
+        self.refused_too_large = 0
+        self._rate: deque[tuple[float, int]] = deque()  # (time, tokens generated) samples
         self._status: dict = self._snapshot()
 
     # -- the callers' side (any thread) ------------------------------------------------------
@@ -235,6 +255,7 @@ class Scheduler:
         if self._thread is None:
             while not self.idle and self.step():
                 pass
+            self._flush()
         else:
             self._stopped.wait()
             self._thread = None
@@ -259,6 +280,7 @@ class Scheduler:
                 if self._closing and self.idle:
                     import mlx.core as mx
 
+                    self._flush()
                     mx.synchronize()
                     self._stopped.set()
                     # Park rather than end: an MLX thread that has ended makes the
@@ -307,6 +329,11 @@ class Scheduler:
         self._status = self._snapshot()
         return worked
 
+    def _flush(self) -> None:
+        """Closing: the kept prefixes go to disk, so a restarted server finds them."""
+        if self.prefix is not None:
+            self.prefix.flush()
+
     def _all_handles(self) -> list[RequestHandle]:
         with self._lock:
             handles = list(self._inbox)
@@ -319,32 +346,140 @@ class Scheduler:
 
     def _snapshot(self) -> dict:
         running = []
+        kv_actual = kv_predicted = 0
         for g in self._groups.values():
             # a batch's bytes are shared by its rows: each row reports the batch's
             caches = g.caches if g.caches is not None else g.rows[0].caches
             kv_bytes = sum(c.nbytes for c in caches)
+            predicted = self._predicted(g)
+            kv_actual += kv_bytes
+            kv_predicted += predicted
             for j in g.rows:
                 running.append(
                     {
                         "id": j.handle.id,
                         "policy": j.describe,
                         "prompt_tokens": j.total,
+                        "prompt_tokens_cached": j.cached,
                         "generated": len(j.finish.tokens) if j.finish else 0,
                         "kv_bytes": kv_bytes,
+                        "kv_bytes_predicted": predicted,
+                        "reserved_bytes": j.reserved,
                         "batch_rows": len(g.rows),
                     }
                 )
-        return {
+        job = self._prefilling
+        if job is not None and job.caches is not None:
+            kv_actual += sum(c.nbytes for c in job.caches)
+            kv_predicted += job.kv.predicted(job.done).allocated if job.kv else 0
+        queue = [
+            {
+                "id": j.handle.id,
+                "policy": j.describe,
+                "prompt_tokens": j.total,
+                "reserved_bytes": j.reserved,
+            }
+            for j in self._waiting[:50]
+        ]
+        out = {
             "running": running,
             "prefilling": 0 if self._prefilling is None else 1,
             "waiting": len(self._waiting) + len(self._inbox),
+            "queue": queue,
             "groups": [
                 {"policy": g.policy.describe(), "rows": len(g.rows)} for g in self._groups.values()
             ],
             "max_rows_in_a_step": self.max_rows_in_a_step,
             "steps": self.steps,
             "requests_finished": self.requests_finished,
+            "tokens_generated": self.tokens_generated,
+            "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
+            "prompt_tokens_cached": self.prompt_tokens_cached,
+            "tokens_per_second": self._tokens_per_second(),
+            "refused": {"too_large": self.refused_too_large},
         }
+        if self.memory is not None or self.prefix is not None:
+            out["memory"] = self._memory_status(kv_actual, kv_predicted)
+        if self.prefix is not None:
+            out["prefix_cache"] = self.prefix.status()
+        return out
+
+    def _predicted(self, g: _Group) -> int:
+        """The memory model's KV bytes for group ``g`` now."""
+        if g.caches is None:
+            job = g.rows[0]
+            return job.kv.predicted(job.kv.read().tokens_seen).allocated if job.kv else 0
+        from mlxkv.memory.predictor import batch_allocated
+
+        c = next((c for c in g.caches if hasattr(c, "n")), None)
+        rows_seen = list(c.n) if c is not None else []
+        return batch_allocated(self.loaded.layout, g.policy, rows_seen, self.loaded.dtype)
+
+    def _memory_status(self, kv_actual: int, kv_predicted: int) -> dict:
+        import mlx.core as mx
+
+        m = self.memory.status() if self.memory is not None else {}
+        return {
+            "budget_bytes": m.get("budget_bytes"),
+            "weights_bytes": m.get("weights_bytes", self.loaded.weights_bytes),
+            "runtime_bytes": m.get("runtime_bytes", 0),
+            "reserved_bytes": self._reserved(),
+            "prefix_cache_bytes": self.prefix.nbytes if self.prefix is not None else 0,
+            "kv_bytes_actual": kv_actual,
+            "kv_bytes_predicted": kv_predicted,
+            "active_bytes": mx.get_active_memory(),
+            "peak_bytes": mx.get_peak_memory(),
+        }
+
+    def _tokens_per_second(self, span: float = 5.0) -> float:
+        now = time.monotonic()
+        self._rate.append((now, self.tokens_generated))
+        while len(self._rate) > 2 and now - self._rate[1][0] > span:
+            self._rate.popleft()
+        t0, n0 = self._rate[0]
+        return (self.tokens_generated - n0) / (now - t0) if now > t0 else 0.0
+
+    # -- memory admission ----------------------------------------------------------------------
+    def _reserved(self, extra: _Job | None = None) -> int:
+        """KV bytes reserved by the running requests (and ``extra`` as if started): a batch
+        reserves its rows x its largest reservation (rows are padded to the longest)."""
+        if self.memory is None:
+            return sum(j.reserved for g in self._groups.values() for j in g.rows)
+        groups: dict[object, tuple[KVPolicy, list[int]]] = {}
+        for g in self._groups.values():
+            groups[g.key] = (g.policy, [j.limit_tokens for j in g.rows])
+        alone = []
+        if self._prefilling is not None:
+            alone.append(self._prefilling)
+        if extra is not None:
+            alone.append(extra)
+        total = 0
+        for job in alone:
+            key = self._group_key(job)
+            if key in groups:
+                groups[key][1].append(job.limit_tokens)
+            else:
+                total += job.reserved
+        for policy, limits in groups.values():
+            total += self.memory.reservation(policy, max(limits), len(limits))
+        return total
+
+    def _fits(self, job: _Job) -> bool:
+        """Whether ``job`` may start now under the memory budget (kept prefixes are
+        evicted to make room before it waits)."""
+        m = self.memory
+        if m is None or m.budget is None:
+            return True
+        over = m.base() + self._reserved(extra=job) - m.budget
+        kept = self.prefix.nbytes if self.prefix is not None else 0
+        if over + kept <= 0:
+            return True
+        if self.prefix is not None and over <= 0:
+            self.prefix.make_room(over + kept)
+            return True
+        if self.prefix is not None:
+            self.prefix.make_room(kept)  # nothing else may stay beside a waiting request
+        return False
 
     # -- admission ---------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -376,7 +511,17 @@ class Scheduler:
                     "context_length_exceeded",
                 )
                 continue
-            self._waiting.append(_Job(handle, policy))
+            job = _Job(handle, policy)
+            new, _ = token_budget(limit, policy.window, job.total, req.settings.max_tokens)
+            job.limit_tokens = job.total + new
+            if self.memory is not None:
+                job.reserved = self.memory.reservation(policy, job.limit_tokens)
+                why = self.memory.never_fits(policy, job.total, new)
+                if why is not None:
+                    self.refused_too_large += 1
+                    self._fail(handle, why, "kv_budget")
+                    continue
+            self._waiting.append(job)
 
     def _policy_error(self, policy: KVPolicy) -> str | None:
         if policy not in self._policy_errors:
@@ -459,8 +604,8 @@ class Scheduler:
         job = self._prefilling
         if job is None:
             job = next((j for j in self._waiting if self._has_room(j)), None)
-            if job is None:
-                return 0
+            if job is None or not self._fits(job):
+                return 0  # the oldest that could run waits for memory: so do the others
             self._waiting.remove(job)
             self._prefilling = job
             self._guarded([job], lambda: self._start(job))
@@ -484,8 +629,20 @@ class Scheduler:
                 if job.done == job.boundary:
                     job.session.take_checkpoint()
         else:
-            job.caches, job.done = self._fresh_caches(job)
-            job.cached = 0  # a shared prefix counts as prefilled for this batch
+            held, caches = 0, None
+            if self.prefix is not None and self._batchable_policy(job.policy):
+                job.keep = True
+                job.boundary = job.total - 1  # the boundary copy, then the last token alone
+                held, caches = self.prefix.take(job.policy, job.ids)
+            if caches is not None:
+                job.caches, job.done = caches, held
+                job.cached = held
+                self.prompt_tokens_cached += held
+                if held == job.boundary:
+                    self._boundary(job)
+            else:
+                job.caches, job.done = self._fresh_caches(job)
+                job.cached = 0  # a shared prefix counts as prefilled for this batch
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         job.sampler = sampler_for(s)
         job.processors = make_logits_processors(repetition_penalty=s.repetition_penalty)
@@ -493,6 +650,18 @@ class Scheduler:
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
         job.finish = FinishRule(self.loaded.tokenizer, s.stop, max_tokens, capped)
+
+    def _boundary(self, job: _Job) -> None:
+        """``job``'s caches hold its prompt but the last token: keep a copy (the turn
+        boundary a bounded cache goes back to), and offer it to requests that start while
+        this one decodes."""
+        from mlxkv.caches import always_exact, copy_caches, snapshot
+
+        tokens = job.ids[:-1]
+        if not all(always_exact(c) for c in job.caches):
+            job.checkpoint = Checkpoint(list(tokens), snapshot(job.caches))
+        if job.cached < len(tokens):
+            self.prefix.put(job.policy, tokens, copy_caches(job.caches), job.checkpoint)
 
     def _fresh_caches(self, job: _Job) -> tuple[list, int]:
         from mlxkv.caches import make_caches
@@ -543,8 +712,11 @@ class Scheduler:
         if job.session is not None:
             job.session.tokens.extend(chunk)
         job.done += n
+        self.prompt_tokens_prefilled += n
         if job.session is not None and job.done == job.total - 1 and job.session.needs_checkpoint:
             job.session.take_checkpoint()
+        if job.keep and job.done == job.total - 1:
+            self._boundary(job)
         job.handle._emit(
             PrefillProgress(job.done - job.cached, job.total - job.cached, self._stats(job))
         )
@@ -610,6 +782,8 @@ class Scheduler:
         for r, token, lp in zip(rows, fed, lps, strict=True):
             if r.session is not None:
                 r.session.tokens.append(token)
+            if r.keep:
+                r.fed.append(token)
             shown, r.pending_lp = r.pending_lp, lp
             if r.next_input is not None:  # the first token was shown when it was sampled
                 r.next_input = None
@@ -651,6 +825,7 @@ class Scheduler:
     def _take_token(self, job: _Job, token: int, lp) -> bool:
         """Record ``token`` for ``job`` and tell its caller; True when the answer ended."""
         delta, reason = job.finish.add(token)
+        self.tokens_generated += 1
         n = len(job.finish.tokens)
         if n > 1:
             job.generation_tps = (n - 1) / max(time.perf_counter() - job.first_token, 1e-9)
@@ -671,6 +846,9 @@ class Scheduler:
     def _drop_rows(self, g: _Group, jobs: list[_Job]) -> None:
         import mlx.core as mx
 
+        for i, r in enumerate(g.rows):
+            if r in jobs and r.keep:
+                self._keep(r, r.caches if g.caches is None else _split(g.caches, i))
         keep = [i for i, r in enumerate(g.rows) if r not in jobs]
         if g.caches is not None and keep:
             for c in g.caches:
@@ -689,6 +867,8 @@ class Scheduler:
         ``Finished`` event."""
         import mlx.core as mx
 
+        if job.keep and job.group is None and job.caches is not None:  # ended before joining
+            self._keep(job, job.caches)
         if job.session is not None and job.next_input is not None and job.caches is not None:
             feed(self.loaded.model, job.caches, mx.array([job.next_input]))
             job.session.tokens.append(job.next_input)
@@ -700,6 +880,19 @@ class Scheduler:
             job.handle._emit(TokenDelta(rest, -1, stats))
         job.handle._emit(Finished(text, final, stats))
         self.requests_finished += 1
+
+    def _keep(self, job: _Job, caches: list) -> None:
+        """Offer a finished request's caches (every token fed) to the prefix cache."""
+        import mlx.core as mx
+
+        from mlxkv.engine.kv_stats import read_caches
+
+        job.keep = False
+        tokens = job.ids + job.fed
+        if read_caches(caches).tokens_seen != len(tokens):
+            return  # out of step (never expected): not worth keeping
+        mx.eval([c.state for c in caches])
+        self.prefix.put(job.policy, tokens, caches, job.checkpoint)
 
     def _stats(self, job: _Job) -> Stats:
         stats = Stats(
@@ -743,6 +936,12 @@ class Scheduler:
             peak_memory=mx.get_peak_memory(),
             weights_bytes=self.loaded.weights_bytes,
         )
+
+
+def _split(caches: list, row: int) -> list:
+    from mlxkv.caches.batched import split_row
+
+    return split_row(caches, row)
 
 
 def _resolve(lp) -> tuple[float, tuple[tuple[int, float], ...]] | None:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.events import Event, Failed, Notice, Stats
 from mlxkv.engine.kv_stats import KVAccounting
-from mlxkv.engine.request import GenerationSettings, common_prefix, encode_prompt
+from mlxkv.engine.request import GenerationSettings, encode_prompt
+from mlxkv.engine.reuse import Checkpoint, keep_prefix, load_held, save_held
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.errors import UserError
 from mlxkv.models.loader import LoadedModel
@@ -43,12 +44,6 @@ from mlxkv.policy import KVPolicy
 __all__ = ["GenerationSettings", "Session", "encode_prompt"]
 
 OVERFLOW_CHOICES = ("stop", "slide")
-
-
-@dataclass
-class _Checkpoint:
-    tokens: list[int]  # what the caches held when the copy was taken
-    states: list
 
 
 @dataclass
@@ -84,7 +79,7 @@ class Session:
 
         self.caches = caches
         self.tokens: list[int] = list(tokens)  # the ids the caches hold, in order
-        self._checkpoint: _Checkpoint | None = None
+        self._checkpoint: Checkpoint | None = None
         self.needs_checkpoint = not all(always_exact(c) for c in caches)
         self.kv = KVAccounting(self.loaded, self.policy, self.caches)
 
@@ -127,59 +122,31 @@ class Session:
     def save_cache(self, path) -> None:
         """Write the caches, their token ids and the turn-boundary copy to ``path``
         (atomically), so that a later session can go back as far as this one could."""
-        import copy
-
-        from mlxkv.caches import save_caches
-
-        caches = list(self.caches)
-        meta = dict(self.identity(), model=self.loaded.name, tokens=self.tokens)
-        meta["layers"] = len(caches)
-        cp = self._checkpoint
-        if cp is not None:
-            for c, state in zip(self.caches, cp.states, strict=True):
-                c = copy.copy(c)
-                c.state = state
-                caches.append(c)
-            meta["checkpoint_tokens"] = cp.tokens
-        save_caches(path, caches, meta)
+        meta = dict(self.identity(), model=self.loaded.name)
+        save_held(path, self.caches, self.tokens, self._checkpoint, meta)
 
     def load_cache(self, path) -> None:
         """Take the caches and token ids saved at ``path``, every part checked against this
         model and policy first; :class:`CacheError` (one line) otherwise (this session is
         then unchanged)."""
-        from mlxkv.caches.persist import load_session
-
-        caches, tokens, cp = load_session(path, self.identity(), self.loaded.model, self.policy)
+        caches, tokens, cp = load_held(path, self.identity(), self.loaded.model, self.policy)
         self._install(caches, tokens)
-        if cp is not None:
-            self._checkpoint = _Checkpoint(list(cp[1]), [c.state for c in cp[0]])
+        self._checkpoint = cp
 
     # -- what the scheduler asks of a session ---------------------------------------------
     def prepare(self, ids: list[int]) -> int:
         """Make the caches hold the longest usable prefix of ``ids``; returns its length."""
-        from mlxkv.caches import restore, trim_caches, trimmable
-
-        want = common_prefix(self.tokens, ids[:-1])  # the last prompt token is always fed
-        drop = len(self.tokens) - want
-        if drop == 0:
-            return want
-        if all(trimmable(c) >= drop for c in self.caches):
-            trim_caches(self.caches, drop)
-            del self.tokens[want:]
-            return want
-        cp = self._checkpoint
-        if cp is not None and len(cp.tokens) <= want and ids[: len(cp.tokens)] == cp.tokens:
-            restore(self.caches, cp.states)
-            self.tokens = list(cp.tokens)
-            return self.prepare(ids)  # and trim the rest exactly, if the copy holds more
-        self.reset()
-        return 0
+        held = keep_prefix(self.caches, self.tokens, self._checkpoint, ids)
+        if held is None:
+            self.reset()
+            return 0
+        return held
 
     def take_checkpoint(self) -> None:
         """Copy the caches' states at the turn boundary (the prompt without its last token)."""
         from mlxkv.caches import snapshot
 
-        self._checkpoint = _Checkpoint(list(self.tokens), snapshot(self.caches))
+        self._checkpoint = Checkpoint(list(self.tokens), snapshot(self.caches))
 
     def recover(self, in_model: bool) -> None:
         """After a turn broke off: keep the caches when they hold exactly ``tokens``."""

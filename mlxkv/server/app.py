@@ -230,13 +230,15 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return JSONResponse({"status": "ok", "model": served.id})
 
     def status_now() -> dict:
+        now = bridge.scheduler.status()
+        now["refused"] = {**now.get("refused", {}), "busy": bridge.refused_busy}
         return {
             "model": served.id,
             "policy": served.policy.describe(),
             "max_batch": served.max_batch,
             "rows_in_flight": bridge.rows_in_flight,
             "draining": bridge.draining,
-            **bridge.scheduler.status(),
+            **now,
         }
 
     async def status(request: Request) -> Response:
@@ -334,6 +336,8 @@ def _raise_failed(ev, ask: Ask) -> None:
         raise APIError(400, ev.message, where, "context_length_exceeded")
     if ev.code == "invalid_request":
         raise APIError(400, ev.message, where, "invalid_request")
+    if ev.code == "kv_budget":
+        raise APIError(400, ev.message, "max_tokens", "kv_budget_exceeded")
     if ev.code in ("shutting_down", "cancelled"):
         raise APIError(503, "the server is shutting down; no new requests are taken", None, ev.code)
     raise APIError(500, f"the engine failed: {ev.message}", None, ev.code or "internal")

@@ -71,6 +71,7 @@ class Bridge:
         self.capacity = max_batch + max_queue  # rows running or waiting, at most
         self.live: set[Run] = set()
         self.draining = False
+        self.refused_busy = 0  # requests answered 429
 
     @property
     def rows_in_flight(self) -> int:
@@ -94,6 +95,7 @@ class Bridge:
         rows = len(prompts) * n
         busy = self.rows_in_flight
         if busy + rows > self.capacity:
+            self.refused_busy += 1
             raise APIError(
                 429,
                 f"the server is busy: {busy} answers are running or queued and it holds "

@@ -1,0 +1,302 @@
+"""The prefix cache: caches of finished requests, kept so later requests skip their prefix.
+
+Agents and chat clients send the whole conversation every turn. When a request ends, the
+scheduler keeps its caches (every token it fed: the prompt and the answer) with the copy
+taken at its turn boundary (the prompt without its last token), under its policy. A new
+request under the same policy takes the entry whose tokens share the longest usable prefix
+with its prompt (:func:`mlxkv.engine.reuse.keep_prefix`: an exact trim, or the turn-boundary
+copy for a window that has evicted), on a copy of the entry's caches (MLX arrays are shared
+until written, so several requests can start from one entry), and prefills only the rest.
+
+Two tiers, both bounded:
+
+* memory: up to ``limit`` bytes (the caches' ``nbytes`` plus their copies'), least
+  recently used first out. An evicted entry goes to the disk tier, if there is one.
+* disk (:class:`DiskTier`): safetensors files in one folder, up to ``disk_limit`` bytes,
+  least recently used file first out. Each file is checked before MLX reads it (model by
+  content, policy, dtype, token ids, every layer's shapes: ``mlxkv.caches.persist``); a
+  corrupted or foreign file is skipped with a log line and never loaded, and never deleted
+  (only files this cache wrote are). A restarted server finds its files again, so an
+  agent's next turn is answered from disk without prefilling the conversation again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxkv.engine.request import common_prefix
+from mlxkv.engine.reuse import Checkpoint, keep_prefix, load_held, save_held
+from mlxkv.policy import KVPolicy
+
+FILE_PREFIX = "prefix-"  # names of the files this cache writes (and so may delete)
+TRIES = 3  # candidates tried per lookup (a candidate's bound can overstate what it reuses)
+
+
+def _state_bytes(states) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(x.nbytes for _, x in tree_flatten(states) if hasattr(x, "nbytes"))
+
+
+@dataclass(eq=False)  # compared by identity: fields hold MLX arrays
+class Entry:
+    policy: KVPolicy
+    tokens: list[int]
+    caches: list
+    checkpoint: Checkpoint | None
+    nbytes: int = 0
+    used: float = field(default_factory=time.monotonic)
+
+    def bound(self, ids: list[int]) -> int:
+        """At most how many tokens of ``ids`` this entry can give."""
+        n = common_prefix(self.tokens, ids[:-1])
+        cp = self.checkpoint
+        if cp is not None and ids[: len(cp.tokens)] == cp.tokens:
+            n = max(n, len(cp.tokens))
+        return n
+
+
+@dataclass
+class DiskFile:
+    path: Path
+    policy: dict
+    tokens: list[int]
+    size: int
+    used: float
+
+
+class DiskTier:
+    """Entries as safetensors files in ``folder`` (see the module docstring)."""
+
+    def __init__(self, folder: Path, limit: int, identity: dict, log: Callable[[str], None]):
+        self.folder = Path(folder)
+        self.limit = limit
+        self.identity = identity  # model_id and dtype every file must carry
+        self.log = log
+        self.files: dict[Path, DiskFile] = {}
+        self.hits = self.writes = 0
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def _scan(self) -> None:
+        from mlxkv.caches.persist import read_metadata
+
+        for path in sorted(self.folder.iterdir()):
+            if path.suffix != ".safetensors":
+                continue
+            try:
+                meta = read_metadata(path)
+                self._check(meta)
+            except Exception as e:  # any reason at all: the file is not ours to load
+                self.log(f"prefix cache: skipped {path.name}: {str(e).splitlines()[0]}")
+                continue
+            st = path.stat()
+            self.files[path] = DiskFile(
+                path, meta["policy"], meta["tokens"], st.st_size, st.st_mtime
+            )
+
+    def _check(self, meta: dict) -> None:
+        for key in ("model_id", "dtype"):
+            if meta.get(key) != self.identity[key]:
+                raise ValueError(f"made for another {key.replace('_id', '')}")
+        tokens = meta.get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise ValueError("its token ids are not a list of integers")
+        if not isinstance(meta.get("policy"), dict):
+            raise ValueError("it names no KV policy")
+
+    def name(self, entry: Entry) -> Path:
+        key = json.dumps([entry.policy.to_dict(), entry.tokens], sort_keys=True)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return self.folder / f"{FILE_PREFIX}{digest}.safetensors"
+
+    def put(self, entry: Entry) -> None:
+        """Write ``entry`` (replacing a file of the same tokens), then trim to the limit."""
+        path = self.name(entry)
+        meta = dict(self.identity, policy=entry.policy.to_dict())
+        save_held(path, entry.caches, entry.tokens, entry.checkpoint, meta)
+        self.writes += 1
+        size = path.stat().st_size
+        self.files[path] = DiskFile(
+            path, entry.policy.to_dict(), list(entry.tokens), size, time.time()
+        )
+        self._trim()
+
+    def _trim(self) -> None:
+        while self.nbytes > self.limit and self.files:
+            oldest = min(self.files.values(), key=lambda f: f.used)
+            del self.files[oldest.path]
+            if oldest.path.name.startswith(FILE_PREFIX):
+                try:
+                    oldest.path.unlink()
+                except OSError as e:
+                    self.log(f"prefix cache: cannot remove {oldest.path.name}: {e}")
+
+    def best(self, policy: KVPolicy, ids: list[int]) -> DiskFile | None:
+        want = policy.to_dict()
+        scored = [
+            (common_prefix(f.tokens, ids[:-1]), f) for f in self.files.values() if f.policy == want
+        ]
+        scored = [s for s in scored if s[0] > 0]
+        return max(scored, key=lambda s: s[0])[1] if scored else None
+
+    def load(self, f: DiskFile, model, policy: KVPolicy) -> Entry | None:
+        """The entry in ``f``, checked in full before MLX reads it; None (with a log line)
+        for a file that fails a check (it is then forgotten, not deleted)."""
+        identity = dict(self.identity, policy=policy.to_dict())
+        try:
+            caches, tokens, cp = load_held(f.path, identity, model, policy)
+        except Exception as e:
+            self.log(f"prefix cache: skipped {f.path.name}: {str(e).splitlines()[0]}")
+            self.files.pop(f.path, None)
+            return None
+        f.used = time.time()
+        try:
+            os.utime(f.path)
+        except OSError:
+            pass
+        self.hits += 1
+        return Entry(policy, tokens, caches, cp)
+
+
+class PrefixCache:
+    """Finished requests' caches by policy, in memory and on disk (module docstring)."""
+
+    def __init__(
+        self,
+        limit: int,
+        model=None,
+        disk: DiskTier | None = None,
+        log: Callable[[str], None] = lambda _m: None,
+    ):
+        self.limit = limit
+        self.model = model
+        self.disk = disk
+        self.log = log
+        self.entries: list[Entry] = []
+        self.hits = self.misses = self.tokens_reused = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    # -- taking ------------------------------------------------------------------------------
+    def take(self, policy: KVPolicy, ids: list[int]) -> tuple[int, list | None]:
+        """(tokens held, caches) for a new request with prompt ``ids``: a copy of the best
+        entry's caches, holding that many of its tokens; (0, None) on a miss."""
+        from mlxkv.caches import copy_caches
+
+        mine = [e for e in self.entries if e.policy == policy]
+        mine.sort(key=lambda e: e.bound(ids), reverse=True)
+        best = 0
+        for e in mine[:TRIES]:
+            if e.bound(ids) == 0:
+                break
+            held, caches = self._try(e, ids, copy_caches)
+            if held:
+                return self._hit(e, held, caches)
+            best = max(best, held)
+        if self.disk is not None and self.model is not None:
+            f = self.disk.best(policy, ids)
+            if f is not None and common_prefix(f.tokens, ids[:-1]) > 0:
+                e = self.disk.load(f, self.model, policy)
+                if e is not None:
+                    self._add(e)
+                    self.make_room(0)
+                    held, caches = self._try(e, ids, copy_caches)
+                    if held:
+                        return self._hit(e, held, caches)
+        self.misses += 1
+        return 0, None
+
+    def _try(self, e: Entry, ids: list[int], copy_caches) -> tuple[int, list | None]:
+        caches, tokens = copy_caches(e.caches), list(e.tokens)
+        held = keep_prefix(caches, tokens, e.checkpoint, ids)
+        return (held or 0), caches
+
+    def _hit(self, e: Entry, held: int, caches: list) -> tuple[int, list]:
+        e.used = time.monotonic()
+        self.hits += 1
+        self.tokens_reused += held
+        return held, caches
+
+    # -- keeping -----------------------------------------------------------------------------
+    def put(self, policy: KVPolicy, tokens: list[int], caches: list, checkpoint=None) -> None:
+        """Keep ``caches`` (holding ``tokens``; no longer used by any request)."""
+        from mlxkv.caches import trimmable
+
+        if not tokens or self.limit <= 0:
+            return
+        e = Entry(policy, list(tokens), caches, checkpoint)
+        self._add(e)
+        # an older entry this one can reproduce (it trims back to it, or its copy is it) goes
+        for old in [o for o in self.entries if o is not e and o.policy == policy]:
+            n = len(old.tokens)
+            if n <= len(tokens) and tokens[:n] == old.tokens:
+                drop = len(tokens) - n
+                if all(trimmable(c) >= drop for c in caches) or (
+                    checkpoint is not None and checkpoint.tokens == old.tokens
+                ):
+                    self.entries.remove(old)
+        self.make_room(0)
+
+    def _add(self, e: Entry) -> None:
+        e.nbytes = sum(c.nbytes for c in e.caches)
+        if e.checkpoint is not None:
+            e.nbytes += _state_bytes(e.checkpoint.states)
+        same = [o for o in self.entries if o.policy == e.policy and o.tokens == e.tokens]
+        self.entries = [o for o in self.entries if not any(o is x for x in same)]
+        self.entries.append(e)
+
+    def make_room(self, need: int) -> int:
+        """Evict least recently used entries (to disk) until ``need`` bytes are free under
+        the limit, or ``need`` bytes are gone when the limit is already met; returns the
+        bytes freed."""
+        freed = 0
+        while self.entries and (self.nbytes > self.limit or freed < need):
+            e = min(self.entries, key=lambda x: x.used)
+            self.entries.remove(e)
+            freed += e.nbytes
+            self._spill(e)
+        return freed
+
+    def _spill(self, e: Entry) -> None:
+        if self.disk is None:
+            return
+        try:
+            self.disk.put(e)
+        except Exception as err:  # a full disk must not stop the server
+            self.log(f"prefix cache: could not write an entry to disk: {err}")
+
+    def flush(self) -> None:
+        """Write every memory entry to disk (the server is stopping)."""
+        for e in sorted(self.entries, key=lambda x: x.used):
+            self._spill(e)
+
+    def status(self) -> dict:
+        d = self.disk
+        return {
+            "entries": len(self.entries),
+            "bytes": self.nbytes,
+            "limit_bytes": self.limit,
+            "hits": self.hits,
+            "misses": self.misses,
+            "tokens_reused": self.tokens_reused,
+            "disk": {
+                "entries": len(d.files) if d else 0,
+                "bytes": d.nbytes if d else 0,
+                "limit_bytes": d.limit if d else 0,
+                "hits": d.hits if d else 0,
+                "dir": str(d.folder) if d else None,
+            },
+        }

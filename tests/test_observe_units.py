@@ -201,10 +201,10 @@ def test_texts_a_user_reads():
     v = top_view.view(STATUS)
     mem = top_view.memory_text(v, 20).plain.splitlines()
     assert mem[1] == (
-        "weights 50.0 MiB  runtime 10.0 MiB  reserved 20.0 MiB (KV 3.0 MiB)  prefixes 10.0 MiB  "
-        "free 10.0 MiB of budget 100 MiB"
+        "weights 50.0 MiB  runtime 10.0 MiB  reserved 20.0 MiB (KV 3.0 MiB)  prefixes 10.0 MiB"
     )
-    assert mem[2] == (
+    assert mem[2] == "free 10.0 MiB of budget 100 MiB"
+    assert mem[3] == (
         "KV actual 3.0 MiB · predicted 3.0 MiB (actual -512 B (-0.0%)) · active 70.0 MiB · "
         "peak 80.0 MiB"
     )

@@ -17,7 +17,7 @@ class TopApp(App):
     TITLE = "mlxkv top"
     CSS = """
     #top-body { padding: 0 1; }
-    #top-body Static { margin-bottom: 1; }
+    #top-body Static { margin-bottom: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     #top-body .title { text-style: bold; color: $accent; margin-bottom: 0; }
     #top-conn { height: 1; padding: 0 1; color: $text-muted; }
     #top-conn.lost { color: $error; text-style: bold; }

@@ -205,7 +205,8 @@ def memory_text(v: TopView, width: int) -> Text:
     out.append(f"runtime {human_bytes(b.runtime)}  ", "yellow")
     out.append(f"reserved {human_bytes(b.reserved)} ", "dark_cyan")
     out.append(f"(KV {human_bytes(b.kv)})  ", "bold cyan")
-    out.append(f"prefixes {human_bytes(b.prefixes)}  ", "magenta")
+    out.append(f"prefixes {human_bytes(b.prefixes)}", "magenta")
+    out.append("\n")
     free = b.free
     if free is None:
         out.append("budget none", "dim")

@@ -1,0 +1,158 @@
+"""The prefix cache in the engine: batched rows come back as their single caches, a cached
+turn answers token for token as an uncached one, entries are bounded in memory and on
+disk, and a file that is not a valid entry is never loaded."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxkv.caches.batched import BatchedKVCache, split_row
+from mlxkv.caches.full import FullKVCache
+from mlxkv.caches.kivi import KiviKVCache
+from mlxkv.caches.rotation import Rotation
+from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
+from mlxkv.engine.events import Finished
+from mlxkv.engine.prefix_cache import DiskTier, PrefixCache
+from mlxkv.engine.request import GenerationSettings
+from mlxkv.engine.scheduler import Request, Scheduler
+from mlxkv.policy import KVPolicy
+from tests.kv_rows import prefill_random, random_kv
+
+ROT = Rotation(64, False, 100000.0, 1.0)
+SINGLES = {
+    "full": lambda: FullKVCache(),
+    "window": lambda: StreamingKVCache(16, sinks=0),
+    "sink+window": lambda: StreamingKVCache(12, sinks=4, rotation=ROT),
+    "4-bit full": lambda: QuantizedStreamingKVCache(None, bits=4, group_size=32),
+    "4-bit sink+window": lambda: QuantizedStreamingKVCache(
+        40, sinks=4, rotation=ROT, bits=4, group_size=32
+    ),
+    "kivi": lambda: KiviKVCache(None, 0, None, 4, 32, 4),
+    "kivi sink+window": lambda: KiviKVCache(64, 4, ROT, 4, 32, 4),
+}
+
+
+def _flat(cache) -> dict:
+    state = cache.state
+    return dict(enumerate(state)) if isinstance(state, tuple) else dict(tree_flatten(state))
+
+
+@pytest.mark.parametrize("kind", SINGLES)
+def test_a_batched_row_comes_back_as_its_single_cache(kind):
+    """Rows of different lengths decode 40 steps in a batch; each row taken back out has
+    the same arrays (bit for bit), counters and bytes as the same row decoded alone."""
+    make, heads, lens = SINGLES[kind], 2, [5, 70, 300]
+    rows = [prefill_random(make(), n, seed=i, heads=heads) for i, n in enumerate(lens)]
+    alone = [prefill_random(make(), n, seed=i, heads=heads) for i, n in enumerate(lens)]
+    batch = [BatchedKVCache.merge(rows)]
+    for step in range(40):
+        ks, vs = zip(*[random_kv(1, 1000 + 7 * step + r, heads) for r in range(len(lens))])
+        batch[0].update_and_fetch(mx.concatenate(ks), mx.concatenate(vs))
+        for r, c in enumerate(alone):
+            c.update_and_fetch(ks[r], vs[r])
+    for r, want in enumerate(alone):
+        (got,) = split_row(batch, r)
+        assert type(got) is type(want)
+        a, b = _flat(got), _flat(want)
+        assert a.keys() == b.keys()
+        for key, x in a.items():
+            if isinstance(x, mx.array):
+                assert x.shape == b[key].shape and x.dtype == b[key].dtype, key
+                assert mx.array_equal(x, b[key]).item(), key
+            else:
+                assert x == b[key], key
+        assert got.nbytes == want.nbytes
+
+
+def _render(loaded, messages):
+    return loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _answer(scheduler, ids, max_tokens=8) -> Finished:
+    h = scheduler.submit(Request(ids, GenerationSettings(max_tokens=max_tokens)))
+    return next(e for e in h.events() if isinstance(e, Finished))
+
+
+POLICIES = {
+    "full": KVPolicy(),
+    "sink+window": KVPolicy(window=48, sinks=4),  # a 70-token prompt has evicted already
+    "4-bit": KVPolicy(bits=4),
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_cached_turn_answers_as_an_uncached_one(default_model, name):
+    """Turn 2 reuses turn 1's prompt and answer (every token of it) and its answer is
+    token for token the one a scheduler without a prefix cache gives."""
+    policy = POLICIES[name]
+    cached = Scheduler(default_model, policy, prefix_cache=PrefixCache(1 << 30))
+    plain = Scheduler(default_model, policy)
+    messages = [
+        {"role": "system", "content": "You are terse. " * 10},
+        {"role": "user", "content": "Name three fruits."},
+    ]
+    ids1 = cached.encode(_render(default_model, messages))
+    first = _answer(cached, ids1)
+    assert first.stats.prompt_tokens_cached == 0
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More?"}]
+    ids2 = cached.encode(_render(default_model, messages))
+    second = _answer(cached, ids2)
+    reference = _answer(plain, ids2)
+    held = len(ids1) + first.stats.generation_tokens
+    assert ids2[:held][: len(ids1)] == ids1
+    assert second.stats.prompt_tokens_cached == held
+    assert cached.prompt_tokens_prefilled == len(ids1) + len(ids2) - held
+    assert second.text == reference.text
+
+
+@pytest.mark.model
+def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(
+    default_model, tmp_path
+):
+    """An entry past the memory limit goes to disk; the disk tier keeps its size by
+    removing its own oldest files; a corrupted file and one made for another model are
+    skipped with a log line, never loaded, never removed."""
+    from mlxkv.engine.reuse import save_held
+    from mlxkv.models.identity import model_identity
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    identity = {"model_id": model_identity(default_model.path), "dtype": default_model.dtype}
+    policy = KVPolicy(bits=4)
+    log: list[str] = []
+    scheduler = Scheduler(default_model, policy, prefix_cache=PrefixCache(1 << 30))
+    ids = scheduler.encode(_render(default_model, [{"role": "user", "content": "Hello there"}]))
+    _answer(scheduler, ids, max_tokens=2)
+    entry = scheduler.prefix.entries[-1]
+    other = tmp_path / "other.safetensors"
+    meta = dict(identity, model_id="0" * 64, policy=policy.to_dict())
+    save_held(other, entry.caches, entry.tokens, entry.checkpoint, meta)
+    planted = {p.name: p.read_bytes() for p in (junk, other)}
+
+    one = entry.nbytes
+    disk = DiskTier(tmp_path, 2 * one + one // 2, identity, log.append)
+    assert disk.files == {}
+    assert any("skipped junk.safetensors" in line for line in log)
+    assert any("skipped other.safetensors: made for another model" in line for line in log)
+    cache = PrefixCache(one, default_model.model, disk, log.append)
+    for i in range(4):  # four conversations; memory holds one entry, disk about two
+        text = f"Conversation number {i}: say hi"
+        s = Scheduler(default_model, policy, prefix_cache=cache)
+        _answer(s, s.encode(_render(default_model, [{"role": "user", "content": text}])), 2)
+    assert len(cache.entries) == 1 and cache.nbytes <= one
+    ours = sorted(p for p in tmp_path.iterdir() if p.name.startswith("prefix-"))
+    assert 1 <= len(ours) <= 2 and len(ours) == len(disk.files)
+    assert sum(p.stat().st_size for p in ours) <= disk.limit
+    assert {p.name: p.read_bytes() for p in (junk, other)} == planted
+
+    # the newest conversation on disk comes back from it, checked, and is reused
+    newest = max(disk.files.values(), key=lambda f: f.used)
+    s = Scheduler(default_model, policy, prefix_cache=PrefixCache(one, default_model.model, disk))
+    s.prefix.entries.clear()
+    follow = newest.tokens + s.encode("<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
+    done = _answer(s, follow, max_tokens=2)
+    assert done.stats.prompt_tokens_cached == len(newest.tokens)
+    assert disk.hits == 1

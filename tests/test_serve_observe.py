@@ -36,6 +36,14 @@ def server(tmp_path_factory):
         tmp,
         "--prefix-cache-dir",
         str(tmp / "prefix-cache"),
+        # one answer at a time and none waiting: a second request while one runs gets a 429
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "0",
+        # weights 0.50 GiB + runtime 0.55 GiB leave 0.16 GiB of KV: 8,000 tokens never fit
+        "--memory",
+        "1300MB",
         env={"MLXKV_API_KEY": KEY},
         key=KEY,
     )
@@ -169,6 +177,26 @@ def test_kv_gauges_equal_the_status_while_a_request_runs(server):
     # the request's reservation is all that is reserved, and covers what it holds
     assert row["reserved_bytes"] == mem["reserved_bytes"] >= row["kv_bytes"]
     server.wait_idle()
+
+
+def test_refused_requests_are_counted(server):
+    server.wait_idle()
+    before = scrape(server)
+    client = server.client()
+    with long_stream(server):
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=4)
+    server.wait_idle()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=8000)
+    assert e.value.body["code"] == "kv_budget_exceeded"
+    after = scrape(server)
+    status = server.status()
+    for reason in ("busy", "too_large"):
+        name = f"mlxkv_requests_refused_total{{reason={reason}}}"
+        assert after[name] - before[name] == 1, reason
+        assert after[name] == status["refused"][reason]
+    assert after["mlxkv_memory_budget_bytes"] == 1_300_000_000
 
 
 def test_metrics_need_the_key_and_health_does_not(server):

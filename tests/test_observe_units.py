@@ -280,6 +280,7 @@ def test_metrics_read_the_status():
     for name, (memory, disk) in tiered.items():
         assert m[(name, (("tier", "memory"),))] == memory, name
         assert m[(name, (("tier", "disk"),))] == disk, name
+    assert m[("mlxkv_server_info", (("model", "smollm2-135m"), ("policy", "full")))] == 1
     assert m[("mlxkv_requests_refused_total", (("reason", "busy"),))] == 2
     assert m[("mlxkv_requests_refused_total", (("reason", "too_large"),))] == 1
 

@@ -20,11 +20,14 @@ class Server:
     """``mlxkv serve --port 0 FLAGS`` in a subprocess; its log goes to a file."""
 
     def __init__(self, tmp: Path, *flags: str, env: dict | None = None, key: str | None = None):
+        tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "server.log"
+        # the prefix cache's files stay in the test's folder unless the test names one
+        own_files = [] if "--prefix-cache-dir" in flags else ["--prefix-cache-dir", str(tmp / "pc")]
         self.key = key
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxkv", "serve", "--port", "0", *flags],
+            [sys.executable, "-m", "mlxkv", "serve", "--port", "0", *flags, *own_files],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

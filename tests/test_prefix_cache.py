@@ -48,7 +48,7 @@ def test_a_batched_row_comes_back_as_its_single_cache(kind):
     alone = [prefill_random(make(), n, seed=i, heads=heads) for i, n in enumerate(lens)]
     batch = [BatchedKVCache.merge(rows)]
     for step in range(40):
-        ks, vs = zip(*[random_kv(1, 1000 + 7 * step + r, heads) for r in range(len(lens))])
+        ks, vs = zip(*[random_kv(1, 1000 + 7 * step + r, heads) for r in range(3)], strict=True)
         batch[0].update_and_fetch(mx.concatenate(ks), mx.concatenate(vs))
         for r, c in enumerate(alone):
             c.update_and_fetch(ks[r], vs[r])
@@ -67,7 +67,8 @@ def test_a_batched_row_comes_back_as_its_single_cache(kind):
 
 
 def _render(loaded, messages):
-    return loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tok = loaded.tokenizer
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _answer(scheduler, ids, max_tokens=8) -> Finished:
@@ -109,9 +110,7 @@ def test_a_cached_turn_answers_as_an_uncached_one(default_model, name):
 
 
 @pytest.mark.model
-def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(
-    default_model, tmp_path
-):
+def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(default_model, tmp_path):
     """An entry past the memory limit goes to disk; the disk tier keeps its size by
     removing its own oldest files; a corrupted file and one made for another model are
     skipped with a log line, never loaded, never removed."""

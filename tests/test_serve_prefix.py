@@ -1,0 +1,187 @@
+"""``mlxkv serve``'s prefix cache and memory admission as clients meet them: real server
+processes on 127.0.0.1 with the offline default model, the official ``openai`` client.
+
+What the tests read: ``usage.prompt_tokens_details.cached_tokens`` (the tokens a request
+did not prefill) and ``/v1/status`` (the counters of prompt tokens prefilled, the prefix
+cache's tiers, the memory budget and the reservations)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serve_helpers import Server
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
+POLICIES = {  # per-request "kv"; the window evicts within the first turn's prompt
+    "full": {},
+    "sink+window": {"window": 48, "sinks": 4},
+    "4-bit": {"bits": 4},
+}
+
+
+def chat(server: Server, messages: list, kv: dict, max_tokens: int = 8):
+    return server.client().chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"kv": kv},
+    )
+
+
+def cached(resp) -> int:
+    return resp.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve-prefix"))
+    yield s
+    assert s.stop() == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_second_turn_prefills_only_the_new_tokens(server, name):
+    kv = POLICIES[name]
+    messages = [
+        {"role": "system", "content": f"({name}) {SYSTEM}"},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    first = chat(server, messages, kv)
+    assert cached(first) == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    before = server.status()["prompt_tokens_prefilled"]
+    second = chat(server, messages, kv)
+    # every token of turn 1 (its prompt and its answer) is reused
+    assert cached(second) == first.usage.prompt_tokens + first.usage.completion_tokens
+    prefilled = server.status()["prompt_tokens_prefilled"] - before
+    assert prefilled == second.usage.prompt_tokens - cached(second)
+    assert second.usage.model_extra["mlxkv"]["prompt_tokens_cached"] == cached(second)
+
+
+def test_two_clients_sharing_a_system_prompt_prefill_it_once(server):
+    system = "Shared instructions for every client. " * 40  # about 250 tokens
+    asks = ["Name a red fruit.", "Name a green vegetable."]
+    out: dict[int, object] = {}
+    before = server.status()["prompt_tokens_prefilled"]
+
+    def one(i: int) -> None:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": asks[i]}]
+        out[i] = chat(server, msgs, {}, max_tokens=4)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    usages = sorted(
+        (out[i].usage for i in range(2)), key=lambda u: u.prompt_tokens_details.cached_tokens
+    )
+    first, second = (u.prompt_tokens_details.cached_tokens for u in usages)
+    # the first reuses at most the chat template's opening (other tests' conversations
+    # start with it too); the second reuses the whole system prompt the first prefilled
+    assert first < 10
+    assert second - first >= 240
+    prefilled = server.status()["prompt_tokens_prefilled"] - before
+    assert prefilled == sum(u.prompt_tokens for u in usages) - first - second
+
+
+def test_a_restarted_server_answers_the_next_turn_from_disk(tmp_path):
+    folder = tmp_path / "prefixes"
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Say hello to the restart test."},
+    ]
+    a = Server(tmp_path / "a", "--prefix-cache-dir", str(folder))
+    try:
+        first = chat(a, messages, {})
+    finally:
+        assert a.stop() == 0, a.log()
+    files = sorted(folder.glob("prefix-*.safetensors"))
+    assert files, a.log()
+    b = Server(tmp_path / "b", "--prefix-cache-dir", str(folder))
+    try:
+        assert b.status()["prefix_cache"]["disk"]["entries"] == len(files)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Thanks."},
+        ]
+        second = chat(b, messages, {})
+        assert cached(second) == first.usage.prompt_tokens + first.usage.completion_tokens
+        pc = b.status()["prefix_cache"]
+        assert pc["disk"]["hits"] == 1 and pc["hits"] == 1
+    finally:
+        assert b.stop() == 0, b.log()
+
+
+def _predicted_reservation(default_model, tokens: int) -> tuple[int, int]:
+    """(weights + runtime, one request's KV reservation), as the server computes them."""
+    from mlxkv.engine.admission import MemoryBudget
+    from mlxkv.policy import KVPolicy
+
+    m = MemoryBudget(default_model, None, 16, 512)
+    return m.base(), m.reservation(KVPolicy(), tokens)
+
+
+def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_model, tmp_path):
+    """Three long answers at once under a budget that holds two reservations: two run, the
+    third waits and then runs; MLX's peak stays under the budget; a request that can never
+    fit gets a 400 with the numbers and what would fit."""
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy counting: no early EOS
+    max_tokens = 64
+    base, one = _predicted_reservation(default_model, 20 + max_tokens)
+    budget = base + 2 * one + one // 2
+    s = Server(tmp_path, "--memory", str(budget), "--prefix-cache-bytes", "0")
+    try:
+        assert s.status()["memory"]["budget_bytes"] == budget
+        results: list = []
+
+        def one_request() -> None:
+            r = s.client().completions.create(
+                model="smollm2-135m", prompt=prompt, max_tokens=max_tokens, temperature=0
+            )
+            results.append(r)
+
+        threads = [threading.Thread(target=one_request) for _ in range(3)]
+        for t in threads:
+            t.start()
+        seen_two_and_one = False
+        deadline = time.monotonic() + 300
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            st = s.status()
+            assert len(st["running"]) <= 2, st
+            assert st["memory"]["reserved_bytes"] <= budget - base, st
+            if len(st["running"]) == 2 and st["waiting"] == 1:
+                seen_two_and_one = True
+            time.sleep(0.05)
+        for t in threads:
+            t.join(60)
+        assert seen_two_and_one
+        assert [r.usage.completion_tokens for r in results] == [max_tokens] * 3
+        st = s.status()
+        assert st["memory"]["peak_bytes"] <= budget, st["memory"]
+
+        r = httpx.post(
+            f"{s.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 8000, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "kv_budget_exceeded" and err["param"] == "max_tokens"
+        assert "GiB of KV cache" in err["message"] and "fits: max_tokens <=" in err["message"]
+        assert "\n" not in err["message"]
+        assert s.status()["refused"]["too_large"] == 1
+    finally:
+        assert s.stop() == 0, s.log()

@@ -165,10 +165,18 @@ def test_view_of_a_status_without_the_new_sections():
 
 def test_view_of_nonsense_reads_zeros():
     v = top_view.view(
-        {"running": [{"id": "x", "kv_bytes": None}, 3], "memory": {"budget_bytes": True}}
+        {
+            "running": [{"id": "x", "kv_bytes": None}, 3],
+            "memory": {"budget_bytes": True},
+            "prefix_cache": {"hits": 2, "disk": [1]},
+            "refused": [],
+            "queue": {"id": 1},
+        }
     )
     assert [(r.id, r.kv_bytes, r.batch_rows) for r in v.running] == [(0, 0, 1)]
     assert v.bar.budget is None
+    assert (v.memory.hits, v.disk.hits, v.queue) == (2, 0, [])
+    assert v.refused == {"busy": 0, "too_large": 0}
 
 
 def test_bar_cells_follow_the_budget():

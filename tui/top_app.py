@@ -34,7 +34,6 @@ class TopApp(App):
         self.interval = interval
         self.status = first
         self.connected = True
-        self.polls = 0  # answers read (tests and the status line count them)
         self._polling = False
         self._client: httpx.AsyncClient | None = None
 
@@ -75,7 +74,6 @@ class TopApp(App):
             self.lost(str(e))
         else:
             self.connected = True
-            self.polls += 1
             self.draw()
         finally:
             self._polling = False

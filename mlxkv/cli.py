@@ -1,4 +1,4 @@
-"""The front door: ``mlxkv chat | plan | generate | batch | serve | models | pull | bench``.
+"""The front door: ``mlxkv chat | top | plan | generate | batch | serve | models | pull | bench``.
 
 Subcommands from higher layers (the chat UI) register themselves as ``mlxkv.commands``
 entry points in pyproject.toml, so this module never imports them by name.

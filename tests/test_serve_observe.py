@@ -31,7 +31,22 @@ WINDOW = {"window": 16, "sinks": 4}  # "sink 4 + window 16": its KV bytes stop g
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-observe"), env={"MLXKV_API_KEY": KEY}, key=KEY)
+    tmp = tmp_path_factory.mktemp("serve-observe")
+    s = Server(
+        tmp,
+        "--prefix-cache-dir",
+        str(tmp / "prefix-cache"),
+        # one answer at a time and none waiting: a second request while one runs gets a 429
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "0",
+        # weights 0.50 GiB + runtime 0.55 GiB leave 0.16 GiB of KV: 8,000 tokens never fit
+        "--memory",
+        "1300MB",
+        env={"MLXKV_API_KEY": KEY},
+        key=KEY,
+    )
     yield s
     code = s.stop()
     assert code == 0, s.log()
@@ -72,31 +87,72 @@ def long_stream(server: Server, max_tokens: int = 400):
         stream.close()
 
 
+def same_as_status(metrics: dict[str, float], status: dict) -> None:
+    """Every figure /metrics exports from the status equals the status' own."""
+    mem, cache = status["memory"], status["prefix_cache"]
+    for key in ("kv_bytes_actual", "kv_bytes_predicted", "reserved_bytes", "weights_bytes"):
+        assert metrics[f"mlxkv_{key}"] == mem[key], key
+    assert metrics["mlxkv_runtime_bytes"] == mem["runtime_bytes"]
+    assert metrics["mlxkv_memory_budget_bytes"] == mem["budget_bytes"] > 0
+    assert metrics["mlxkv_prefix_cache_bytes{tier=memory}"] == mem["prefix_cache_bytes"]
+    assert metrics["mlxkv_requests_waiting"] == status["waiting"]
+    for key in ("entries", "bytes", "limit_bytes"):
+        assert metrics[f"mlxkv_prefix_cache_{key}{{tier=memory}}"] == cache[key], key
+        assert metrics[f"mlxkv_prefix_cache_{key}{{tier=disk}}"] == cache["disk"][key], key
+    assert metrics["mlxkv_prefix_cache_misses_total"] == cache["misses"]
+    assert metrics["mlxkv_prefix_cache_tokens_reused_total"] == cache["tokens_reused"]
+    for key in ("requests_finished", "prompt_tokens_prefilled", "prompt_tokens_cached"):
+        assert metrics[f"mlxkv_{key}_total"] == status[key], key
+    assert metrics["mlxkv_tokens_generated_total"] == status["tokens_generated"]
+    assert metrics["mlxkv_scheduler_steps_total"] == status["steps"]
+
+
 def test_counters_move_by_the_requests(server):
     server.wait_idle()
     before = scrape(server)
     client = server.client()
-    chat = client.chat.completions.create(
-        model="smollm2-135m",
-        messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=8,
-        temperature=0,
+    turn = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(
+        model="smollm2-135m", messages=turn, max_tokens=8, temperature=0
+    )
+    turn += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Spain?"},
+    ]
+    second = client.chat.completions.create(
+        model="smollm2-135m", messages=turn, max_tokens=8, temperature=0
     )
     text = client.completions.create(
         model="smollm2-135m", prompt=COUNTING, max_tokens=6, temperature=0
     )
     status = server.wait_idle()
     after = scrape(server)
+    same_as_status(after, status)
 
     def moved(name: str) -> float:
         return after[name] - before.get(name, 0)
 
-    assert moved("mlxkv_requests_finished_total") == 2
-    assert after["mlxkv_requests_finished_total"] == status["requests_finished"]
-    assert after["mlxkv_scheduler_steps_total"] == status["steps"]
-    assert (chat.usage.completion_tokens, text.usage.completion_tokens) == (8, 6)
+    usages = [r.usage for r in (first, second, text)]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    # the second turn finds the whole first turn (prompt and answer) in the prefix cache
+    assert cached[1] == first.usage.total_tokens
+    assert moved("mlxkv_requests_finished_total") == 3
+    assert moved("mlxkv_tokens_generated_total") == sum(u.completion_tokens for u in usages) == 22
+    assert moved("mlxkv_prompt_tokens_cached_total") == sum(cached)
+    assert moved("mlxkv_prompt_tokens_prefilled_total") == sum(
+        u.prompt_tokens - c for u, c in zip(usages, cached, strict=True)
+    )
+    hits = sum(1 for c in cached if c)
+    assert moved("mlxkv_prefix_cache_hits_total{tier=memory}") == hits
+    assert moved("mlxkv_prefix_cache_misses_total") == 3 - hits
+    assert moved("mlxkv_prefix_cache_tokens_reused_total") == sum(cached)
+    cache = status["prefix_cache"]
+    assert after["mlxkv_prefix_cache_hit_ratio{tier=memory}"] == pytest.approx(
+        (cache["hits"] - cache["disk"]["hits"]) / (cache["hits"] + cache["misses"])
+    )
     assert after["mlxkv_requests_running"] == 0 and after["mlxkv_requests_waiting"] == 0
-    assert after["mlxkv_kv_bytes_actual"] == 0  # nothing runs: no KV held for a request
+    assert after["mlxkv_kv_bytes_actual"] == 0 and after["mlxkv_reserved_bytes"] == 0
+    assert after["mlxkv_prefix_cache_bytes{tier=memory}"] > 0  # the finished turns are kept
 
 
 def test_kv_gauges_equal_the_status_while_a_request_runs(server):
@@ -107,20 +163,40 @@ def test_kv_gauges_equal_the_status_while_a_request_runs(server):
             first = server.status()
             metrics = scrape(server)
             second = server.status()
-            if first["running"] and [r["kv_bytes"] for r in first["running"]] == [
-                r["kv_bytes"] for r in second["running"]
-            ]:
+            if first["running"] and first["memory"] == second["memory"]:
                 break
             time.sleep(0.05)
         else:
             raise AssertionError(f"the status kept changing: {first} {second}")
+    same_as_status(metrics, first)
     (row,) = first["running"]
+    mem = first["memory"]
     assert row["policy"] == "sink 4 + window 16"
-    assert row["kv_bytes"] > 0
-    assert metrics["mlxkv_kv_bytes_actual"] == row["kv_bytes"]
     assert metrics["mlxkv_requests_running"] == 1
-    assert metrics["mlxkv_requests_waiting"] == first["waiting"] == 0
+    assert row["kv_bytes"] == mem["kv_bytes_actual"] == row["kv_bytes_predicted"] > 0
+    # the request's reservation is all that is reserved, and covers what it holds
+    assert row["reserved_bytes"] == mem["reserved_bytes"] >= row["kv_bytes"]
     server.wait_idle()
+
+
+def test_refused_requests_are_counted(server):
+    server.wait_idle()
+    before = scrape(server)
+    client = server.client()
+    with long_stream(server):
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=4)
+    server.wait_idle()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=8000)
+    assert e.value.body["code"] == "kv_budget_exceeded"
+    after = scrape(server)
+    status = server.status()
+    for reason in ("busy", "too_large"):
+        name = f"mlxkv_requests_refused_total{{reason={reason}}}"
+        assert after[name] - before[name] == 1, reason
+        assert after[name] == status["refused"][reason]
+    assert after["mlxkv_memory_budget_bytes"] == 1_300_000_000
 
 
 def test_metrics_need_the_key_and_health_does_not(server):
@@ -208,6 +284,7 @@ def test_top_in_a_terminal_shows_the_running_request(server, tmp_path):
                 time.sleep(0.3)
         assert f"smollm2-135m at {server.url} · policy full" in pane
         assert "█" in pane  # the memory bar
+        assert re.search(r"free \S+ \S+ of budget \S+ \S+", pane)
         assert re.search(r"weights \S+ \S+ +runtime \S+ \S+ +reserved \S+ \S+ \(KV \S+ \S+\)", pane)
         assert "KV actual" in pane and "Prefix cache" in pane
         assert "connected · every 0.3 s · q quits" in pane

@@ -17,7 +17,7 @@ class TopApp(App):
     TITLE = "mlxkv top"
     CSS = """
     #top-body { padding: 0 1; }
-    #top-body Static { margin-bottom: 1; }
+    #top-body Static { margin-bottom: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     #top-body .title { text-style: bold; color: $accent; margin-bottom: 0; }
     #top-conn { height: 1; padding: 0 1; color: $text-muted; }
     #top-conn.lost { color: $error; text-style: bold; }
@@ -34,7 +34,6 @@ class TopApp(App):
         self.interval = interval
         self.status = first
         self.connected = True
-        self.polls = 0  # answers read (tests and the status line count them)
         self._polling = False
         self._client: httpx.AsyncClient | None = None
 
@@ -75,7 +74,6 @@ class TopApp(App):
             self.lost(str(e))
         else:
             self.connected = True
-            self.polls += 1
             self.draw()
         finally:
             self._polling = False

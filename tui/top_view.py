@@ -33,6 +33,7 @@ class RequestRow:
     kv_bytes_predicted: int
     reserved_bytes: int
     batch_rows: int
+    first_in_batch: bool = True  # the batch's bytes are shown on its first row only
 
 
 @dataclass
@@ -120,6 +121,10 @@ def view(status: dict) -> TopView:
         )
         for r in observe.running(status)
     ]
+    left = 0  # rows of the current batch still to come (a batch's rows are listed together)
+    for r in running:
+        r.first_in_batch = left == 0
+        left = (r.batch_rows if left == 0 else left) - 1
     queue = [
         QueueRow(
             id=observe.integer(q, "id"),
@@ -189,7 +194,8 @@ def header(v: TopView, url: str) -> Text:
 
 
 def memory_text(v: TopView, width: int) -> Text:
-    """The bar, its legend, and the KV figures under it."""
+    """The bar, its legend, and the KV and MLX figures under it (lines that fit 80
+    columns)."""
     b = v.bar
     out = Text(no_wrap=True, overflow="ellipsis")
     cells = bar_cells(b, width)
@@ -204,7 +210,8 @@ def memory_text(v: TopView, width: int) -> Text:
     out.append(f"weights {human_bytes(b.weights)}  ", "blue")
     out.append(f"runtime {human_bytes(b.runtime)}  ", "yellow")
     out.append(f"reserved {human_bytes(b.reserved)} ", "dark_cyan")
-    out.append(f"(KV {human_bytes(b.kv)})  ", "bold cyan")
+    out.append(f"(KV {human_bytes(b.kv)})", "bold cyan")
+    out.append("\n")
     out.append(f"prefixes {human_bytes(b.prefixes)}  ", "magenta")
     free = b.free
     if free is None:
@@ -220,10 +227,14 @@ def memory_text(v: TopView, width: int) -> Text:
     out.append(" · predicted ").append(human_bytes(v.kv_bytes_predicted))
     if gap:
         out.append(f" ({gap})", "green" if gap == "exact" else "yellow")
-    out.append(f" · active {human_bytes(v.active_bytes)} · peak {human_bytes(v.peak_bytes)}")
+    out.append("\n")
+    out.append(
+        f"MLX active {human_bytes(v.active_bytes)} · peak {human_bytes(v.peak_bytes)}", "dim"
+    )
     return out
 
 
+DITTO = "″"  # the batch's bytes, as on the row above
 REQUEST_HEAD = (
     f"{'id':>5} {'prompt':>7} {'cached':>7} {'gen':>6} {'KV actual':>10} "
     f"{'predicted':>10} {'reserved':>10}  policy"
@@ -241,15 +252,20 @@ def requests_text(v: TopView) -> Text:
     if not v.running:
         out.append("\n").append("(no request running)", "dim")
     for r in v.running:
-        batch = f" ×{r.batch_rows}" if r.batch_rows > 1 else ""
         out.append("\n")
         out.append(
             f"{r.id:>5} {tokens(r.prompt_tokens):>7} {tokens(r.prompt_tokens_cached):>7} "
             f"{tokens(r.generated):>6} "
         )
-        out.append(f"{human_bytes(r.kv_bytes):>10} ", "cyan")
-        out.append(f"{human_bytes(r.kv_bytes_predicted):>10} {human_bytes(r.reserved_bytes):>10}  ")
-        out.append(r.policy, "yellow").append(batch, "dim")
+        if r.first_in_batch:  # a batch's cache is shared: its bytes are shown once
+            out.append(f"{human_bytes(r.kv_bytes):>10} ", "cyan")
+            out.append(f"{human_bytes(r.kv_bytes_predicted):>10} ")
+        else:
+            out.append(f"{DITTO:>10} {DITTO:>10} ", "dim")
+        out.append(f"{human_bytes(r.reserved_bytes):>10}  ")
+        out.append(r.policy, "yellow")
+        if r.batch_rows > 1 and r.first_in_batch:
+            out.append(f" · batch of {r.batch_rows}", "dim")
     return out
 
 
@@ -300,9 +316,13 @@ def totals_text(v: TopView) -> Text:
     out = Text(no_wrap=True, overflow="ellipsis")
     out.append("Since start ", "bold")
     out.append(
-        f"{tokens(c.get('requests_finished', 0))} requests · "
-        f"{tokens(c.get('prompt_tokens_prefilled', 0))} prompt tokens prefilled, "
-        f"{tokens(c.get('prompt_tokens_cached', 0))} from cache · "
-        f"{tokens(c.get('tokens_generated', 0))} generated · {tokens(c.get('steps', 0))} steps"
+        f"{tokens(c.get('requests_finished', 0))} requests finished · "
+        f"{tokens(c.get('tokens_generated', 0))} tokens generated · "
+        f"{tokens(c.get('steps', 0))} steps\n"
+    )
+    out.append("Prompt tokens ", "bold")
+    out.append(
+        f"{tokens(c.get('prompt_tokens_prefilled', 0))} prefilled, "
+        f"{tokens(c.get('prompt_tokens_cached', 0))} from a cache"
     )
     return out

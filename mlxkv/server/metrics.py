@@ -47,6 +47,14 @@ class StatusCollector:
         s = self.status()
         mem = observe.memory(s)
 
+        info = GaugeMetricFamily(
+            "mlxkv_server_info",
+            "the served model and its default KV policy",
+            labels=["model", "policy"],
+        )
+        info.add_metric([str(s.get("model", "")), str(s.get("policy", ""))], 1)
+        yield info
+
         budget = GaugeMetricFamily(
             "mlxkv_memory_budget_bytes", "bytes the server may use (absent: no budget set)"
         )

@@ -25,14 +25,14 @@ COUNTERS = (  # counters since the server started
 
 def integer(d: dict | None, key: str) -> int:
     """``d[key]`` as an int; a missing key, null or a non-number reads as 0."""
-    value = (d or {}).get(key)
+    value = d.get(key) if isinstance(d, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0
     return int(value)
 
 
 def real(d: dict | None, key: str) -> float:
-    value = (d or {}).get(key)
+    value = d.get(key) if isinstance(d, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0.0
     return float(value)
@@ -67,7 +67,7 @@ def memory(status: dict) -> dict:
     no budget. Without the section the KV bytes are summed from the running batches."""
     section = status.get("memory")
     mem = {k: integer(section, k) for k in MEMORY_KEYS}
-    budget = (section or {}).get("budget_bytes") if isinstance(section, dict) else None
+    budget = section.get("budget_bytes") if isinstance(section, dict) else None
     mem["budget_bytes"] = (
         budget if isinstance(budget, int) and not isinstance(budget, bool) else None
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting: no early EOS
 
 
 class Server:

@@ -10,19 +10,16 @@ import re
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serve_helpers import Server
+from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
-ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
-COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting: no early EOS
 POLICIES = {  # per-request "kv" extension -> the same policy as mlxkv generate flags
     "full": ({}, []),
     "sink+window": ({"window": 16, "sinks": 4}, ["--kv-window", "16", "--kv-sinks", "4"]),

@@ -18,14 +18,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve_helpers import ROOT, Server
+from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
 KEY = "sk-observe-5678"
 QUESTION = "What is the capital of France?"
-COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting: no early EOS
 WINDOW = {"window": 16, "sinks": 4}  # "sink 4 + window 16": its KV bytes stop growing
 
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve_helpers import Server
+from tests.serve_helpers import COUNTING, Server
 
 openai = pytest.importorskip("openai")
 
@@ -138,7 +138,7 @@ def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_mod
     """Three long answers at once under a budget that holds two reservations: two run, the
     third waits and then runs; MLX's peak stays under the budget; a request that can never
     fit gets a 400 with the numbers and what would fit."""
-    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy counting: no early EOS
+    prompt = COUNTING
     max_tokens = 64
     base, one = _predicted_reservation(default_model, 20 + max_tokens)
     budget = base + 2 * one + one // 2

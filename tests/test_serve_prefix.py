@@ -134,47 +134,54 @@ def _predicted_reservation(default_model, tokens: int) -> tuple[int, int]:
     return m.base(), m.reservation(KVPolicy(), tokens)
 
 
+def _three_at_once(server: Server, max_tokens: int) -> tuple[list, list[dict]]:
+    """Three counting completions sent at once; (their responses, /v1/status polled every
+    50 ms while they ran)."""
+    results: list = []
+
+    def one_request() -> None:
+        r = server.client().completions.create(
+            model="smollm2-135m", prompt=COUNTING, max_tokens=max_tokens, temperature=0
+        )
+        results.append(r)
+
+    threads = [threading.Thread(target=one_request) for _ in range(3)]
+    for t in threads:
+        t.start()
+    polls = []
+    deadline = time.monotonic() + 300
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        polls.append(server.status())
+        time.sleep(0.05)
+    for t in threads:
+        t.join(60)
+    assert [r.usage.completion_tokens for r in results] == [max_tokens] * 3
+    return results, polls
+
+
 def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_model, tmp_path):
-    """Three long answers at once under a budget that holds two reservations: two run, the
-    third waits and then runs; MLX's peak stays under the budget; a request that can never
-    fit gets a 400 with the numbers and what would fit."""
-    prompt = COUNTING
+    """Three answers at once under a budget that holds two reservations: two run, the third
+    waits and then runs; the KV MLX holds never passes the reservations nor they the budget,
+    and MLX's peak stays under it; a server without that budget runs all three at once and
+    holds more KV than the budget left room for. A request that can never fit gets a 400
+    with the numbers and what would fit."""
     max_tokens = 64
     base, one = _predicted_reservation(default_model, 20 + max_tokens)
     budget = base + 2 * one + one // 2
-    s = Server(tmp_path, "--memory", str(budget), "--prefix-cache-bytes", "0")
+    s = Server(tmp_path / "admitted", "--memory", str(budget), "--prefix-cache-bytes", "0")
     try:
         assert s.status()["memory"]["budget_bytes"] == budget
-        results: list = []
-
-        def one_request() -> None:
-            r = s.client().completions.create(
-                model="smollm2-135m", prompt=prompt, max_tokens=max_tokens, temperature=0
-            )
-            results.append(r)
-
-        threads = [threading.Thread(target=one_request) for _ in range(3)]
-        for t in threads:
-            t.start()
-        seen_two_and_one = False
-        deadline = time.monotonic() + 300
-        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            st = s.status()
+        _, polls = _three_at_once(s, max_tokens)
+        for st in polls:
+            m = st["memory"]
             assert len(st["running"]) <= 2, st
-            assert st["memory"]["reserved_bytes"] <= budget - base, st
-            if len(st["running"]) == 2 and st["waiting"] == 1:
-                seen_two_and_one = True
-            time.sleep(0.05)
-        for t in threads:
-            t.join(60)
-        assert seen_two_and_one
-        assert [r.usage.completion_tokens for r in results] == [max_tokens] * 3
-        st = s.status()
-        assert st["memory"]["peak_bytes"] <= budget, st["memory"]
+            assert m["kv_bytes_actual"] <= m["reserved_bytes"] <= budget - base, st
+        assert any(len(st["running"]) == 2 and st["waiting"] == 1 for st in polls)
+        assert s.status()["memory"]["peak_bytes"] <= budget
 
         r = httpx.post(
             f"{s.url}/v1/completions",
-            json={"prompt": prompt, "max_tokens": 8000, "temperature": 0},
+            json={"prompt": COUNTING, "max_tokens": 8000, "temperature": 0},
             timeout=60,
         )
         assert r.status_code == 400, r.text
@@ -185,3 +192,11 @@ def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_mod
         assert s.status()["refused"]["too_large"] == 1
     finally:
         assert s.stop() == 0, s.log()
+
+    unbounded = Server(tmp_path / "unbounded", "--prefix-cache-bytes", "0")
+    try:
+        _, polls = _three_at_once(unbounded, max_tokens)
+        assert max(len(st["running"]) for st in polls) == 3
+        assert max(st["memory"]["kv_bytes_actual"] for st in polls) > budget - base
+    finally:
+        assert unbounded.stop() == 0, unbounded.log()

@@ -660,8 +660,21 @@ class Scheduler:
         tokens = job.ids[:-1]
         if not all(always_exact(c) for c in job.caches):
             job.checkpoint = Checkpoint(list(tokens), snapshot(job.caches))
-        if job.cached < len(tokens):
+        if job.cached < len(tokens) and self._room_for_a_copy(job):
             self.prefix.put(job.policy, tokens, copy_caches(job.caches), job.checkpoint)
+
+    def _room_for_a_copy(self, job: _Job) -> bool:
+        """Whether a copy of ``job``'s caches may be kept beside it: the copy shares their
+        buffers until the next write, then costs their bytes again, on top of the
+        reservations (a finished request's caches, kept at its end, come out of its own)."""
+        m = self.memory
+        if m is None or m.budget is None:
+            return True
+        need = sum(c.nbytes for c in job.caches)
+        free = m.budget - m.base() - self._reserved() - self.prefix.nbytes
+        if need > free:
+            free += self.prefix.make_room(need - free)
+        return need <= free
 
     def _fresh_caches(self, job: _Job) -> tuple[list, int]:
         from mlxkv.caches import make_caches

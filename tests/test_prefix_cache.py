@@ -131,7 +131,7 @@ def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(defau
     save_held(other, entry.caches, entry.tokens, entry.checkpoint, meta)
     planted = {p.name: p.read_bytes() for p in (junk, other)}
 
-    one = entry.nbytes
+    one = sum(c.nbytes for c in entry.caches)  # an entry without its turn-boundary copy
     disk = DiskTier(tmp_path, 2 * one + one // 2, identity, log.append)
     assert disk.files == {}
     assert any("skipped junk.safetensors" in line for line in log)

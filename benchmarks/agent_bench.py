@@ -1,7 +1,7 @@
 """An agent workload against ``mlxkv serve`` and ``mlx_lm.server``, interleaved.
 
     python benchmarks/agent_bench.py [--conversations 8] [--turns 10] [--start 2000]
-        [--step 200] [--max-tokens 16] [--rounds 1] [--budgets room,tight]
+        [--step 200] [--max-tokens 16] [--rounds 1] [--budgets room,tight] [--no-disk]
         [--corpus ../shared/data/austen.txt] [--workdir DIR] [--json OUT.json]
 
 See ``mlxkv/bench/agent.py`` for the workload and what is measured. Prints one JSON line
@@ -31,6 +31,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--budgets", default="room,tight")
+    p.add_argument(
+        "--no-disk", action="store_true", help="mlxkv's memory tier alone in the tight run"
+    )
     here = Path(__file__).resolve().parents[1]
     p.add_argument("--corpus", type=Path, default=here.parent / "shared" / "data" / "austen.txt")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxkv-agent")
@@ -46,6 +49,7 @@ def main() -> None:
         max_tokens=args.max_tokens,
         rounds=args.rounds,
         budgets=tuple(args.budgets.split(",")),
+        disk=not args.no_disk,
     )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -15,7 +15,9 @@ hit rate (cached / prompt tokens over turns 2+), peak resident memory of the ser
 Budgets: ``room`` gives both prefix caches room for every conversation; ``tight`` gives
 both the same byte cap (``--prefix-cache-bytes`` / ``--prompt-cache-bytes``) sized to hold
 about a quarter of the conversations' full-precision caches; mlxkv serves that run under
-``--kv-bits 4`` (its entries are about 4x smaller, so the same bytes hold more).
+``--kv-bits 4`` (its entries are about 4x smaller, so the same bytes hold more) with its
+disk tier (entries evicted from memory are read back from files instead of prefilled
+again; ``disk=False`` measures the memory tier alone).
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ def summary(run: dict) -> dict:
     }
 
 
-def servers(model: Path, workdir: Path, budget: str, cap: int | None) -> list[ServerProcess]:
+def servers(
+    model: Path, workdir: Path, budget: str, cap: int | None, disk: bool
+) -> list[ServerProcess]:
     p1, p2 = free_port(), free_port()
     mine = [sys.executable, "-m", "mlxkv", "serve", str(model), "--port", str(p1)]
     mine += ["--no-access-log", "--prefix-cache-dir", str(workdir / f"prefixes-{budget}")]
@@ -133,7 +137,8 @@ def servers(model: Path, workdir: Path, budget: str, cap: int | None) -> list[Se
     theirs += ["--log-level", "WARNING"]
     if cap is not None:
         mine += ["--prefix-cache-bytes", str(cap), "--kv-bits", "4"]
-        mine += ["--prefix-cache-disk-bytes", "0"]  # the memory tier alone, like mlx_lm's
+        if not disk:
+            mine += ["--prefix-cache-disk-bytes", "0"]  # the memory tier alone, like mlx_lm's
         theirs += ["--prompt-cache-bytes", str(cap)]
     return [
         ServerProcess("mlxkv serve", mine, p1, workdir / f"mlxkv-{budget}.log", model.name),
@@ -157,6 +162,7 @@ def run(
     max_tokens: int = 16,
     rounds: int = 1,
     budgets: tuple[str, ...] = ("room", "tight"),
+    disk: bool = True,
     on_run=print,
 ) -> list[dict]:
     from mlxkv.models.loader import load
@@ -171,7 +177,7 @@ def run(
     results = []
     for budget in budgets:
         cap = None if budget == "room" else max(per_conv * conversations // 4, 1)
-        procs = servers(model, workdir, budget, cap)
+        procs = servers(model, workdir, budget, cap, disk)
         try:
             for p in procs:
                 p.wait_ready()

@@ -155,6 +155,7 @@ class _Job:
         self.started = self.first_token = 0.0
         self.prompt_tps = self.generation_tps = 0.0
         self.group: _Group | None = None
+        self.row = 0  # its row in its group's batched caches (set every decode step)
         self.limit_tokens = self.total  # prompt + the most answer tokens (the reservation's)
         self.reserved = 0  # KV bytes reserved for it alone
         self.keep = False  # its caches go to the prefix cache when it ends
@@ -792,7 +793,8 @@ class Scheduler:
             self.observer(g.policy, g.caches)
         g.inputs = sampled
         ended = []
-        for r, token, lp in zip(rows, fed, lps, strict=True):
+        for i, (r, token, lp) in enumerate(zip(rows, fed, lps, strict=True)):
+            r.row = i
             if r.session is not None:
                 r.session.tokens.append(token)
             if r.keep:
@@ -929,8 +931,7 @@ class Scheduler:
         from mlxkv.memory.predictor import batch_allocated
 
         c = next((c for c in g.caches if hasattr(c, "n")), None)
-        row = g.rows.index(job) if job in g.rows else 0
-        seen = c.n[row] if c is not None else 0
+        seen = c.n[job.row] if c is not None and job.row < len(c.n) else 0
         limit = c.limit if c is not None else None
         kept = seen if limit is None else min(seen, limit)
         if g.kv_bytes is None or g.kv_bytes[0] != self.steps:  # once per step, not per row

@@ -118,11 +118,14 @@ class Session:
         weights, tokenizer; never its name), the policy and the dtype."""
         from mlxkv.models.identity import model_identity
 
-        return {
+        ident = {
             "model_id": model_identity(self.loaded.path),
             "policy": self.policy.to_dict(),
             "dtype": self.loaded.dtype,
         }
+        if getattr(self.loaded, "packed", False):  # the GPU rule: other weights, other KV
+            ident["weights"] = "packed"
+        return ident
 
     def save_cache(self, path) -> None:
         """Write the caches, their token ids and the turn-boundary copy to ``path``

@@ -18,8 +18,9 @@ run a fresh cache:
 * MLX's peak memory in mlxkv's first run against what ``plan`` predicts for the same
   model, context and policy (weights + KV + activations + logits: the parts MLX
   allocates; ``plan``'s fixed runtime overhead is outside MLX's counter);
-* batch: 16 rows prefilled alone at the first context, merged, decoded together
-  (mlxkv's batched caches), against one row at a time (the single decode above).
+* batch: 16 rows prefilled alone at the shortest context (if at most 4,096), merged,
+  decoded together (mlxkv's batched caches), against one row at a time (the single
+  decode above).
 
 ``quick`` is a tiny model of the same family (2 layers, hidden 128, head_dim 64) at contexts
 256 and 1,024, 4 decode tokens, 2 rows in the batch: small enough for a CPU run in seconds
@@ -75,6 +76,7 @@ KEPT, SINKS = 4096, 4  # bounded caches keep sink 4 + window 4092
 QUICK_KEPT = 128
 CHUNK = 512
 BATCH = 16
+BATCH_MAX_CONTEXT = 4096  # 16 full rows of 128k would not fit a GPU: batch at short contexts
 GROUP_SIZE = 64  # weights, as mlx_lm.convert -q
 
 
@@ -325,7 +327,7 @@ def run(s: Settings, log=print) -> dict:
                         row.prefill[side].append(p)
                         row.decode[side].append(d)
                         row.kv_bytes[side] = nbytes
-                if context == s.contexts[0] and s.batch > 1:
+                if context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1:
                     row.batch_tps = _batch_tps(model, ours.factory(model), ids, s.decode, s.batch)
                 log(_line(row))
                 rows.append(row)

@@ -40,6 +40,7 @@ def _check(result: dict, contexts, policies, weights) -> None:
         policy = configs[r["policy"]].policy
         want = layers * pb.allocated_bytes(policy, kv_heads, 64, 64, 2, seen, 1)
         assert r["kv_bytes"]["mlxkv"] == want, r["policy"]
+        assert r["plan"]["weights"] == r["weight_bytes"]  # plan --weight-bits 4 is nn.quantize's
         assert r["peak_bytes"] > r["weight_bytes"] and r["plan"]["mlx"] > r["plan"]["weights"]
         assert 0 < r["bound_fraction"] and r["decode_ratio"] > 0
         assert (r["batch_tps"] is not None) == (r["context"] == min(contexts))

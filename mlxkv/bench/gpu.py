@@ -393,6 +393,10 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
     }
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def markdown(result: dict) -> str:
     """The result as a markdown table (tok/s medians over rounds)."""
     bw = result["bandwidth_bytes_per_s"] / 1e9
@@ -407,9 +411,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         p, d = r["prefill_tps"], r["decode_tps"]
         batch = f"{r['batch_speedup']:.1f}" if r["batch_speedup"] else ""
-        plan = r["plan"]["mlx"] / 2**30
         peak = (
-            f"{r['peak_bytes'] / 2**30:.2f} / {plan:.2f} GiB ({r['peak_over_plan']:.3f})"
+            f"{_size(r['peak_bytes'])} / {_size(r['plan']['mlx'])} ({r['peak_over_plan']:.3f})"
             if r["peak_over_plan"]
             else ""
         )

@@ -92,3 +92,19 @@ def test_cuda_fused_attention_needs_half_precision_activations(capsys):
     argv = ["--backend", "cuda", "--memory", "80GB", "--kv-dtype", "float32"]
     _, d = plan_json(capsys, LLAMA31, *argv)
     assert d["backend"] == "cuda" and not d["fused_attention"]  # scores held, as on the CPU
+
+
+def test_a_cuda_wheel_without_a_usable_gpu_is_the_cpu(monkeypatch):
+    """mlx-cuda installed where MLX cannot use a GPU (no driver, or the CPU as default)."""
+    import mlx.core as mx
+
+    from mlxkv.memory import dtypes
+
+    monkeypatch.setattr(dtypes, "_cuda_wheel", lambda: True)
+    assert dtypes.backend() == "cpu"  # this machine: MLX sees no CUDA device
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert dtypes.backend() == "cpu"  # the default device is the CPU
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert dtypes.backend() == "cuda"
+    monkeypatch.setenv("MLXKV_DEVICE", "cpu")
+    assert dtypes.backend() == "cpu"

@@ -86,12 +86,12 @@ def _cuda_default() -> bool:
     """MLX was built with CUDA, sees a GPU, and the GPU is its default device."""
     if "mlx.core" not in sys.modules and not _cuda_wheel():
         return False
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
     try:
+        import mlx.core as mx
+
+        cuda = getattr(mx, "cuda", None)
         return bool(cuda and cuda.is_available()) and mx.default_device() == mx.gpu
-    except (RuntimeError, ValueError):  # a CUDA build that cannot reach its driver
+    except (ImportError, OSError, RuntimeError, ValueError):  # no driver or CUDA libraries
         return False
 
 

@@ -295,6 +295,7 @@ def run(s: Settings, log=print) -> dict:
     from mlxkv.bench.configs import all_configs
 
     on = use_device(s.device)
+    load_before = _loadavg()
     configs = all_configs(s.kept, SINKS)
     bandwidth = copy_bandwidth((1 << 30) if s.device == "gpu" else (256 << 20))
     log(f"device copy bandwidth {bandwidth / 1e9:.1f} GB/s ({on})")
@@ -333,7 +334,21 @@ def run(s: Settings, log=print) -> dict:
                 rows.append(row)
         del model
         mx.clear_cache()
-    return report(s, rows, bandwidth, weight_sizes, on)
+    result = report(s, rows, bandwidth, weight_sizes, on)
+    info = mx.device_info()
+    result["device_info"] = {k: v for k, v in info.items() if isinstance(v, str | int)}
+    result["mlx_version"] = mx.__version__
+    result["loadavg"] = [load_before, _loadavg()]
+    return result
+
+
+def _loadavg() -> str | None:
+    """The 1-minute load average (what the other work on the machine was doing)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return None
 
 
 def _med(xs) -> float:
@@ -400,9 +415,12 @@ def _size(n: int) -> str:
 def markdown(result: dict) -> str:
     """The result as a markdown table (tok/s medians over rounds)."""
     bw = result["bandwidth_bytes_per_s"] / 1e9
+    name = result.get("device_info", {}).get("device_name", "")
+    load = result.get("loadavg") or [None, None]
     lines = [
-        f"{result['model']} on {result['device']}, device copy {bw:.1f} GB/s, "
-        f"{result['decode_tokens']} decode tokens, {result['rounds']} round(s)",
+        f"{result['model']} on {result['device']} ({name}, mlx {result.get('mlx_version')}), "
+        f"device copy {bw:.1f} GB/s, {result['decode_tokens']} decode tokens, "
+        f"{result['rounds']} round(s), load average {load[0]} at the start, {load[1]} at the end",
         "",
         "| weights | context | policy (mlx-lm peer) | prefill tok/s | decode tok/s | "
         "decode ratio | of bound | batch x | peak / plan |",

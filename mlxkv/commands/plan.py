@@ -288,7 +288,7 @@ def render(est, suggestions=None) -> str:
         verdict += (", but" if d["fits"] else ", and") + " past the trained context (below)"
     attention = "fused attention, no score matrix" if d["fused_attention"] else "scores held"
     available = d["available_source"]
-    if d["memory_total_bytes"] and s.backend == "metal":
+    if d["memory_total_bytes"] and s.backend in ("metal", "cuda"):
         available += f", of {d['memory_total_bytes'] / 2**30:.0f} GiB"
     out += [
         "",

@@ -21,6 +21,13 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
 
 
+def _gpu_machine() -> bool:
+    from mlxkv.memory import dtypes
+
+    return dtypes.backend() != "cpu"
+
+
+@pytest.mark.skipif(_gpu_machine(), reason="this machine runs MLX on a GPU")
 def test_backend_on_this_machine_is_cpu_without_importing_mlx():
     code = (
         "import sys; from mlxkv.memory.dtypes import backend; "
@@ -94,6 +101,7 @@ def test_cuda_fused_attention_needs_half_precision_activations(capsys):
     assert d["backend"] == "cuda" and not d["fused_attention"]  # scores held, as on the CPU
 
 
+@pytest.mark.skipif(_gpu_machine(), reason="this machine runs MLX on a GPU")
 def test_a_cuda_wheel_without_a_usable_gpu_is_the_cpu(monkeypatch):
     """mlx-cuda installed where MLX cannot use a GPU (no driver, or the CPU as default)."""
     import mlx.core as mx

@@ -92,3 +92,25 @@ def test_refusals_are_one_line(args, words):
 def _gpu_here(args):
     argv = [sys.executable, str(SCRIPT), "--quick", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q4"])
+def test_the_8b_model_is_what_plan_predicts(weights):
+    """The full-size model, built lazily (nothing allocated): its weight bytes are plan's,
+    its KV per token Llama-3.1-8B's 131,072 B in bfloat16."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from mlxkv.bench.gpu import GROUP_SIZE, LLAMA31_8B, plan_parts
+    from mlxkv.policy import KVPolicy
+
+    model = llama.Model(llama.ModelArgs.from_dict(LLAMA31_8B))
+    model.set_dtype(mx.bfloat16)
+    if weights == "q4":
+        nn.quantize(model, group_size=GROUP_SIZE, bits=4)
+    lazy = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    plan = plan_parts(LLAMA31_8B, weights, KVPolicy(), 32768, "cuda")
+    assert plan["weights"] == lazy
+    assert plan["kv"] == 32768 * 131072 and plan["fused_attention"]

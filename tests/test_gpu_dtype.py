@@ -182,3 +182,15 @@ def test_engine_predicts_the_bfloat16_kv_at_every_event(shallow):
     stats = [ev.stats for ev in events if isinstance(ev, PrefillProgress | TokenDelta | Finished)]
     assert stats and all(s.kv_bytes_actual == s.kv_bytes_predicted for s in stats)
     assert isinstance(events[-1], Finished)
+
+
+def test_a_prompt_cache_from_packed_weights_is_refused_by_other_weights(shallow, tmp_path):
+    from mlxkv.caches import CacheError
+
+    session = Session(shallow)
+    list(session.run("Hi", GenerationSettings(max_tokens=1)))
+    session.save_cache(tmp_path / "c.safetensors")
+    Session(shallow).load_cache(tmp_path / "c.safetensors")  # the same weights: taken
+    plain = dataclasses.replace(shallow, packed=False)  # same dtype, dequantized weights
+    with pytest.raises(CacheError, match="weights"):
+        Session(plain).load_cache(tmp_path / "c.safetensors")

@@ -118,14 +118,14 @@ class Session:
         weights, tokenizer; never its name), the policy and the dtype."""
         from mlxkv.models.identity import model_identity
 
-        ident = {
+        return {
             "model_id": model_identity(self.loaded.path),
             "policy": self.policy.to_dict(),
             "dtype": self.loaded.dtype,
+            # the GPU rule keeps quantized layers packed: other weights, other KV. None (what
+            # a file from before this key reads as) for dequantized weights.
+            "weights": "packed" if getattr(self.loaded, "packed", False) else None,
         }
-        if getattr(self.loaded, "packed", False):  # the GPU rule: other weights, other KV
-            ident["weights"] = "packed"
-        return ident
 
     def save_cache(self, path) -> None:
         """Write the caches, their token ids and the turn-boundary copy to ``path``

@@ -1,7 +1,8 @@
 """Prefill and decode speed of the default model under mlxkv's CPU defaults vs stock.
 
-stock   = weights as stored (Q4_1/Q8_0 -> MLX quantized) + the mlx-cpu wheel's reference BLAS
-          (what mlx-lm does out of the box on Linux)
+stock   = ``--dtype native``: packed weights (Q4_1/Q8_0 -> MLX quantized) in the checkpoint's
+          dtype (the GPU rule, docs/gpu.md) + the mlx-cpu wheel's reference BLAS (what
+          mlx-lm does out of the box on Linux with an MLX checkpoint)
 mlxkv   = float32 weights + Debian OpenBLAS (mlxkv's default when OpenBLAS is installed)
 
 Runs ``mlxkv generate --json`` in fresh processes, interleaved, and prints medians.

@@ -238,3 +238,14 @@ def greedy(model, prompt, caches, steps: int, prefill_chunks=None) -> list[int]:
         out.append(y.item())
         logits = model(y[None], cache=caches)[:, -1]
     return out
+
+
+def gpu_rule(model, group_size: int = 32):
+    """``model`` as a GPU runs it (docs/gpu.md): linear and embedding layers packed to 4 bits,
+    every other floating parameter, and so activations and KV, in bfloat16."""
+    import mlx.nn as nn
+
+    nn.quantize(model, group_size=group_size, bits=4)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model

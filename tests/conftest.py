@@ -75,3 +75,13 @@ def preloaded(monkeypatch, default_model):
 
     monkeypatch.setattr("mlxkv.engine.loading.open_model", fake_open)
     return loads
+
+
+@pytest.fixture(scope="session")
+def gpu_model(default_model_path):
+    """The default model under the GPU dtype rule, run on the CPU: its Q4_1 layers kept
+    packed (MLX 4-bit, group 32), every other floating parameter and so the activations and
+    the KV cache in bfloat16 (what Metal and CUDA run; docs/gpu.md)."""
+    from mlxkv.models.loader import load
+
+    return load(default_model_path, "bfloat16", packed=True)

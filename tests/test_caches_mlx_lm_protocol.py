@@ -60,7 +60,7 @@ from mlxkv.caches.attention import routed_attention
 from mlxkv.caches.build import check_policy
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.policy import KVPolicy, PolicyError
-from tests._caches_ref import feed, tiny_llama
+from tests._caches_ref import feed, gpu_rule, tiny_llama
 from tests.test_caches_build import build_family
 
 POLICIES = [
@@ -97,6 +97,17 @@ def test_mlx_lm_save_load_round_trip(model, policy, tmp_path):
     a = feed(model, B[:12], caches, [5, 1, 1, 5])
     b = feed(model, B[:12], loaded, [5, 1, 1, 5])
     assert mx.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def gpu_tiny():
+    return gpu_rule(tiny_llama(layers=2))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_mlx_lm_save_load_round_trip_under_the_gpu_rule(gpu_tiny, policy, tmp_path):
+    """The same, in bfloat16 with packed 4-bit weights (docs/gpu.md): still bit for bit."""
+    test_mlx_lm_save_load_round_trip(gpu_tiny, policy, tmp_path)
 
 
 def test_loaded_sink_cache_keeps_window_sinks_rotation(model, tmp_path):

@@ -73,14 +73,14 @@ def _row(dim: int, bits: int | None, group_size: int, b: int) -> int:
     return dim * bits // 32 * 4 + 2 * (dim // group_size) * b
 
 
-def expected_logical(c, policy: KVPolicy, spec) -> int:
+def expected_logical(c, policy: KVPolicy, spec, b: int = 4) -> int:
     """Kept tokens x bytes per token, from the cache object itself (+ fixed states).
 
     ``spec`` (the probed layout entry) only supplies the head dims of a quantized cache.
     """
     name = type(c).__name__
     if name == "CacheList":
-        return sum(expected_logical(x, KVPolicy(), spec) for x in c.caches)
+        return sum(expected_logical(x, KVPolicy(), spec, b) for x in c.caches)
     if name == "ArraysCache":
         return c.nbytes
     held = c.values if name == "KiviKVCache" else c.keys  # KIVI keys are stored transposed
@@ -89,8 +89,8 @@ def expected_logical(c, policy: KVPolicy, spec) -> int:
     if hasattr(c, "kept"):  # mlxkv's caches count the tokens they keep
         k = held[0] if isinstance(held, (tuple, list)) else held
         batch, heads = k.shape[0], k.shape[1]
-        row = _row(spec.k_head_dim, policy.key_bits, policy.group_size, 4) + _row(
-            spec.v_head_dim, policy.value_bits, policy.value_group_size, 4
+        row = _row(spec.k_head_dim, policy.key_bits, policy.group_size, b) + _row(
+            spec.v_head_dim, policy.value_bits, policy.value_group_size, b
         )
         return c.kept * batch * heads * row
     per_token = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
@@ -102,17 +102,29 @@ def expected_logical(c, policy: KVPolicy, spec) -> int:
     return kept * per_token
 
 
-def _build(family: str):
+def _build(family: str, rule: str = "float32"):
+    """The family's model; under the ``gpu`` rule in bfloat16 with its linear and embedding
+    layers packed to 4 bits (group 32) where their width allows, as a GPU runs it."""
     config = FAMILIES[family]
     mod = importlib.import_module(f"mlx_lm.models.{module_name(config)}")
     model = mod.Model(mod.ModelArgs.from_dict(config))
     model.eval()
+    if rule == "gpu":
+        import mlx.nn as nn
+
+        def packable(_, m):  # linear, embedding and expert (SwitchLinear) layers
+            weight = getattr(m, "weight", None)
+            return hasattr(m, "to_quantized") and weight is not None and weight.shape[-1] % 32 == 0
+
+        nn.quantize(model, group_size=32, bits=4, class_predicate=packable)
+        model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     return model, probe(config)
 
 
-def _run(model, layout, caches, policy, runtime, batch, calls):
-    pred = KVPredictor(layout, policy, batch=batch, kv_dtype="float32", runtime=runtime)
+def _run(model, layout, caches, policy, runtime, batch, calls, kv_dtype="float32"):
+    b = 2 if kv_dtype == "bfloat16" else 4
+    pred = KVPredictor(layout, policy, batch=batch, kv_dtype=kv_dtype, runtime=runtime)
     assert pred.snapshot().allocated == 0
     for n in calls:
         model(mx.random.randint(0, 100, (batch, n)), cache=caches)
@@ -122,7 +134,7 @@ def _run(model, layout, caches, policy, runtime, batch, calls):
         where = f"{runtime} {policy.describe()} batch {batch} after {pred.tokens_seen} tokens"
         assert snap.allocated == actual, where
         logical = sum(
-            expected_logical(c, policy, layer.parts[0])
+            expected_logical(c, policy, layer.parts[0], b)
             for c, layer in zip(caches, layout.layers, strict=True)
         )
         assert snap.logical == logical, where
@@ -148,3 +160,34 @@ def test_exact_bytes(family):
             continue  # refused up front (tests/test_caches_build.py covers the refusals)
         for batch, calls in POLICY_RUNS:
             _run(model, layout, make_caches(model, policy), policy, "mlxkv", batch, calls)
+
+
+# The GPU rule on a few families (GQA, sliding + global layers with learned sinks and
+# experts, MLA, SSM; llama runs it on the default model in test_gpu_dtype.py); every other
+# family under it: -m slow.
+GPU_CORE = {"qwen3", "gpt_oss", "deepseek_v3", "mamba2"}
+
+
+def _gpu_params():
+    for fam in sorted(FAMILIES):
+        marks = () if fam in GPU_CORE else (pytest.mark.slow,)
+        yield pytest.param(fam, marks=marks, id=fam)
+
+
+@pytest.mark.parametrize("family", list(_gpu_params()))
+def test_exact_bytes_under_the_gpu_rule(family):
+    """bfloat16 activations and KV, packed 4-bit weights: the prediction in bfloat16 is
+    what MLX holds, to the byte, for mlx-lm's caches and ours."""
+    from mlxkv.caches import check_policy, make_caches
+
+    model, layout = _build(family, "gpu")
+    batch, calls = NATIVE_RUNS[0]
+    _run(model, layout, make_prompt_cache(model), KVPolicy(), "mlx-lm", batch, calls, "bfloat16")
+    for policy in POLICIES:
+        try:
+            check_policy(model, policy)
+        except PolicyError:
+            continue
+        for batch, calls in POLICY_RUNS:
+            caches = make_caches(model, policy)
+            _run(model, layout, caches, policy, "mlxkv", batch, calls, "bfloat16")

@@ -390,7 +390,7 @@ def test_fit_offers_keys_4_values_2_where_the_policy_splits_widths(capsys):
 
 def test_bad_backend_or_weight_bits_is_one_line(capsys):
     for argv, words in (
-        (["--backend", "cuda"], "--backend must be one of metal, cpu"),
+        (["--backend", "rocm"], "--backend must be one of metal, cuda, cpu"),
         (["--backend", "metal", "--memory", "16GB", "--weight-bits", "7"], "--weight-bits"),
         (["--chart", "memory.svg"], "ending in .png"),
     ):

@@ -21,8 +21,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=("auto", "native", "float32", "float16", "bfloat16"),
-        help="weight dtype; auto = float32 on the CPU backend, the checkpoint's on Metal; "
-        "native = as stored (quantized stays quantized, like mlx-lm)",
+        help="weight dtype; auto = float32 (dequantized) on the CPU backend, on a GPU "
+        "(Metal, CUDA) the checkpoint's dtype with quantized weights kept packed, like "
+        "mlx-lm; native = that GPU rule on any backend; float32/float16/bfloat16 = that "
+        "dtype (packed on a GPU, dequantized on the CPU)",
     )
     p.add_argument(
         "--force", action="store_true", help="load even if the memory check says it won't fit"

@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: what this machine reports); with --backend metal, the Mac's RAM (16GB = a "
       "16 GB Mac, planned against Metal's recommended working set: 2/3 of RAM up to 36 GB, "
       "3/4 above)")  # fmt: skip
-    a("--backend", metavar="metal|cpu", help="plan for Apple Silicon (metal: checkpoint dtype, "
-      "packed quantized weights, fused attention) or MLX's CPU backend (float32); "
+    a("--backend", metavar="metal|cuda|cpu", help="plan for Apple Silicon (metal: checkpoint "
+      "dtype, packed quantized weights, fused attention), an NVIDIA GPU (cuda: the same "
+      "dtype rule; memory: the GPU's) or MLX's CPU backend (float32); "
       "default: this machine's")  # fmt: skip
     a("--weight-bits", metavar="b", help="plan the model as an MLX conversion with weights "
       "quantized to b bits (mlx_lm.convert -q --q-bits b, group 64)")  # fmt: skip
@@ -287,7 +288,7 @@ def render(est, suggestions=None) -> str:
         verdict += (", but" if d["fits"] else ", and") + " past the trained context (below)"
     attention = "fused attention, no score matrix" if d["fused_attention"] else "scores held"
     available = d["available_source"]
-    if d["memory_total_bytes"] and s.backend == "metal":
+    if d["memory_total_bytes"] and s.backend in ("metal", "cuda"):
         available += f", of {d['memory_total_bytes'] / 2**30:.0f} GiB"
     out += [
         "",

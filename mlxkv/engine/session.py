@@ -117,6 +117,9 @@ class Session:
             "model_id": model_identity(self.loaded.path),
             "policy": self.policy.to_dict(),
             "dtype": self.loaded.dtype,
+            # the GPU rule keeps quantized layers packed: other weights, other KV. None (what
+            # a file from before this key reads as) for dequantized weights.
+            "weights": "packed" if getattr(self.loaded, "packed", False) else None,
         }
 
     def save_cache(self, path) -> None:

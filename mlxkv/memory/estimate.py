@@ -9,7 +9,7 @@ from mlxkv.errors import UserError
 from mlxkv.memory.budget import Budget, Setting, budget, gib, max_batch, max_context
 from mlxkv.memory.config import BadInput, validate
 from mlxkv.memory.context import past_trained_context, trained_context
-from mlxkv.memory.dtypes import backend, default_kv_dtype, default_weight_dtype
+from mlxkv.memory.dtypes import BACKENDS, backend, default_kv_dtype, default_weight_dtype, is_gpu
 from mlxkv.memory.layout import Layout
 from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.memory.system import SystemMemory, system_memory
@@ -18,7 +18,6 @@ from mlxkv.memory.working_set import WiredAdvice, load_wired_limit, wired_advice
 from mlxkv.policy import KVPolicy, PolicyError
 
 DEFAULT_CONTEXT = 4096
-BACKENDS = ("metal", "cpu")
 
 
 @dataclass
@@ -130,7 +129,7 @@ def estimate_model(
     on: str | None = None,
     weight_bits: int | None = None,
 ) -> Estimate:
-    """``on``: "metal" or "cpu" (default: this machine's backend); ``weight_bits``: plan
+    """``on``: "metal", "cuda" or "cpu" (default: this machine's backend); ``weight_bits``: plan
     the model as ``mlx_lm.convert -q --q-bits b`` (group 64) would store it."""
     from mlxkv.memory.store import layout_for
 
@@ -145,7 +144,7 @@ def estimate_model(
     layout = layout_for(config)
     check_policy(layout, policy)
     wdtype = default_weight_dtype(config, on)
-    dequantize = on == "cpu"  # mlxkv.models.loader: float32, dequantized, on the CPU
+    dequantize = not is_gpu(on)  # mlxkv.models.loader.weight_rule: float32, dequantized
     notes: list[str] = []
     if weight_bits is None:
         weights = _weights(src, layout, wdtype, dequantize, notes)

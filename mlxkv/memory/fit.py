@@ -256,14 +256,16 @@ def suggest(est: Estimate) -> list[Suggestion]:
     search.shape()
     search.hosts()
     facts = est.layout.facts
-    if est.setting.backend == "metal" and not facts.quantized and est.weight_bits is None:
-        # The Mac keeps quantized weights packed: an MLX conversion shrinks what is resident.
-        from mlxkv.memory.dtypes import default_weight_dtype
+    from mlxkv.memory.dtypes import default_weight_dtype, is_gpu
+
+    on = est.setting.backend
+    if is_gpu(on) and not facts.quantized and est.weight_bits is None:
+        # A GPU keeps quantized weights packed: an MLX conversion shrinks what is resident.
         from mlxkv.memory.store import layout_for
 
         config = with_weight_bits(est.source.config, WEIGHT_BITS)
         layout = layout_for(config)
-        weights = from_layout(layout.facts, default_weight_dtype(config, "metal"), False)
+        weights = from_layout(layout.facts, default_weight_dtype(config, on), False)
         search.policies(layout, weights, WEIGHT_BITS, ["--weight-bits", str(WEIGHT_BITS)])
     ranked = sorted(
         search.found.values(),

@@ -20,6 +20,14 @@ NAX hardware past 1,024 queries); for decoding (query length <= 8) equal head di
 96, 128, 256}, or 192/128. Everywhere else, and on the CPU backend (no fused kernel at
 all: "the fused kernels require a GPU (Metal) stream"), MLX's fallback computes
 ``softmax(q @ k.T)`` and holds chunk x heads x span scores in the activation dtype.
+
+On CUDA (``mlx-cuda``) a prefill chunk goes to cuDNN's fused attention when
+``supports_sdpa_cudnn`` allows it (mlx/backend/cuda/scaled_dot_product_attention.cpp):
+a GPU of compute capability 8 or more (Ampere, Hopper), float16/bfloat16 activations, and
+query/value head dims that are multiples of 8 up to 128; decode steps take the
+``sdpa_vector`` kernel (head dims 64, 96, 128, 256). Otherwise the same fallback as the
+CPU's. This rule is read from MLX's source, not yet measured: ``benchmarks/gpu_bench.py``
+compares the plan with MLX's peak on the GPU (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -34,20 +42,29 @@ OVERHEAD_FRACTION = 0.05  # allocator rounding and MLX's buffer cache on top of 
 
 
 FUSED_PREFILL_HEAD_DIMS = (64, 72, 80, 96, 128)
+CUDNN_MAX_HEAD_DIM = 128  # cuDNN's fused attention: head dims multiples of 8, at most this
+CUDNN_DTYPES = ("float16", "bfloat16")
 
 
-def fused_attention(layout: Layout, on: str) -> bool:
-    """Whether a prefill chunk's attention runs MLX's fused Metal kernel on every layer."""
-    if on != "metal":
+def _fused_head_dims(k: int, v: int, on: str) -> bool:
+    if on == "metal":
+        return k == v and k in FUSED_PREFILL_HEAD_DIMS
+    if on == "cuda":
+        return all(d % 8 == 0 and 0 < d <= CUDNN_MAX_HEAD_DIM for d in (k, v))
+    return False
+
+
+def fused_attention(layout: Layout, on: str, act_dtype: str | None = None) -> bool:
+    """Whether a prefill chunk's attention runs a fused kernel on every layer: MLX's Metal
+    kernel, or cuDNN's on CUDA (float16/bfloat16 activations only; None: not known)."""
+    if on == "cuda" and act_dtype is not None and act_dtype not in CUDNN_DTYPES:
         return False
     for p in layout.specs():
         if p.cls == "QuantizedKVCache" or p.role == "mla":
             return False
-        if p.kv_heads and not (
-            p.k_head_dim == p.v_head_dim and p.k_head_dim in FUSED_PREFILL_HEAD_DIMS
-        ):
+        if p.kv_heads and not _fused_head_dims(p.k_head_dim, p.v_head_dim, on):
             return False
-    return True
+    return on in ("metal", "cuda")
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,7 @@ class Runtime:
     activation_bytes: int  # one prefill chunk through one layer (estimate)
     logits_bytes: int  # float32 logits + log-probs of the sampling step (estimate)
     overhead_bytes: int  # fixed runtime + allocator slack (estimate)
-    fused_attention: bool = False  # no score matrix: MLX's fused Metal kernel
+    fused_attention: bool = False  # no score matrix: a fused kernel (Metal, cuDNN)
 
 
 def _attention_span(layout: Layout, context: int, window: int | None) -> tuple[int, int]:
@@ -89,7 +106,7 @@ def estimate(
     hidden, inter = f.hidden_size, f.intermediate_size or 4 * f.hidden_size
     # Residual stream, normed input, attention output, q/k/v, MLP gate/up/product.
     act = n * b * (6 * hidden + 3 * inter)
-    fused = fused_attention(layout, on)
+    fused = fused_attention(layout, on, act_dtype)
     heads, span = _attention_span(layout, context, window)
     if sinks and window is not None and context > window:  # a shifted copy of the sinks per query
         span += sinks * min(chunk, context)

@@ -3,6 +3,9 @@
 macOS: Metal's ``max_recommended_working_set_size`` (what the GPU may wire; MLX asks for
 it as its wired limit) next to ``memory_size`` and the ``iogpu.wired_limit_mb`` sysctl.
 Linux: /proc/meminfo MemAvailable, capped by the cgroup (v2 or v1) limit minus its usage.
+CUDA: the GPU's own memory, as MLX reports it (``mx.device_info()``: ``free_memory`` and
+``total_memory``, read by MLX through NVML, or ``memory_size`` in builds that give only
+the total); host RAM is not what the weights and KV live in there.
 """
 
 from __future__ import annotations
@@ -137,6 +140,22 @@ def _macos() -> SystemMemory:
     raise BadInput("cannot read the GPU memory size; pass --memory SIZE")
 
 
+def _cuda() -> SystemMemory:
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except (RuntimeError, ValueError):
+        info = {}
+    total = info.get("total_memory") or info.get("memory_size")
+    free = info.get("free_memory")
+    if free:
+        return SystemMemory(int(free), int(total) if total else None, "CUDA free device memory")
+    if total:
+        return SystemMemory(int(total), int(total), "CUDA device memory")
+    raise BadInput("--backend cuda: cannot read the GPU's memory here; pass --memory SIZE")
+
+
 def _wired_limit() -> int | None:
     try:
         out = subprocess.run(
@@ -165,6 +184,8 @@ def system_memory(override: str | None = None, on: str = "cpu") -> SystemMemory:
         return _macos()
     if override is not None:
         return SystemMemory(parse_size(override), None, "--memory")
+    if on == "cuda":
+        return _cuda()
     if sys.platform == "darwin":
         return _macos()
     return _linux()

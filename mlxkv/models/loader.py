@@ -24,6 +24,7 @@ class LoadedModel:
     shard: str | None = None  # "tensor" or "pipeline" when split over a distributed group
     rank: int = 0
     ranks: int = 1
+    packed: bool = False  # quantized layers kept packed (the GPU rule), not dequantized
 
     @property
     def context_length(self) -> int | None:
@@ -40,9 +41,14 @@ def load(
     on_progress: Callable[[int, int], None] | None = None,
     group=None,
     shard: str = "auto",
+    packed: bool | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer. ``auto``: float32 on the CPU (dequantized, see
-    mlxkv.backend), the checkpoint's dtype on Metal with quantized layers kept.
+    """Load weights and tokenizer, following the backend's dtype rule
+    (:func:`weight_rule`): ``auto`` is float32 on the CPU (dequantized, see mlxkv.backend)
+    and on a GPU (Metal, CUDA) the checkpoint's dtype with quantized layers kept packed;
+    ``native`` is the GPU rule on any backend. ``packed`` overrides whether quantized layers
+    stay packed (None: the rule's choice), so ``dtype="bfloat16", packed=True`` is a GPU
+    load in bfloat16 wherever it runs.
     ``on_progress(bytes_done, bytes_total)`` follows the weights as they are read.
 
     With ``group`` (an ``mx.distributed`` group of more than one rank) the model is split
@@ -53,7 +59,6 @@ def load(
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from mlxkv.memory.dtypes import default_weight_dtype
     from mlxkv.memory.working_set import wire_for_load
 
     if dtype not in DTYPES:
@@ -65,14 +70,14 @@ def load(
     from mlxkv.models.chat_template import install
 
     install(tokenizer)  # the model's template is untrusted code: render it bounded
-    if dtype == "native":  # as stored: quantized layers stay quantized (mlx-lm's default)
-        target = _float_dtype(model)
-    else:
-        target = default_weight_dtype(config) if dtype == "auto" else dtype
-        if target == "float32" or dtype != "auto":
-            # An explicit dtype means plain weights in that dtype: dequantize first.
-            dequantize_model(model)
-        model.set_dtype(getattr(mx, target))
+    target, keep = weight_rule(config, dtype)
+    keep = keep if packed is None else packed
+    quantized = any(n.endswith(".scales") for n, _ in tree_flatten(model.parameters()))
+    if not keep:
+        dequantize_model(model)
+    # Every floating parameter (norms, embeddings, quantization scales and biases) in the
+    # target dtype, so activations stay in it; packed uint32 weights are left as they are.
+    model.set_dtype(getattr(mx, target))
     mode, rank, ranks = None, 0, 1
     if group is not None and group.size() > 1:
         from mlxkv.models.sharding import shard_model
@@ -84,6 +89,7 @@ def load(
     loaded = LoadedModel(
         model, tokenizer, config, Path(path), target, name or Path(path).name, weights
     )
+    loaded.packed = keep and quantized
     if mode is not None:
         from mlxkv.memory import layout_for
         from mlxkv.memory.hosts import host_layout
@@ -117,12 +123,20 @@ def _materialize(model, on_progress, step: int = 64 << 20) -> None:
             on_progress(done, total)
 
 
-def _float_dtype(model) -> str:
-    """The dtype of the model's unquantized floating parameters (its activation dtype)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+def weight_rule(config: dict, dtype: str = "auto", on: str | None = None) -> tuple[str, bool]:
+    """(floating dtype, keep quantized layers packed) for ``--dtype dtype`` on backend ``on``
+    (default: this machine's, :func:`mlxkv.memory.dtypes.backend`).
 
-    for name, v in tree_flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating) and not name.endswith(("scales", "biases")):
-            return str(v.dtype).removeprefix("mlx.core.")
-    return "float32"
+    * ``auto``: the backend's rule: on a GPU the checkpoint's dtype, packed; on the CPU
+      float32, dequantized (fp16/bf16 and quantized matmuls have no CPU fast path).
+    * ``native``: the GPU rule on any backend (the checkpoint's dtype, packed).
+    * ``float32``/``float16``/``bfloat16``: that dtype; packed on a GPU, dequantized on the
+      CPU."""
+    from mlxkv.memory.dtypes import backend, gpu_weight_dtype, is_gpu
+
+    gpu = is_gpu(on or backend())
+    if dtype == "native" or (dtype == "auto" and gpu):
+        return gpu_weight_dtype(config), True
+    if dtype == "auto":
+        return "float32", False
+    return dtype, gpu

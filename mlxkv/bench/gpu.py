@@ -1,0 +1,452 @@
+"""The GPU benchmark: mlxkv's caches against mlx-lm's on a Llama-3.1-8B-shaped model.
+
+The model is mlx-lm's llama built from Llama-3.1-8B's published config (random weights:
+nothing is downloaded; speed and memory depend on shapes, not values), in bfloat16 and in
+MLX 4-bit (``nn.quantize``, group 64: what ``mlx_lm.convert -q`` writes). For each weight
+format, context and policy, mlxkv's cache and its mlx-lm counterpart
+(:mod:`mlxkv.bench.configs`: ``KVCache``, ``RotatingKVCache(keep=4)``,
+``QuantizedKVCache``) run interleaved, round after round (the order alternating), each
+run a fresh cache:
+
+* prefill: ``context`` random tokens in chunks of 512 (sink caches take the engine's
+  smaller chunks once evicting), the caches evaluated after each chunk and the logits not
+  (as mlx-lm's ``generate_step`` prefills);
+* decode: ``decode`` greedy tokens, one model call each, the next step queued before the
+  last is read (``mx.async_eval``, as ``generate_step``);
+* decode as a fraction of the bandwidth bound: (weight bytes + the cache's bytes) per
+  token over a measured device copy bandwidth (:func:`copy_bandwidth`);
+* MLX's peak memory in mlxkv's first run against what ``plan`` predicts for the same
+  model, context and policy (weights + KV + activations + logits: the parts MLX
+  allocates; ``plan``'s fixed runtime overhead is outside MLX's counter);
+* batch: 16 rows prefilled alone at the shortest context (if at most 4,096), merged,
+  decoded together (mlxkv's batched caches), against one row at a time (the single
+  decode above).
+
+``quick`` is a tiny model of the same family (2 layers, hidden 128, head_dim 64) at contexts
+256 and 1,024, 4 decode tokens, 2 rows in the batch: small enough for a CPU run in seconds
+(bfloat16 and quantized matmuls have no CPU fast path), a smoke run of this very code.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from mlxkv.errors import UserError
+
+LLAMA31_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+QUICK = dict(
+    LLAMA31_8B,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    intermediate_size=256,
+    vocab_size=512,
+)
+POLICIES = ("full", "sink-window", "4bit", "8bit", "sink-4bit")
+WEIGHTS = ("bf16", "q4")
+CONTEXTS = (4096, 32768, 131072)
+QUICK_CONTEXTS = (256, 1024)
+KEPT, SINKS = 4096, 4  # bounded caches keep sink 4 + window 4092
+QUICK_KEPT = 128
+CHUNK = 512
+BATCH = 16
+BATCH_MAX_CONTEXT = 4096  # 16 full rows of 128k would not fit a GPU: batch at short contexts
+GROUP_SIZE = 64  # weights, as mlx_lm.convert -q
+
+
+@dataclass
+class Settings:
+    config: dict
+    contexts: tuple[int, ...]
+    policies: tuple[str, ...]
+    weights: tuple[str, ...]
+    kept: int
+    decode: int = 32
+    rounds: int = 2
+    batch: int = BATCH
+    device: str = "gpu"
+    label: str = "Llama-3.1-8B shape"
+
+
+@dataclass
+class Row:
+    weights: str
+    context: int
+    policy: str
+    label: str
+    peer_label: str
+    prefill: dict = field(default_factory=dict)  # side -> [tok/s per round]
+    decode: dict = field(default_factory=dict)
+    kv_bytes: dict = field(default_factory=dict)  # side -> cache bytes after decoding
+    peak: int | None = None  # MLX peak in mlxkv's first run
+    plan: dict | None = None  # plan's parts for the same setting
+    batch_tps: float | None = None  # 16 rows decoded together, tokens/s over all rows
+
+
+def settings(
+    quick: bool,
+    contexts=None,
+    policies=None,
+    weights=None,
+    device: str = "gpu",
+    decode=None,
+    rounds=None,
+) -> Settings:
+    bad = [p for p in policies or () if p not in POLICIES]
+    if bad:
+        raise UserError(f"--policies: unknown {bad[0]}; choose from {', '.join(POLICIES)}")
+    bad = [w for w in weights or () if w not in WEIGHTS]
+    if bad:
+        raise UserError(f"--weights: unknown {bad[0]}; choose from {', '.join(WEIGHTS)}")
+    if device not in ("gpu", "cpu"):
+        raise UserError(f"--device must be gpu or cpu, got {device}")
+    s = Settings(
+        config=QUICK if quick else LLAMA31_8B,
+        contexts=tuple(contexts or (QUICK_CONTEXTS if quick else CONTEXTS)),
+        policies=tuple(policies or POLICIES),
+        weights=tuple(weights or WEIGHTS),
+        kept=QUICK_KEPT if quick else KEPT,
+        decode=decode or (4 if quick else 32),
+        rounds=rounds or (1 if quick else 2),
+        batch=2 if quick else BATCH,
+        device=device,
+        label="tiny llama (quick)" if quick else "Llama-3.1-8B shape",
+    )
+    if any(c <= 0 for c in s.contexts):
+        raise UserError("--contexts must be positive token counts")
+    return s
+
+
+def use_device(device: str) -> str:
+    """Make ``device`` MLX's default; returns the backend name the plan should use."""
+    import mlx.core as mx
+
+    if device == "cpu":
+        mx.set_default_device(mx.cpu)
+        return "cpu"
+    if mx.metal.is_available():
+        mx.set_default_device(mx.gpu)
+        return "metal"
+    if mx.cuda.is_available():
+        mx.set_default_device(mx.gpu)
+        return "cuda"
+    raise UserError("--device gpu: MLX sees no GPU here (install mlx-cuda-13, or use --device cpu)")
+
+
+def build(config: dict, weights: str):
+    """mlx-lm's llama from ``config``, random weights, bfloat16, packed 4-bit for ``q4``."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))  # lazy: nothing allocated yet
+    model.set_dtype(mx.bfloat16)
+    if weights == "q4":
+        nn.quantize(model, group_size=GROUP_SIZE, bits=4)
+    for _, v in tree_flatten(model.parameters()):  # one at a time: no float32 copy of all
+        mx.eval(v)
+    return model
+
+
+def weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device copy bandwidth, bytes/s: the best of a few copies of ``nbytes`` (read + write
+    counted, as a bandwidth test reports them)."""
+    import mlx.core as mx
+
+    a = mx.ones((nbytes // 4,), dtype=mx.float32)
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        b = a + 1  # one read, one write
+        mx.eval(b)
+        best = min(best, time.perf_counter() - tic)
+        del b
+    return 2 * a.nbytes / best
+
+
+def _prefill(model, caches, ids) -> float:
+    import mlx.core as mx
+
+    from mlxkv.caches import prefill_chunk
+
+    tokens = mx.array(ids)
+    done, n = 0, len(ids)
+    tic = time.perf_counter()
+    while done < n:
+        step = min(prefill_chunk(caches, CHUNK), n - done)
+        model(tokens[None, done : done + step], cache=caches)
+        mx.eval([c.state for c in caches])
+        done += step
+    return n / (time.perf_counter() - tic)
+
+
+def _decode(model, caches, first: int, n: int, rows: int = 1) -> float:
+    """Greedy decode tok/s (over all rows), each step queued before the last is read."""
+    import mlx.core as mx
+
+    y = mx.array([[first]] * rows)
+    tic = time.perf_counter()
+    for _ in range(n):
+        logits = model(y, cache=caches)[:, -1]
+        y = mx.argmax(logits, axis=-1, keepdims=True)
+        mx.async_eval(y)
+    mx.eval(y, [c.state for c in caches])
+    return rows * n / (time.perf_counter() - tic)
+
+
+def _run(model, factory, ids, decode: int) -> tuple[float, float, int]:
+    import mlx.core as mx
+
+    caches = factory()
+    p = _prefill(model, caches, ids)
+    d = _decode(model, caches, ids[-1], decode)
+    nbytes = sum(c.nbytes for c in caches)
+    del caches
+    mx.clear_cache()
+    return p, d, nbytes
+
+
+def plan_parts(config: dict, weights: str, policy, context: int, on: str) -> dict:
+    """What ``plan`` predicts for this model (by its config), context and policy."""
+    from mlxkv.memory.estimate import estimate_model
+    from mlxkv.memory.source import ModelSource
+
+    src = ModelSource("gpu bench", config, None, None, "benchmark config")
+    est = estimate_model(
+        src,
+        policy,
+        context=context,
+        chunk=CHUNK,
+        kv_dtype="bfloat16",
+        memory="1TB" if on != "metal" else "1024GB",
+        search=False,
+        on="cuda" if on == "cpu" else on,  # the model is built as a GPU runs it
+        weight_bits=4 if weights == "q4" else None,
+    )
+    b = est.budget
+    parts = {
+        "weights": b.weights.bytes,
+        "kv": b.kv.peak_allocated,
+        "activations": b.runtime.activation_bytes,
+        "logits": b.runtime.logits_bytes,
+    }
+    parts["mlx"] = sum(parts.values())
+    parts["total"] = b.total
+    parts["fused_attention"] = b.runtime.fused_attention
+    return parts
+
+
+def _batch_tps(model, factory, ids, decode: int, rows: int) -> float:
+    import mlx.core as mx
+
+    from mlxkv.caches.batched import merge_rows
+
+    singles = []
+    for r in range(rows):
+        caches = factory()
+        _prefill(model, caches, ids[r:] + ids[:r])  # rows of the same length, other tokens
+        singles.append(caches)
+    batched = merge_rows(singles)
+    del singles
+    tps = _decode(model, batched, ids[-1], decode, rows)
+    del batched
+    mx.clear_cache()
+    return tps
+
+
+def run(s: Settings, log=print) -> dict:
+    import random
+
+    import mlx.core as mx
+
+    from mlxkv.bench.configs import all_configs
+
+    on = use_device(s.device)
+    load_before = _loadavg()
+    configs = all_configs(s.kept, SINKS)
+    bandwidth = copy_bandwidth((1 << 30) if s.device == "gpu" else (256 << 20))
+    log(f"device copy bandwidth {bandwidth / 1e9:.1f} GB/s ({on})")
+    rows: list[Row] = []
+    weight_sizes = {}
+    for w in s.weights:
+        model = build(s.config, w)
+        weight_sizes[w] = weight_bytes(model)
+        log(f"{s.label}, {w}: {weight_sizes[w] / 2**30:.2f} GiB of weights")
+        for context in s.contexts:
+            rng = random.Random(context)
+            ids = [rng.randrange(s.config["vocab_size"]) for _ in range(context)]
+            for key in s.policies:
+                ours = configs[key]
+                peer = configs[ours.peer]
+                row = Row(w, context, key, ours.label, peer.label)
+                row.plan = plan_parts(s.config, w, ours.policy, context, on)
+                for side in ("mlxkv", "mlx-lm"):
+                    row.prefill[side], row.decode[side] = [], []
+                for r in range(s.rounds):
+                    sides = [("mlxkv", ours), ("mlx-lm", peer)]
+                    for side, cfg in sides if r % 2 == 0 else sides[::-1]:
+                        first = side == "mlxkv" and row.peak is None
+                        if first:
+                            mx.clear_cache()
+                            mx.reset_peak_memory()
+                        p, d, nbytes = _run(model, cfg.factory(model), ids, s.decode)
+                        if first:
+                            row.peak = mx.get_peak_memory()
+                        row.prefill[side].append(p)
+                        row.decode[side].append(d)
+                        row.kv_bytes[side] = nbytes
+                if context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1:
+                    row.batch_tps = _batch_tps(model, ours.factory(model), ids, s.decode, s.batch)
+                log(_line(row))
+                rows.append(row)
+        del model
+        mx.clear_cache()
+    result = report(s, rows, bandwidth, weight_sizes, on)
+    info = mx.device_info()
+    result["device_info"] = {k: v for k, v in info.items() if isinstance(v, str | int)}
+    result["mlx_version"] = mx.__version__
+    result["loadavg"] = [load_before, _loadavg()]
+    return result
+
+
+def _loadavg() -> str | None:
+    """The 1-minute load average (what the other work on the machine was doing)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return None
+
+
+def _med(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _line(r: Row) -> str:
+    d = {k: _med(v) for k, v in r.decode.items()}
+    return (
+        f"{r.weights} {r.context:>7} {r.policy:<12} decode {d['mlxkv']:.1f} vs "
+        f"{d['mlx-lm']:.1f} tok/s, prefill {_med(r.prefill['mlxkv']):.0f} vs "
+        f"{_med(r.prefill['mlx-lm']):.0f} tok/s"
+    )
+
+
+def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, on: str) -> dict:
+    out = []
+    for r in rows:
+        w = weight_sizes[r.weights]
+        dec = {k: _med(v) for k, v in r.decode.items()}
+        bound = bandwidth / (w + r.kv_bytes["mlxkv"])
+        out.append(
+            {
+                "weights": r.weights,
+                "context": r.context,
+                "policy": r.policy,
+                "label": r.label,
+                "mlx_lm": r.peer_label,
+                "prefill_tps": {k: _med(v) for k, v in r.prefill.items()},
+                "decode_tps": dec,
+                "decode_ratio": dec["mlxkv"] / dec["mlx-lm"],
+                "prefill_ratio": _med(r.prefill["mlxkv"]) / _med(r.prefill["mlx-lm"]),
+                "kv_bytes": r.kv_bytes,
+                "weight_bytes": w,
+                "bound_tps": bound,
+                "bound_fraction": dec["mlxkv"] / bound,
+                "peak_bytes": r.peak,
+                "plan": r.plan,
+                "peak_over_plan": r.peak / r.plan["mlx"] if r.peak and r.plan else None,
+                "batch": s.batch if r.batch_tps else None,
+                "batch_tps": r.batch_tps,
+                "batch_speedup": r.batch_tps / dec["mlxkv"] if r.batch_tps else None,
+                "rounds": {"prefill": r.prefill, "decode": r.decode},
+            }
+        )
+    return {
+        "model": s.label,
+        "config": s.config,
+        "device": on,
+        "bandwidth_bytes_per_s": bandwidth,
+        "contexts": list(s.contexts),
+        "decode_tokens": s.decode,
+        "rounds": s.rounds,
+        "kept": s.kept,
+        "sinks": SINKS,
+        "rows": out,
+    }
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def markdown(result: dict) -> str:
+    """The result as a markdown table (tok/s medians over rounds)."""
+    bw = result["bandwidth_bytes_per_s"] / 1e9
+    name = result.get("device_info", {}).get("device_name", "")
+    load = result.get("loadavg") or [None, None]
+    lines = [
+        f"{result['model']} on {result['device']} ({name}, mlx {result.get('mlx_version')}), "
+        f"device copy {bw:.1f} GB/s, {result['decode_tokens']} decode tokens, "
+        f"{result['rounds']} round(s), load average {load[0]} at the start, {load[1]} at the end",
+        "",
+        "| weights | context | policy (mlx-lm peer) | prefill tok/s | decode tok/s | "
+        "decode ratio | of bound | batch x | peak / plan |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        p, d = r["prefill_tps"], r["decode_tps"]
+        batch = f"{r['batch_speedup']:.1f}" if r["batch_speedup"] else ""
+        peak = (
+            f"{_size(r['peak_bytes'])} / {_size(r['plan']['mlx'])} ({r['peak_over_plan']:.3f})"
+            if r["peak_over_plan"]
+            else ""
+        )
+        lines.append(
+            f"| {r['weights']} | {r['context']:,} | {r['label']} ({r['mlx_lm']}) | "
+            f"{p['mlxkv']:.0f} / {p['mlx-lm']:.0f} | {d['mlxkv']:.1f} / {d['mlx-lm']:.1f} | "
+            f"{r['decode_ratio']:.2f} | {r['bound_fraction']:.0%} | {batch} | {peak} |"
+        )
+    lines += [
+        "",
+        "prefill and decode: mlxkv / mlx-lm. decode ratio: mlxkv / mlx-lm. of bound: mlxkv's "
+        "decode over (device copy bandwidth / (weight bytes + KV bytes) per token). batch x: "
+        f"{result['rows'][0]['batch'] or ''} rows decoded together over one row, tokens/s. "
+        "peak / plan: MLX's peak memory in mlxkv's first run over plan's weights + KV + "
+        "activations + logits.",
+    ]
+    return "\n".join(lines) + "\n"

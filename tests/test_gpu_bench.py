@@ -1,0 +1,116 @@
+"""benchmarks/gpu_bench.py on the CPU: its --quick mode end to end (the tiny llama), and
+its one-line refusals. The numbers themselves are the GPU machine's to measure
+(docs/gpu.md); here the run must complete and report what it measured consistently."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxkv.memory import policy_bytes as pb
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu_bench.py"
+
+
+def _bench(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(SCRIPT), "--device", "cpu", *args]
+    if out is not None:
+        argv += ["--out", str(out)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+def _check(result: dict, contexts, policies, weights) -> None:
+    from mlxkv.bench.configs import all_configs
+    from mlxkv.bench.gpu import QUICK, QUICK_KEPT, SINKS
+
+    rows = result["rows"]
+    assert [(r["weights"], r["context"], r["policy"]) for r in rows] == [
+        (w, c, p) for w in weights for c in contexts for p in policies
+    ]
+    configs = all_configs(QUICK_KEPT, SINKS)
+    layers, kv_heads = QUICK["num_hidden_layers"], QUICK["num_key_value_heads"]
+    for r in rows:
+        assert min(r["prefill_tps"].values()) > 0 and min(r["decode_tps"].values()) > 0
+        # the cache bytes the bound uses are mlxkv's bfloat16 cache after the run, exactly
+        seen = r["context"] + result["decode_tokens"]
+        policy = configs[r["policy"]].policy
+        want = layers * pb.allocated_bytes(policy, kv_heads, 64, 64, 2, seen, 1)
+        assert r["kv_bytes"]["mlxkv"] == want, r["policy"]
+        assert r["plan"]["weights"] == r["weight_bytes"]  # plan --weight-bits 4 is nn.quantize's
+        assert r["peak_bytes"] > r["weight_bytes"] and r["plan"]["mlx"] > r["plan"]["weights"]
+        assert 0 < r["bound_fraction"] and r["decode_ratio"] > 0
+        assert (r["batch_tps"] is not None) == (r["context"] == min(contexts))
+
+
+def test_quick_subset_runs_and_reports_consistently(tmp_path):
+    out = tmp_path / "gpu"
+    done = _bench(
+        "--quick", "--contexts", "256", "--policies", "full,sink-4bit", "--weights", "bf16",
+        out=out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.with_suffix(".json").read_text())
+    _check(result, [256], ["full", "sink-4bit"], ["bf16"])
+    table = out.with_suffix(".md").read_text()
+    assert table == done.stdout and table.count("\n| bf16 | 256 |") == 2
+
+
+@pytest.mark.slow  # about 20 s of CPU: bfloat16 and 4-bit matmuls have no CPU fast path
+def test_quick_mode_runs_every_policy_weight_and_context(tmp_path):
+    from mlxkv.bench.gpu import POLICIES
+
+    done = _bench("--quick", out=tmp_path / "gpu")
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    _check(result, [256, 1024], list(POLICIES), ["bf16", "q4"])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--policies", "full,paged"], "--policies: unknown paged"),
+        (["--weights", "fp8"], "--weights: unknown fp8"),
+        (["--contexts", "4k"], "--contexts takes token counts"),
+        (["--device", "gpu"], "--device gpu: MLX sees no GPU here"),
+    ],
+)
+def test_refusals_are_one_line(args, words):
+    if "--device" in args:
+        import mlx.core as mx
+
+        if mx.metal.is_available() or mx.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    done = _bench("--quick", *args) if "--device" not in args else _gpu_here(args)
+    assert done.returncode == 2 and words in done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def _gpu_here(args):
+    argv = [sys.executable, str(SCRIPT), "--quick", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q4"])
+def test_the_8b_model_is_what_plan_predicts(weights):
+    """The full-size model, built lazily (nothing allocated): its weight bytes are plan's,
+    its KV per token Llama-3.1-8B's 131,072 B in bfloat16."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from mlxkv.bench.gpu import GROUP_SIZE, LLAMA31_8B, plan_parts
+    from mlxkv.policy import KVPolicy
+
+    model = llama.Model(llama.ModelArgs.from_dict(LLAMA31_8B))
+    model.set_dtype(mx.bfloat16)
+    if weights == "q4":
+        nn.quantize(model, group_size=GROUP_SIZE, bits=4)
+    lazy = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    plan = plan_parts(LLAMA31_8B, weights, KVPolicy(), 32768, "cuda")
+    assert plan["weights"] == lazy
+    assert plan["kv"] == 32768 * 131072 and plan["fused_attention"]

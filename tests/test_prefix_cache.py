@@ -114,12 +114,11 @@ def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(defau
     """An entry past the memory limit goes to disk; the disk tier keeps its size by
     removing its own oldest files; a corrupted file and one made for another model are
     skipped with a log line, never loaded, never removed."""
-    from mlxkv.engine.reuse import save_held
-    from mlxkv.models.identity import model_identity
+    from mlxkv.engine.reuse import cache_identity, save_held
 
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    identity = {"model_id": model_identity(default_model.path), "dtype": default_model.dtype}
+    identity = cache_identity(default_model)
     policy = KVPolicy(bits=4)
     log: list[str] = []
     scheduler = Scheduler(default_model, policy, prefix_cache=PrefixCache(1 << 30))

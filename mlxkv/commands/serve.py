@@ -160,9 +160,9 @@ def _memory_and_prefixes(args, loaded, policy):
     """The memory budget and the prefix cache (memory tier, and the disk tier's folder)."""
     from mlxkv.engine.admission import MemoryBudget
     from mlxkv.engine.prefix_cache import DiskTier, PrefixCache
+    from mlxkv.engine.reuse import cache_identity
     from mlxkv.memory.dtypes import backend
     from mlxkv.memory.system import system_memory
-    from mlxkv.models.identity import model_identity
     from mlxkv.paths import home
 
     budget = system_memory(args.memory, backend()).available
@@ -176,7 +176,7 @@ def _memory_and_prefixes(args, loaded, policy):
     disk = None
     disk_limit = _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
     if args.prefix_cache_dir != "none" and disk_limit > 0:
-        identity = {"model_id": model_identity(loaded.path), "dtype": loaded.dtype}
+        identity = cache_identity(loaded)
         folder = args.prefix_cache_dir
         if folder is None:
             folder = home() / "prefix-cache" / identity["model_id"][:16]

@@ -106,8 +106,8 @@ class DiskTier:
             )
 
     def _check(self, meta: dict) -> None:
-        for key in ("model_id", "dtype"):
-            if meta.get(key) != self.identity[key]:
+        for key, want in self.identity.items():
+            if meta.get(key) != want:
                 raise ValueError(f"made for another {key.replace('_id', '')}")
         tokens = meta.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):

@@ -50,6 +50,20 @@ def keep_prefix(caches: list, tokens: list[int], checkpoint: Checkpoint | None, 
     return None
 
 
+def cache_identity(loaded) -> dict:
+    """What saved caches must match besides their policy: the model by its content (config,
+    weights, tokenizer; never its name), the dtype, and whether weights are packed."""
+    from mlxkv.models.identity import model_identity
+
+    return {
+        "model_id": model_identity(loaded.path),
+        "dtype": loaded.dtype,
+        # the GPU rule keeps quantized layers packed: other weights, other KV. None (what
+        # a file from before this key reads as) for dequantized weights.
+        "weights": "packed" if getattr(loaded, "packed", False) else None,
+    }
+
+
 def save_held(path, caches: list, tokens: list[int], checkpoint: Checkpoint | None, meta: dict):
     """Write caches holding ``tokens`` and their turn-boundary copy to ``path`` (atomically),
     with ``meta`` (the model's identity, policy, dtype) beside them."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from mlxkv.engine.events import Event, Failed, Notice, Stats
 from mlxkv.engine.kv_stats import KVAccounting
 from mlxkv.engine.request import GenerationSettings, encode_prompt
-from mlxkv.engine.reuse import Checkpoint, keep_prefix, load_held, save_held
+from mlxkv.engine.reuse import Checkpoint, cache_identity, keep_prefix, load_held, save_held
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.errors import UserError
 from mlxkv.models.loader import LoadedModel
@@ -111,16 +111,7 @@ class Session:
     def identity(self) -> dict:
         """What a saved cache must match to be used here: the model by its content (config,
         weights, tokenizer; never its name), the policy and the dtype."""
-        from mlxkv.models.identity import model_identity
-
-        return {
-            "model_id": model_identity(self.loaded.path),
-            "policy": self.policy.to_dict(),
-            "dtype": self.loaded.dtype,
-            # the GPU rule keeps quantized layers packed: other weights, other KV. None (what
-            # a file from before this key reads as) for dequantized weights.
-            "weights": "packed" if getattr(self.loaded, "packed", False) else None,
-        }
+        return dict(cache_identity(self.loaded), policy=self.policy.to_dict())
 
     def save_cache(self, path) -> None:
         """Write the caches, their token ids and the turn-boundary copy to ``path``

@@ -7,13 +7,15 @@ cache's tiers, the memory budget and the reservations)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.serve_helpers import COUNTING, Server
+from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
 
@@ -200,3 +202,29 @@ def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_mod
         assert max(st["memory"]["kv_bytes_actual"] for st in polls) > budget - base
     finally:
         assert unbounded.stop() == 0, unbounded.log()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--memory", "lots"], "--memory must be a size like 16GB, 16GiB or 512M, got 'lots'"),
+        (
+            ["--prefix-cache-bytes", "-3"],
+            "--prefix-cache-bytes must be a size like 2GB, 512MiB or 0, got '-3'",
+        ),
+        (
+            ["--prefix-cache-dir", "README.md"],
+            "--prefix-cache-dir README.md is not a folder; name a folder or 'none'",
+        ),
+    ],
+)
+def test_bad_memory_flags_are_refused_before_loading(flags, message):
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxkv", "serve", *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr == f"mlxkv serve: error: {message}\n"

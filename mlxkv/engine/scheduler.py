@@ -478,9 +478,7 @@ class Scheduler:
         if self.prefix is not None and over <= 0:
             self.prefix.make_room(over + kept)
             return True
-        if self.prefix is not None:
-            self.prefix.make_room(kept)  # nothing else may stay beside a waiting request
-        return False
+        return False  # it waits for running requests; evicting prefixes now would not help
 
     # -- admission ---------------------------------------------------------------------------
     def _admit(self) -> None:

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlxkv.bench.serve import ServerProcess, float32_copy, free_port
+from mlxkv.bench.serve import ServerProcess, float32_copy, free_port, stream_chat
 
 
 def passages(corpus: Path, count: int, tokens: int, tokenizer) -> list[str]:
@@ -76,28 +76,13 @@ def drive(server: ServerProcess, convs: list[dict], turns: int, max_tokens: int)
     t0 = time.perf_counter()
     for t in range(turns):
         for i, c in enumerate(convs):
-            start = time.perf_counter()
-            first, text, usage = None, [], None
-            stream = client.chat.completions.create(
-                model=server.model,
-                messages=history[i],
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            for ch in stream:
-                if ch.choices and ch.choices[0].delta.content:
-                    first = first if first is not None else time.perf_counter() - start
-                    text.append(ch.choices[0].delta.content)
-                if ch.usage is not None:
-                    usage = ch.usage
+            first, text, usage = stream_chat(client, server.model, history[i], max_tokens)
             details = usage.prompt_tokens_details
             rows.append(
                 {
                     "turn": t,
                     "conversation": i,
-                    "ttft_s": round(first if first is not None else time.perf_counter() - start, 3),
+                    "ttft_s": round(first, 3),
                     "prompt_tokens": usage.prompt_tokens,
                     "cached_tokens": (details.cached_tokens if details else 0) or 0,
                 }

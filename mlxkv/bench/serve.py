@@ -138,30 +138,16 @@ def one_turn(server: ServerProcess, clients: int, prompts: list[str], max_tokens
 
     def worker(mine: list[str]) -> None:
         for prompt in mine:
-            t0 = time.perf_counter()
-            first, chunks, used = None, 0, None
+            messages = [{"role": "user", "content": prompt}]
             try:
-                stream = client.chat.completions.create(
-                    model=server.model,
-                    messages=[{"role": "user", "content": prompt}],
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                for ch in stream:
-                    if ch.choices and ch.choices[0].delta.content:
-                        first = first if first is not None else time.perf_counter() - t0
-                        chunks += 1
-                    if ch.usage is not None:
-                        used = ch.usage.completion_tokens
+                first, pieces, usage = stream_chat(client, server.model, messages, max_tokens)
             except openai.OpenAIError as e:
                 with lock:
                     errors.append(repr(e))
                 continue
             with lock:
-                ttfts.append(first if first is not None else time.perf_counter() - t0)
-                tokens.append(used if used is not None else chunks)
+                ttfts.append(first)
+                tokens.append(usage.completion_tokens if usage is not None else len(pieces))
 
     server.reset_peak()
     threads = [threading.Thread(target=worker, args=(prompts[i::clients],)) for i in range(clients)]
@@ -183,6 +169,28 @@ def one_turn(server: ServerProcess, clients: int, prompts: list[str], max_tokens
         "ttft_p95_s": round(_percentile(ttfts, 95), 3),
         "peak_rss_bytes": server.peak_rss(),
     }
+
+
+def stream_chat(client, model: str, messages: list, max_tokens: int):
+    """One greedy streamed chat answer: (seconds to the first text, the text pieces, the
+    usage of the last chunk or None)."""
+    t0 = time.perf_counter()
+    first, pieces, usage = None, [], None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            first = first if first is not None else time.perf_counter() - t0
+            pieces.append(ch.choices[0].delta.content)
+        if ch.usage is not None:
+            usage = ch.usage
+    return (first if first is not None else time.perf_counter() - t0), pieces, usage
 
 
 def _percentile(xs: list[float], q: float) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mlxkv.memory.budget import gib
+from mlxkv.memory.budget import gib, largest
 from mlxkv.policy import KVPolicy
 
 
@@ -85,7 +85,7 @@ class MemoryBudget:
         if room <= 0:
             return "no request fits: raise --memory or serve a smaller model"
         ideas = []
-        fewer = _largest(lambda m: self.reservation(policy, prompt + m) <= room, 0, new)
+        fewer = largest(lambda m: self.reservation(policy, prompt + m) <= room, 0, new)
         if fewer > 0 and self.reservation(policy, prompt + fewer) <= room:
             ideas.append(f"max_tokens <= {fewer}")
         if policy.bits is None:
@@ -100,7 +100,7 @@ class MemoryBudget:
                 return self.reservation(p, prompt + new) <= room
 
             if fits(64):
-                w = _largest(fits, 64, prompt + new)
+                w = largest(fits, 64, prompt + new)
                 ideas.append(f'"kv": {{"window": {w}, "sinks": {sinks}}}')
         if not ideas:
             return "nothing smaller fits: shorten the prompt or raise --memory"
@@ -112,14 +112,3 @@ class MemoryBudget:
             "weights_bytes": self.fixed.weights,
             "runtime_bytes": self.fixed.runtime,
         }
-
-
-def _largest(fits, lo: int, hi: int) -> int:
-    """Largest x in [lo, hi] with fits(x), fits monotone (true then false); lo if none."""
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

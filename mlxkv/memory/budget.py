@@ -83,7 +83,7 @@ def _bounded(layout: Layout, policy: KVPolicy) -> bool:
     )
 
 
-def _largest(fits, lo: int, hi: int) -> int:
+def largest(fits, lo: int, hi: int) -> int:
     """Largest x in [lo, hi] with fits(x), given fits(lo) and fits monotone (true, then false)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -114,10 +114,10 @@ def max_context(layout: Layout, weights: Weights, s: Setting, available: int) ->
         return None if limit < MAX_CONTEXT_SEARCH else limit
     if not fits(1):
         return 0
-    chunks = _largest(lambda k: k == 0 or fits(k * s.chunk), 0, limit // s.chunk)
+    chunks = largest(lambda k: k == 0 or fits(k * s.chunk), 0, limit // s.chunk)
     done = chunks * s.chunk
     first = 0 if done else 1  # fits(1) is known
-    return done + _largest(lambda r: r == first or fits(done + r), first, max(first, s.chunk - 1))
+    return done + largest(lambda r: r == first or fits(done + r), first, max(first, s.chunk - 1))
 
 
 def max_batch(layout: Layout, weights: Weights, s: Setting, available: int) -> int:
@@ -129,7 +129,7 @@ def max_batch(layout: Layout, weights: Weights, s: Setting, available: int) -> i
 
     if not fits(1):
         return 0
-    return _largest(fits, 1, MAX_BATCH_SEARCH)
+    return largest(fits, 1, MAX_BATCH_SEARCH)
 
 
 def gib(n: int) -> str:

@@ -88,6 +88,20 @@ def cli(capsys, monkeypatch):
 
 
 @pytest.fixture
+def fresh_home(tmp_path, monkeypatch) -> Path:
+    """An empty MLXKV_HOME (``tmp_path/home``): no model, conversion or chat of this machine's."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("MLXKV_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """Plans for the CPU backend on every machine (on a Mac they would be Metal's)."""
+    monkeypatch.setenv("MLXKV_DEVICE", "cpu")
+
+
+@pytest.fixture
 def no_model(monkeypatch):
     """Fail loudly if a run that should stop before loading tries to load."""
 

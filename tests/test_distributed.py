@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +47,8 @@ def last_json(out) -> dict:
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory, default_model_path) -> Path:
     """A random 5-layer qwen2 (has pipeline() and shard()) with the default tokenizer."""
-    import mlx.core as mx
-    from mlx_lm.utils import _get_classes, save_model
+    from tests.tiny_models import model_folder
 
-    out = tmp_path_factory.mktemp("tiny_qwen2")
     cfg = {
         "model_type": "qwen2",
         "hidden_size": 128,
@@ -64,13 +61,7 @@ def tiny_qwen2(tmp_path_factory, default_model_path) -> Path:
         "tie_word_embeddings": True,
         "max_position_embeddings": 4096,
     }
-    mx.random.seed(0)
-    model_cls, args_cls = _get_classes(cfg)
-    save_model(out, model_cls(args_cls.from_dict(cfg)))
-    (out / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_path / name, out / name)
-    return out
+    return model_folder(tmp_path_factory.mktemp("tiny_qwen2"), cfg, default_model_path)
 
 
 POLICIES = {

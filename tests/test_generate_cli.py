@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -81,15 +79,9 @@ def test_kv_bits_refused_before_generating_on_a_model_that_cannot_take_them(
 ):
     """A tiny random gemma2 folder (its attention cannot read quantized keys) with the
     default model's tokenizer: refused up front, one line, exit 2."""
-    from mlx_lm.utils import _get_classes, save_model
+    from tests.tiny_models import FAMILIES, model_folder
 
-    cfg = json.loads((Path(__file__).parent / "data/configs/tiny_families.json").read_text())
-    cfg = dict(cfg["families"]["gemma2"], vocab_size=49152)
-    Model, Args = _get_classes(cfg)
-    save_model(tmp_path, Model(Args.from_dict(cfg)))
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_path / name, tmp_path / name)
+    model_folder(tmp_path, dict(FAMILIES["gemma2"], vocab_size=49152), default_model_path)
 
     out = cli(
         "generate",

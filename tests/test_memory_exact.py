@@ -27,10 +27,6 @@ default; the rest are marked slow (``pytest -m slow``).
 
 from __future__ import annotations
 
-import importlib
-import json
-from pathlib import Path
-
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -40,11 +36,10 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlxkv.memory.predictor import KVPredictor  # noqa: E402
-from mlxkv.memory.probe import module_name, probe  # noqa: E402
+from mlxkv.memory.probe import probe  # noqa: E402
 from mlxkv.policy import KVPolicy, PolicyError  # noqa: E402
+from tests.tiny_models import FAMILIES, build_family  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "configs" / "tiny_families.json"
-FAMILIES = json.loads(DATA.read_text())["families"]
 CORE = {
     "llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "deepseek_v2",
     "deepseek_v3", "gpt_oss", "cohere2", "olmo2", "starcoder2", "mamba", "mamba2",
@@ -103,12 +98,9 @@ def expected_logical(c, policy: KVPolicy, spec) -> int:
 
 
 def _build(family: str):
-    config = FAMILIES[family]
-    mod = importlib.import_module(f"mlx_lm.models.{module_name(config)}")
-    model = mod.Model(mod.ModelArgs.from_dict(config))
+    model = build_family(family)
     model.eval()
-    mx.eval(model.parameters())
-    return model, probe(config)
+    return model, probe(FAMILIES[family])
 
 
 def _run(model, layout, caches, policy, runtime, batch, calls):

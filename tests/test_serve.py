@@ -8,95 +8,25 @@ import ast
 import contextlib
 import io
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import preload
+from tests.serve_proc import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
-ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
-COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting: no early EOS
 POLICIES = {  # per-request "kv" extension -> the same policy as mlxkv generate flags
     "full": ({}, []),
     "sink+window": ({"window": 16, "sinks": 4}, ["--kv-window", "16", "--kv-sinks", "4"]),
     "4-bit": ({"bits": 4}, ["--kv-bits", "4"]),
 }
 MAX_TOKENS = 20
-
-
-class Server:
-    """``mlxkv serve --port 0 FLAGS`` in a subprocess; its log goes to a file."""
-
-    def __init__(self, tmp: Path, *flags: str, env: dict | None = None, key: str | None = None):
-        self.log_path = tmp / "server.log"
-        self.key = key
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxkv", "serve", "--port", "0", *flags],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            cwd=ROOT,
-        )
-        deadline = time.monotonic() + 600
-        while True:
-            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", self.log())
-            if found:
-                self.url = found.group(1)
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"mlxkv serve did not start:\n{self.log()}")
-            time.sleep(0.2)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def client(self, key: str | None = None):
-        return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key=key or self.key or "none", max_retries=0, timeout=600
-        )
-
-    def http(self, method: str, path: str, **kw) -> httpx.Response:
-        headers = kw.pop("headers", {})
-        if self.key and "authorization" not in {k.lower() for k in headers}:
-            headers["Authorization"] = f"Bearer {self.key}"
-        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=600, **kw)
-
-    def status(self) -> dict:
-        return self.http("GET", "/v1/status").json()
-
-    def wait_idle(self, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.status()
-            if not s["running"] and not s["waiting"] and not s["rows_in_flight"]:
-                return s
-            assert time.monotonic() < deadline, s
-            time.sleep(0.1)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 def generate_reference(flags: list[str]) -> dict:

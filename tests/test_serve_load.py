@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_serve import Server
+from tests.serve_proc import Server
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 CLIENTS = 64

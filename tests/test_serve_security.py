@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_serve import COUNTING, ROOT, Server
+from tests.serve_proc import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
 

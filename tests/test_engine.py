@@ -13,7 +13,7 @@ from mlxkv.policy import KVPolicy
 
 pytestmark = pytest.mark.model
 
-GREEDY = GenerationSettings(max_tokens=24, temperature=0.0)
+GREEDY = GenerationSettings(max_tokens=12, temperature=0.0)
 
 
 def finish(events) -> Finished:

@@ -8,11 +8,12 @@ import json
 
 import pytest
 
-TOPICS = ["lighthouses", "bread", "rivers", "the moon", "chess", "bees", "glass", "trains"]
+TOPICS = ["lighthouses", "bread", "rivers", "the moon"]
 
 
 def conversation() -> list[dict]:
-    """About 1,000 tokens of chat: a system prompt and eight exchanges."""
+    """About 590 tokens of chat (over twice the 256-token window): a system prompt and four
+    exchanges."""
     msgs = [{"role": "system", "content": "You are a patient teacher who answers briefly."}]
     for t in TOPICS:
         msgs.append({"role": "user", "content": f"Tell me something about {t}. " * 6})
@@ -51,7 +52,7 @@ def test_regenerate_and_next_turn_prefill_only_what_is_new(
 ):
     msgs = conversation()
     first = generate(cli, tmp_path, msgs, policy_args)
-    assert first["prompt_tokens"] > 900 and first["prompt_tokens_cached"] == 0
+    assert first["prompt_tokens"] > 500 and first["prompt_tokens_cached"] == 0
     if policy_args:
         assert first["kv_evicted"] > 0  # the window has slid: a naive trim would be wrong
 

@@ -99,13 +99,14 @@ def test_a_cache_file_from_another_policy_is_refused_and_kept(cli, preloaded, tm
 def test_max_kv_size_keeps_that_many_tokens_in_total(cli, preloaded):
     out = cli(
         "generate", "--prompt", "Write a long story about a lighthouse keeper.",
-        "--max-kv-size", "64", "--max-tokens", "60", "--json",
+        "--max-kv-size", "48", "--max-tokens", "16", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    assert r["kv_tokens"] == 64
-    assert r["policy"]["window"] + r["policy"]["sinks"] == 64
-    assert r["kv_evicted"] == r["prompt_tokens"] + r["generation_tokens"] - 64
+    assert r["prompt_tokens"] < 48 < r["prompt_tokens"] + r["generation_tokens"]
+    assert r["kv_tokens"] == 48
+    assert r["policy"]["window"] + r["policy"]["sinks"] == 48
+    assert r["kv_evicted"] == r["prompt_tokens"] + r["generation_tokens"] - 48
 
 
 @pytest.mark.parametrize(

@@ -23,43 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from mlxkv.backend import setup_blas
 
 setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
-TOPICS = [
-    "the ocean", "mountains", "a city at night", "the history of bread", "robots",
-    "winter", "friendship", "the moon", "trains", "gardening", "music", "coffee",
-    "libraries", "rivers", "deserts", "birds", "volcanoes", "chess", "rain", "bridges",
-]  # fmt: skip
-
-
-def prompts(n: int, document: str = "") -> list[str]:
-    if document:
-        return [
-            f"{document}\n\nQuestion {i + 1}: what does the text above say about "
-            f"{TOPICS[i % len(TOPICS)]}? Answer in detail."
-            for i in range(n)
-        ]
-    return [f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
-
-
-def make_document(tokenizer, tokens: int) -> str:
-    """Deterministic prose of about ``tokens`` tokens."""
-    words, i = [], 0
-    while True:
-        t = TOPICS[i % len(TOPICS)]
-        words.append(f"Paragraph {i + 1} is about {t}, and how {t} changed over the years.")
-        i += 1
-        text = " ".join(words)
-        if i % 8 == 0 and len(tokenizer.encode(text)) >= tokens:
-            return text
+from mlxkv.bench.batch import (  # noqa: E402
+    make_document,
+    prompts,
+    run_mlx_lm,
+    run_mlxkv_batch,
+    run_one_by_one,
+)
+from mlxkv.cli import main as cli_main  # noqa: E402
 
 
 def policy_flags(args) -> list[str]:
@@ -75,82 +54,6 @@ def policy_of(args):
     from mlxkv.policy import KVPolicy
 
     return KVPolicy.from_flags(args.kv_window, args.kv_sinks, args.kv_bits)
-
-
-def run_mlxkv_batch(
-    loaded, qs, max_tokens, batch_size, workdir: Path, subprocess_: bool, flags=(), share=True
-):
-    """The ``mlxkv batch`` command; in process (default) it is handed the already loaded
-    model, so both batched runners start warm; ``--subprocess`` runs the real CLI cold."""
-    inp, out = workdir / "in.jsonl", workdir / "out.jsonl"
-    inp.write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(qs)))
-    out.unlink(missing_ok=True)
-    argv = ["batch", str(inp), "-o", str(out), "--stats", "--no-progress",
-            "--max-tokens", str(max_tokens), "--batch-size", str(batch_size),
-            *flags]  # fmt: skip
-    if subprocess_:
-        cmd = [sys.executable, "-m", "mlxkv", *argv]
-        stdout = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    else:
-        import contextlib
-        import io
-        from unittest import mock
-
-        from mlxkv.cli import main as cli_main
-        from mlxkv.engine import batch as engine_batch
-
-        buf = io.StringIO()
-        runner = engine_batch.BatchRunner
-
-        def unshared(*a, **k):
-            return runner(*a, **k, share_prefix=False)
-
-        with (
-            mock.patch("mlxkv.engine.loading.open_model", lambda *a, **k: loaded),
-            mock.patch.object(engine_batch, "BatchRunner", runner if share else unshared),
-            contextlib.redirect_stdout(buf),
-        ):
-            cli_main(argv)
-        stdout = buf.getvalue()
-    stats = json.loads(stdout)
-    kv = {k: v for k, v in stats.items() if k.startswith(("kv_", "shared_"))}
-    return {"tokens": stats["generation_tokens"], "seconds": stats["elapsed_s"], **kv}
-
-
-def run_one_by_one(loaded, qs, max_tokens, policy=None) -> dict:
-    from mlxkv.engine.chat import ChatSession
-    from mlxkv.engine.events import Finished
-    from mlxkv.engine.session import GenerationSettings, Session
-
-    settings = GenerationSettings(max_tokens=max_tokens)
-    gen = Session(loaded, policy) if policy else Session(loaded)
-    tokens, tic = 0, time.perf_counter()
-    for q in qs:
-        gen.reset()
-        events = ChatSession(gen, settings).send(q)
-        tokens += [e for e in events if isinstance(e, Finished)][0].stats.generation_tokens
-    return {"tokens": tokens, "seconds": time.perf_counter() - tic}
-
-
-def run_mlx_lm(loaded, qs, max_tokens, max_kv_size=None) -> dict:
-    from mlx_lm.generate import batch_generate
-
-    tok = loaded.tokenizer
-    texts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-        )
-        for q in qs
-    ]
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-    tic = time.perf_counter()
-    extra = {"max_kv_size": max_kv_size} if max_kv_size else {}
-    res = batch_generate(
-        loaded.model, tok, ids, max_tokens=max_tokens, return_token_ids=True, **extra
-    )
-    # batch_generate drops the EOS token; mlxkv counts it: count it here too.
-    tokens = sum(len(t) + (len(t) < max_tokens) for t in res.token_ids)
-    return {"tokens": tokens, "seconds": time.perf_counter() - tic}
 
 
 def main() -> None:
@@ -190,7 +93,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_mlx_lm(loaded, qs[:2], 4)  # warm-up (first-call allocations)
         for r in range(args.rounds):
-            common = (loaded, qs, args.max_tokens, args.batch_size, Path(tmp), args.subprocess)
+            common = (
+                cli_main,
+                loaded,
+                qs,
+                args.max_tokens,
+                args.batch_size,
+                Path(tmp),
+                args.subprocess,
+            )
             runs["mlxkv_batch"].append(run_mlxkv_batch(*common, flags))
             if doc:
                 runs["mlxkv_batch_no_sharing"].append(run_mlxkv_batch(*common, flags, False))

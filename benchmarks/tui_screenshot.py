@@ -17,9 +17,9 @@ QUESTION = "Write a short story about a robot who learns to paint."
 async def _shoot(path: str, window: int | None, after: int, size: tuple[int, int]) -> None:
     from mlxkv.engine.session import GenerationSettings
     from mlxkv.policy import KVPolicy
-    from tests.tui_pilot import send, settle, wait_for, wait_idle
     from tui.app import ChatApp
     from tui.engine import ChatEngine, real_opener
+    from tui.pilot import send, settle, wait_for, wait_idle
 
     policy = KVPolicy.from_flags(window=window)
     settings = GenerationSettings(max_tokens=after + 40, seed=0)  # chat's sampling, repeatable

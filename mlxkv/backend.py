@@ -130,6 +130,9 @@ def missing_cpu_features(lib: ctypes.CDLL) -> list[str]:
     return [f for f in need if f not in have] if have else []
 
 
+LOADAVG = Path("/proc/loadavg")  # its 4th field: runnable tasks / all tasks
+
+
 def others_running(reads: int = 5) -> int:
     """Tasks other than this process that want a CPU right now: the fewest runnable tasks
     in a few reads of /proc/loadavg (a passing blip is not a competitor), less this one.
@@ -138,7 +141,7 @@ def others_running(reads: int = 5) -> int:
     counts = []
     for i in range(reads):
         try:
-            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
+            counts.append(int(LOADAVG.read_text().split()[3].split("/")[0]))
         except (OSError, IndexError, ValueError):
             return 0
         if i + 1 < reads:

@@ -13,40 +13,8 @@ with rotation); positions are the same distances.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models import llama
 
 from mlxkv.caches.rotation import rotation_of
-
-
-def tiny_llama(
-    seed: int = 0,
-    layers: int = 2,
-    hidden: int = 128,
-    heads: int = 4,
-    kv_heads: int = 2,
-    vocab: int = 64,
-    rope_scaling: dict | None = None,
-    rope_theta: float = 10000.0,
-    max_position_embeddings: int | None = None,
-):
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=2 * hidden,
-        num_attention_heads=heads,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-        num_key_value_heads=kv_heads,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=max_position_embeddings,
-    )
-    model = llama.Model(args)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
 
 
 def kept_indices(t: int, sinks: int, window: int | None) -> list[int]:

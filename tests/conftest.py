@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,51 @@ def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeo
     )
 
 
+@dataclass
+class Ran:
+    """What an in-process command left: its exit code and output, named as in
+    ``subprocess.CompletedProcess``."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``mlxkv ARGS`` in this process (``mlxkv.cli.main``), for tests where a process start
+    adds nothing; with ``preloaded`` the command gets the loaded default model. ``run_cli``
+    keeps a real process where the process itself is under test."""
+    from mlxkv.cli import main
+
+    def run(*args: str, stdin: str | None = None) -> Ran:
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch) -> Path:
+    """An empty MLXKV_HOME (``tmp_path/home``): no model, conversion or chat of this machine's."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("MLXKV_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """Plans for the CPU backend on every machine (on a Mac they would be Metal's)."""
+    monkeypatch.setenv("MLXKV_DEVICE", "cpu")
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail loudly if a run that should stop before loading tries to load."""
@@ -64,14 +111,14 @@ def no_model(monkeypatch):
     monkeypatch.setattr("mlxkv.engine.loading.open_model", refuse)
 
 
-@pytest.fixture
-def preloaded(monkeypatch, default_model):
-    """The CLI gets the already loaded default model; the list counts the loads."""
+def preload(monkeypatch, model) -> list:
+    """Every command and app that opens a model gets ``model`` (already loaded) instead; the
+    list counts the opens."""
     loads = []
 
     def fake_open(*a, **k):
         loads.append(1)
-        return default_model
+        return model
 
     monkeypatch.setattr("mlxkv.engine.loading.open_model", fake_open)
     return loads
@@ -85,3 +132,9 @@ def gpu_model(default_model_path):
     from mlxkv.models.loader import load
 
     return load(default_model_path, "bfloat16", packed=True)
+
+
+@pytest.fixture
+def preloaded(monkeypatch, default_model):
+    """The CLI gets the already loaded default model; the list counts the loads."""
+    return preload(monkeypatch, default_model)

@@ -10,15 +10,12 @@ from pathlib import Path
 import pytest
 
 from tests.bad_input import refused
-from tests.test_plan import plan_json
+from tests.plan_cli import plan_json
 
 LLAMA = Path(__file__).parent / "data" / "configs" / "published" / "llama-2-7b.json"
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLXKV_DEVICE", "cpu")
+pytestmark = pytest.mark.usefixtures("fresh_home", "cpu_device")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -178,9 +179,21 @@ def test_header_garbage_is_one_line(saved, default_model, tmp_path):
             gen.load_cache(tmp_path / "g.safetensors")
 
 
-def test_same_name_other_model_is_refused(saved, default_model_path, tmp_path, capsys):
+def test_same_name_other_model_is_refused(
+    saved, default_model, default_model_path, tmp_path, capsys, monkeypatch
+):
     """Two folders both called 'mdl' with different configs never share a cache file."""
+    import dataclasses
+
     from mlxkv.models.identity import model_identity
+
+    # Both folders link the default model's weights; a cache file is tied to the folder's
+    # identity (config, weights, tokenizer), so each run gets the loaded default model
+    # under the folder it asked for instead of loading the same weights twice.
+    monkeypatch.setattr(
+        "mlxkv.engine.loading.open_model",
+        lambda model, *a, **k: dataclasses.replace(default_model, path=Path(model)),
+    )
 
     a, b = tmp_path / "a" / "mdl", tmp_path / "b" / "mdl"
     for d in (a, b):

@@ -121,7 +121,7 @@ def test_model_folder_template_through_generate(
 def test_gguf_template_through_generate(capsys, tmp_path, monkeypatch):
     """A GGUF's tokenizer.chat_template that never ends: the crafted tiny llama converts and
     loads, then its template is stopped at the limit."""
-    from tests.test_bad_input_gguf import STR, base_meta, base_tensors, gguf
+    from tests.gguf_files import STR, base_meta, base_tensors, gguf
 
     monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
     meta = base_meta()

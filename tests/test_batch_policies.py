@@ -148,7 +148,7 @@ def test_greedy_batched_is_token_identical_to_the_generator(default_model, polic
     from mlxkv.engine.events import Finished
     from mlxkv.engine.session import GenerationSettings, Session
 
-    settings = GenerationSettings(max_tokens=20)
+    settings = GenerationSettings(max_tokens=12)
     reqs = [Request(i, _chat_text(default_model, q), settings) for i, q in enumerate(PROMPTS)]
     runner = BatchRunner(default_model, policy, 3, check_kv=True)
     assert runner.batched

@@ -61,16 +61,13 @@ def test_command_import_is_light():
 
 @pytest.mark.model
 def test_stream_losses_match_long_ppl(default_model):
-    """The bench's stream scores tokens exactly as benchmarks/long_ppl.py does."""
+    """The bench's stream scores tokens exactly as benchmarks/long_ppl.py does (one function)."""
     import numpy as np
 
+    from mlxkv.bench import long_ppl
     from mlxkv.bench.configs import all_configs
-    from mlxkv.bench.sources import script
     from mlxkv.bench.stream import run_stream
 
-    long_ppl = script("long_ppl")
-    if long_ppl is None:
-        pytest.skip("benchmarks/long_ppl.py is not in this checkout")
     model = default_model.model
     ids = default_model.tokenizer.encode(TEXT.read_text())[:97]
     cfg = all_configs(32, 4)["sink-window"]

@@ -1,10 +1,13 @@
 """Every benchmark script routes MLX to OpenBLAS before MLX is imported: ``import mlxkv``
 changes nothing, and a script that imports MLX first measures the wheel's reference BLAS
-(10-30x slower matmuls) without a word."""
+(10-30x slower matmuls) without a word. A script that imports no MLX (it drives processes)
+answers ``--help`` with every option it defines."""
 
 from __future__ import annotations
 
 import ast
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,11 +31,51 @@ def _calls_setup_blas(node) -> bool:
     )
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_setup_blas_comes_before_mlx(script):
-    tree = ast.parse(script.read_text())
-    if not any(_imports_mlx(n) for n in ast.walk(tree)):
-        return  # drives subprocesses (the CLI sets its BLAS itself)
+def _options(tree) -> list[str]:
+    """The option strings of every ``add_argument`` call ("--rounds", ...)."""
+    return [
+        a.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "add_argument"
+        for a in n.args
+        if isinstance(a, ast.Constant) and str(a.value).startswith("-")
+    ]
+
+
+def _trees(mlx: bool) -> list:
+    out = []
+    for script in SCRIPTS:
+        tree = ast.parse(script.read_text())
+        if any(_imports_mlx(n) for n in ast.walk(tree)) == mlx:
+            out.append(pytest.param(script, tree, id=script.name))
+    return out
+
+
+def test_every_script_is_checked_by_one_of_the_tests_below():
+    assert len(_trees(True)) + len(_trees(False)) == len(SCRIPTS) > 0
+    assert _trees(True) and _trees(False)
+
+
+@pytest.mark.parametrize("script, tree", _trees(False))
+def test_a_script_without_mlx_answers_help_with_its_options(script, tree, capsys, monkeypatch):
+    """These drive subprocesses (the CLI sets its BLAS itself): each parses its flags and
+    says what they are before it starts anything (run as ``python SCRIPT --help`` runs it,
+    in this process)."""
+    options = _options(tree)
+    assert options, f"{script.name} defines no options"
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    monkeypatch.syspath_prepend(str(script.parent))
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr()
+    assert done.value.code == 0, out.err
+    assert out.out.startswith("usage: ") and out.err == ""
+    missing = [o for o in options if o not in out.out]
+    assert missing == [], f"{script.name} --help does not name {missing}"
+
+
+@pytest.mark.parametrize("script, tree", _trees(True))
+def test_setup_blas_comes_before_mlx(script, tree):
     first_mlx = min(
         (n.lineno for n in ast.walk(tree) if _imports_mlx(n)),
     )

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
-from mlx_lm.utils import _get_classes
 
 from mlxkv.caches import (
     FullKVCache,
@@ -19,98 +15,8 @@ from mlxkv.caches import (
     make_caches,
 )
 from mlxkv.policy import KVPolicy, PolicyError
-from tests._caches_ref import feed, reference_logits, tiny_llama
-
-BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=32,
-    rope_theta=10000.0,
-)
-CONFIGS = {
-    "mamba": dict(
-        model_type="mamba",
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        state_size=4,
-        num_hidden_layers=2,
-        conv_kernel=4,
-        use_bias=False,
-        use_conv_bias=True,
-        time_step_rank=4,
-    ),
-    "deepseek_v3": dict(
-        BASE,
-        model_type="deepseek_v3",
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
-        qk_nope_head_dim=16,
-        first_k_dense_replace=2,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        max_position_embeddings=256,
-    ),
-    "gpt_oss": dict(
-        BASE,
-        model_type="gpt_oss",
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-    ),
-    "lfm2": dict(
-        BASE,
-        model_type="lfm2",
-        max_position_embeddings=256,
-        norm_eps=1e-5,
-        conv_bias=False,
-        conv_L_cache=3,
-        block_dim=64,
-        block_ff_dim=128,
-        block_multiple_of=16,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=False,
-        full_attn_idxs=[1],
-        layer_types=["conv", "full_attention"],
-    ),
-    "llama_sliding": dict(
-        BASE,
-        model_type="llama",
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=8,
-    ),
-    "llama_dynamic": dict(
-        BASE,
-        model_type="llama",
-        rope_scaling={"type": "dynamic", "factor": 2.0},
-        max_position_embeddings=64,
-    ),
-    "smollm3": dict(BASE, model_type="smollm3", no_rope_layer_interval=2),
-}
-
-
-def build(name):
-    cfg = CONFIGS[name]
-    Model, Args = _get_classes(cfg)
-    mx.random.seed(0)
-    model = Model(Args.from_dict(cfg))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
-
+from tests._caches_ref import feed, reference_logits
+from tests.tiny_models import build, build_family, tiny_llama
 
 TOKENS = [(7 * i + 3) % 32 for i in range(40)]
 SINK = KVPolicy(window=10, sinks=2)
@@ -254,19 +160,6 @@ def test_sink_reference_on_hybrid_attention_layer():
     ref = reference_logits(model, TOKENS, 2, 10)
     got = feed(model, TOKENS, make_caches(model, SINK), [15, 1, 1, 23])
     assert mx.abs(got - ref).max().item() < 2e-5
-
-
-TINY_FAMILIES = json.loads(
-    (Path(__file__).parent / "data" / "configs" / "tiny_families.json").read_text()
-)["families"]
-
-
-def build_family(name, **overrides):
-    cfg = dict(TINY_FAMILIES[name], **overrides)
-    Model, Args = _get_classes(cfg)
-    model = Model(Args.from_dict(cfg))
-    mx.eval(model.parameters())
-    return model
 
 
 @pytest.mark.parametrize(

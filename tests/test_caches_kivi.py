@@ -18,7 +18,8 @@ from mlxkv.caches import (
 )
 from mlxkv.memory import policy_bytes
 from mlxkv.policy import KVPolicy
-from tests._caches_ref import feed, reference_logits, tiny_llama
+from tests._caches_ref import feed, reference_logits
+from tests.tiny_models import tiny_llama
 
 TOKENS = [(7 * i + 3) % 64 for i in range(90)]
 META = {"model": "tiny"}

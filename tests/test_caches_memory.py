@@ -9,7 +9,7 @@ import pytest
 from mlxkv.caches import make_caches
 from mlxkv.memory import policy_bytes as pb
 from mlxkv.policy import KVPolicy
-from tests._caches_ref import tiny_llama
+from tests.tiny_models import tiny_llama
 
 POLICIES = [
     KVPolicy(),

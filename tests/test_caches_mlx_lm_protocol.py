@@ -60,8 +60,8 @@ from mlxkv.caches.attention import routed_attention
 from mlxkv.caches.build import check_policy
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.policy import KVPolicy, PolicyError
-from tests._caches_ref import feed, gpu_rule, tiny_llama
-from tests.test_caches_build import build_family
+from tests._caches_ref import feed, gpu_rule
+from tests.tiny_models import build_family, tiny_llama
 
 POLICIES = [
     KVPolicy(),

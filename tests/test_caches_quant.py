@@ -12,7 +12,8 @@ from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
 from mlxkv.caches.storage import RotatedKeyStore
 from mlxkv.caches.streaming import StreamingKVCache
 from mlxkv.policy import KVPolicy
-from tests._caches_ref import feed, tiny_llama
+from tests._caches_ref import feed
+from tests.tiny_models import tiny_llama
 
 # the per-token key schemes (KIVI keys have their own tests: test_caches_kivi.py)
 ROT = dict(key_scheme="rotated")

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from mlxkv.caches import make_caches
 from mlxkv.policy import KVPolicy
-from tests._caches_ref import feed, reference_logits, tiny_llama
+from tests._caches_ref import feed, reference_logits
+from tests.tiny_models import tiny_llama
 
 T = 120
 CHUNKS = [37, 1, 1, 45, 3, 1, 25, 1, 1, 5]  # prefill, decode, chunk spanning evictions...

@@ -9,8 +9,8 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlxkv.caches import CacheError, load_caches, make_caches, save_caches, trim_caches
 from mlxkv.memory import policy_bytes as pb
 from mlxkv.policy import KVPolicy
-from tests._caches_ref import feed, gpu_rule, tiny_llama
-from tests.test_caches_build import build
+from tests._caches_ref import feed, gpu_rule
+from tests.tiny_models import build, tiny_llama
 
 POLICIES = [
     KVPolicy(),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,8 @@ from tests.conftest import run_cli
 
 BIN = Path(sys.executable).parent
 # OpenBLAS's thread count changes float summation order; sampled text then differs in the
-# last bits. Single-process references run with what the ranks run with.
+# last bits. The ranks run with one thread, as this process does (tests/conftest.py), where
+# the single-process references run (the ``cli`` fixture).
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
 TIMEOUT = 900  # a shared 2-core machine makes every collective slow; never hang forever
 
@@ -47,10 +47,8 @@ def last_json(out) -> dict:
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory, default_model_path) -> Path:
     """A random 5-layer qwen2 (has pipeline() and shard()) with the default tokenizer."""
-    import mlx.core as mx
-    from mlx_lm.utils import _get_classes, save_model
+    from tests.tiny_models import model_folder
 
-    out = tmp_path_factory.mktemp("tiny_qwen2")
     cfg = {
         "model_type": "qwen2",
         "hidden_size": 128,
@@ -63,13 +61,7 @@ def tiny_qwen2(tmp_path_factory, default_model_path) -> Path:
         "tie_word_embeddings": True,
         "max_position_embeddings": 4096,
     }
-    mx.random.seed(0)
-    model_cls, args_cls = _get_classes(cfg)
-    save_model(out, model_cls(args_cls.from_dict(cfg)))
-    (out / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_path / name, out / name)
-    return out
+    return model_folder(tmp_path_factory.mktemp("tiny_qwen2"), cfg, default_model_path)
 
 
 POLICIES = {
@@ -84,12 +76,12 @@ POLICIES = {
     # The bounded policies run per rank like the full one; in CI time the full one suffices.
     [p if p == "full" else pytest.param(p, marks=pytest.mark.slow) for p in POLICIES],
 )
-def test_pipeline_over_two_ranks_samples_the_single_process_tokens(tiny_qwen2, policy):
+def test_pipeline_over_two_ranks_samples_the_single_process_tokens(cli, tiny_qwen2, policy):
     """Sampling (temperature 1, a seed) turns any difference in the logits into different
     text; the pipeline's uneven 3 + 2 layer split must change nothing."""
     args = ["--model", str(tiny_qwen2), "--prompt", "Hello there, how are you doing today?"]
     args += ["--max-tokens", "24", "--temp", "1", "--seed", "5", "--json", *POLICIES[policy]]
-    one = run_cli("generate", *args, env=ONE_THREAD)
+    one = cli("generate", *args)
     assert one.returncode == 0, one.stderr
     port = 41100 + 10 * list(POLICIES).index(policy)
     two = launch(2, port, "generate", *args, "--shard", "pipeline")
@@ -129,12 +121,14 @@ def test_plan_hosts_pipeline_matches_what_each_rank_holds(tiny_qwen2):
         assert h["kv_bytes_logical"] == layers * tokens * 2 * 2 * 32 * 4
 
 
-def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(default_model_path):
+def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(
+    cli, preloaded, default_model_path
+):
     """The default model (3 KV heads) split over 3 ranks: same greedy text; each rank holds
     one KV head per layer and plan --hosts 3 predicts its bytes and weights exactly."""
     # -p as the docs write it: after `--`, mlx.launch leaves it to mlxkv.
     args = ["-p", "What is the capital of France?", "--max-tokens", "3", "--json"]
-    one = run_cli("generate", *args, env=ONE_THREAD)
+    one = cli("generate", *args)
     assert one.returncode == 0, one.stderr
     three = launch(3, 41300, "generate", *args)
     assert three.returncode == 0, three.stderr
@@ -142,9 +136,7 @@ def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(defaul
     assert split["text"] == single["text"]
     assert split["shard"] == "tensor" and split["ranks"] == 3
     tokens = split["kv_tokens"]
-    plan = run_cli(
-        "plan", str(default_model_path), "--hosts", "3", "--context", str(tokens), "--json"
-    )
+    plan = cli("plan", str(default_model_path), "--hosts", "3", "--context", str(tokens), "--json")
     assert plan.returncode == 0, plan.stderr
     hosts = json.loads(plan.stdout)["per_host"]
     for h, r in zip(hosts, split["per_rank"], strict=True):
@@ -169,9 +161,9 @@ def test_tensor_parallel_bounded_policies_give_the_single_process_answer(policy)
     assert last_json(three)["text"] == json.loads(one.stdout)["text"]
 
 
-def test_a_split_that_cannot_work_is_refused_in_one_line(default_model_path):
+def test_a_split_that_cannot_work_is_refused_in_one_line(cli, default_model_path):
     """9 attention heads do not split 2 ways: plan and generate both say so, no traceback."""
-    plan = run_cli("plan", str(default_model_path), "--hosts", "2")
+    plan = cli("plan", str(default_model_path), "--hosts", "2")
     assert plan.returncode == 2 and plan.stdout == ""
     assert plan.stderr.strip() == (
         "mlxkv plan: error: tensor parallelism over 2 hosts needs attention heads divisible "
@@ -186,7 +178,7 @@ def test_a_split_that_cannot_work_is_refused_in_one_line(default_model_path):
     )
 
 
-def test_plan_hosts_bad_flags_are_one_line_errors(default_model_path, tiny_qwen2):
+def test_plan_hosts_bad_flags_are_one_line_errors(cli, default_model_path, tiny_qwen2):
     llama, qwen2 = str(default_model_path), str(tiny_qwen2)
     cases = {
         (llama, "--hosts", "3", "--memory", "8GB,4GB"): "--memory lists 2 sizes for 3 hosts",
@@ -201,15 +193,15 @@ def test_plan_hosts_bad_flags_are_one_line_errors(default_model_path, tiny_qwen2
         ),
     }
     for flags, message in cases.items():
-        out = run_cli("plan", *flags)
+        out = cli("plan", *flags)
         assert out.returncode == 2, (flags, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (flags, out.stderr)
 
 
-def test_plan_hosts_uses_each_hosts_memory(default_model_path):
+def test_plan_hosts_uses_each_hosts_memory(cli, default_model_path):
     """The tightest host bounds the plan: with 300 MB on host 2 it does not fit there."""
-    out = run_cli(
+    out = cli(
         "plan", str(default_model_path), "--hosts", "3", "--memory", "8GB,8GB,300MB", "--json"
     )
     assert out.returncode == 1, out.stderr
@@ -220,7 +212,7 @@ def test_plan_hosts_uses_each_hosts_memory(default_model_path):
     assert d["max_batch"] == d["per_host"][2]["max_batch"] == 0
 
 
-def test_data_parallel_batch_writes_the_single_process_records(tmp_path):
+def test_data_parallel_batch_writes_the_single_process_records(cli, preloaded, tmp_path):
     """Two ranks, each a whole default model: rank 0 hands out the prompts and writes one
     output whose texts are the single-process run's; a re-run has nothing left to do."""
     prompts = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of Italy?"]
@@ -229,7 +221,7 @@ def test_data_parallel_batch_writes_the_single_process_records(tmp_path):
         "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
     )
     flags = ["--max-tokens", "6", "--batch-size", "2", "--no-progress"]
-    one = run_cli("batch", str(src), "-o", str(tmp_path / "one.jsonl"), *flags, env=ONE_THREAD)
+    one = cli("batch", str(src), "-o", str(tmp_path / "one.jsonl"), *flags)
     assert one.returncode == 0, one.stderr
     out = tmp_path / "two.jsonl"
     two = launch(2, 41600, "batch", str(src), "-o", str(out), *flags, "--stats")

@@ -48,7 +48,7 @@ def test_greedy_tokens_are_mlx_lms(default_model, step):
     for prompt in (chat_prompt(default_model), TEXT):
         ours = [
             ev.token
-            for ev in gen.run(prompt, GenerationSettings(max_tokens=24, prefill_step=step))
+            for ev in gen.run(prompt, GenerationSettings(max_tokens=12, prefill_step=step))
             if isinstance(ev, TokenDelta) and ev.token >= 0
         ]
         ids = encode_prompt(default_model.tokenizer, prompt)
@@ -58,7 +58,7 @@ def test_greedy_tokens_are_mlx_lms(default_model, step):
                 default_model.model,
                 default_model.tokenizer,
                 mx.array(ids),
-                max_tokens=24,
+                max_tokens=12,
                 prefill_step_size=step,
             )
         ]

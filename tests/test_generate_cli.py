@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -29,8 +27,8 @@ def test_capital_of_france_json(default_model_path):
 
 
 @pytest.mark.model
-def test_streams_text_from_stdin_prompt(default_model_path):
-    out = run_cli(
+def test_streams_text_from_stdin_prompt(cli, preloaded):
+    out = cli(
         "generate", "--prompt", "-", "--max-tokens", "12", "--raw", stdin="The capital of France is"
     )
     assert out.returncode == 0, out.stderr
@@ -77,21 +75,15 @@ def test_bad_input_one_line_exit_2(args, message):
 
 
 def test_kv_bits_refused_before_generating_on_a_model_that_cannot_take_them(
-    tmp_path, default_model_path
+    cli, tmp_path, default_model_path
 ):
     """A tiny random gemma2 folder (its attention cannot read quantized keys) with the
     default model's tokenizer: refused up front, one line, exit 2."""
-    from mlx_lm.utils import _get_classes, save_model
+    from tests.tiny_models import FAMILIES, model_folder
 
-    cfg = json.loads((Path(__file__).parent / "data/configs/tiny_families.json").read_text())
-    cfg = dict(cfg["families"]["gemma2"], vocab_size=49152)
-    Model, Args = _get_classes(cfg)
-    save_model(tmp_path, Model(Args.from_dict(cfg)))
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_path / name, tmp_path / name)
+    model_folder(tmp_path, dict(FAMILIES["gemma2"], vocab_size=49152), default_model_path)
 
-    out = run_cli(
+    out = cli(
         "generate",
         "--model",
         str(tmp_path),
@@ -108,5 +100,5 @@ def test_kv_bits_refused_before_generating_on_a_model_that_cannot_take_them(
     assert out.stderr.strip().endswith("drop --kv-bits")
 
     args = ["--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "3", "--kv-window", "32"]
-    ok = run_cli("generate", *args, "--json")
+    ok = cli("generate", *args, "--json")
     assert ok.returncode == 0, ok.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from functools import cache
 from pathlib import Path
 
@@ -13,27 +12,12 @@ import pytest
 from mlxkv.errors import UserError
 from mlxkv.models.gguf import _unpermute, convert_gguf
 from mlxkv.models.gguf_header import read_header
-
-# -- a tiny GGUF writer for files the importer must refuse ------------------------------
+from tests.gguf_files import STR, gguf
 
 
 def _gguf_bytes(arch: str, tensors: list[tuple[str, tuple[int, ...], int, int]]) -> bytes:
     """tensors: (name, shape as numpy order, ggml type id, data bytes)."""
-
-    def s(text: str) -> bytes:
-        b = text.encode()
-        return struct.pack("<Q", len(b)) + b
-
-    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1)
-    out += s("general.architecture") + struct.pack("<I", 8) + s(arch)
-    offset = 0
-    for name, shape, type_id, nbytes in tensors:
-        out += s(name) + struct.pack("<I", len(shape))
-        out += b"".join(struct.pack("<Q", d) for d in reversed(shape))
-        out += struct.pack("<IQ", type_id, offset)
-        offset += (nbytes + 31) // 32 * 32
-    out += b"\0" * (-len(out) % 32)
-    return out + b"\0" * offset
+    return gguf({"general.architecture": (STR, arch)}, tensors)
 
 
 def test_header_of_the_default_model(default_gguf):

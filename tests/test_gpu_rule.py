@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_plan import plan_json
-from tests.test_plan_mac import LLAMA31, LLAMA31_4BIT
+from tests.plan_cli import LLAMA31, LLAMA31_4BIT, plan_json
 
 GiB = 2**30
 BF16_CONFIG = {"model_type": "llama", "torch_dtype": "bfloat16"}

@@ -17,9 +17,7 @@ from mlxkv.policy import KVPolicy
 PUBLISHED = Path(__file__).parent / "data" / "configs" / "published"
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def _layout(name: str) -> Layout:

@@ -27,10 +27,6 @@ default; the rest are marked slow (``pytest -m slow``).
 
 from __future__ import annotations
 
-import importlib
-import json
-from pathlib import Path
-
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -40,11 +36,10 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlxkv.memory.predictor import KVPredictor  # noqa: E402
-from mlxkv.memory.probe import module_name, probe  # noqa: E402
+from mlxkv.memory.probe import probe  # noqa: E402
 from mlxkv.policy import KVPolicy, PolicyError  # noqa: E402
+from tests.tiny_models import FAMILIES, build_family  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "configs" / "tiny_families.json"
-FAMILIES = json.loads(DATA.read_text())["families"]
 CORE = {
     "llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "deepseek_v2",
     "deepseek_v3", "gpt_oss", "cohere2", "olmo2", "starcoder2", "mamba", "mamba2",
@@ -105,9 +100,7 @@ def expected_logical(c, policy: KVPolicy, spec, b: int = 4) -> int:
 def _build(family: str, rule: str = "float32"):
     """The family's model; under the ``gpu`` rule in bfloat16 with its linear and embedding
     layers packed to 4 bits (group 32) where their width allows, as a GPU runs it."""
-    config = FAMILIES[family]
-    mod = importlib.import_module(f"mlx_lm.models.{module_name(config)}")
-    model = mod.Model(mod.ModelArgs.from_dict(config))
+    model = build_family(family)
     model.eval()
     if rule == "gpu":
         import mlx.nn as nn
@@ -119,7 +112,7 @@ def _build(family: str, rule: str = "float32"):
         nn.quantize(model, group_size=32, bits=4, class_predicate=packable)
         model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
-    return model, probe(config)
+    return model, probe(FAMILIES[family])
 
 
 def _run(model, layout, caches, policy, runtime, batch, calls, kv_dtype="float32"):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from mlxkv.commands import plan
+from tests.plan_cli import plan_json, run_plan
 
 PUBLISHED = Path(__file__).parent / "data" / "configs" / "published"
 JSON_KEYS = {
@@ -18,21 +17,7 @@ JSON_KEYS = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLXKV_DEVICE", "cpu")  # the same verdicts on a Mac
-
-
-def run_plan(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="mlxkv plan")
-    plan.add_arguments(parser)
-    return plan.run(parser.parse_args(list(argv)))
-
-
-def plan_json(capsys, *argv: str) -> tuple[int, dict]:
-    code = run_plan(*argv, "--json")
-    return code, json.loads(capsys.readouterr().out)
+pytestmark = pytest.mark.usefixtures("fresh_home", "cpu_device")
 
 
 def test_json_keys_and_a_fit(capsys):

@@ -9,18 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_plan import plan_json, run_plan
+from tests.plan_cli import LLAMA31, LLAMA31_4BIT, plan_json, run_plan
 
 DATA = Path(__file__).parent / "data" / "configs"
-LLAMA31 = str(DATA / "mac" / "llama-3.1-8b-instruct.json")
-LLAMA31_4BIT = str(DATA / "mac" / "llama-3.1-8b-instruct-4bit.json")
 GiB = 2**30
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLXKV_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def with_flags(argv: list[str], flags: list[str]) -> list[str]:
@@ -306,18 +302,16 @@ RECIPES = {  # name -> (group size, bits, mixed-bit recipe of mlx_lm.convert)
 def _quantized_by_mlx_lm(family: str, recipe: str):
     """A tiny random model quantized by mlx_lm itself: (model, the config it writes)."""
     import contextlib
-    import importlib
     import io
 
     import mlx.core as mx
     from mlx_lm.convert import mixed_quant_predicate_builder
     from mlx_lm.utils import quantize_model
 
-    from mlxkv.memory.probe import module_name
+    from tests.tiny_models import FAMILIES, build_family
 
-    config = json.loads((DATA / "tiny_families.json").read_text())["families"][family]
-    arch = importlib.import_module(f"mlx_lm.models.{module_name(config)}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    config = FAMILIES[family]
+    model = build_family(family)
     model.set_dtype(mx.bfloat16)
     group, bits, mixed = RECIPES[recipe]
     predicate = mixed_quant_predicate_builder(mixed, model, group) if mixed else None

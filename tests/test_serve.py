@@ -5,15 +5,16 @@ client library would refuse to send)."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import re
-import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
 
+from tests.conftest import preload
 from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
@@ -28,13 +29,16 @@ POLICIES = {  # per-request "kv" extension -> the same policy as mlxkv generate 
 MAX_TOKENS = 20
 
 
-def generate_reference(flags: list[str]) -> subprocess.Popen:
-    """``mlxkv generate --json`` for QUESTION under ``flags`` (read with ``.communicate``)."""
-    cmd = [sys.executable, "-m", "mlxkv", "generate", "-p", QUESTION, "--json"]
-    cmd += ["--max-tokens", str(MAX_TOKENS), *flags]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-    )
+def generate_reference(flags: list[str]) -> dict:
+    """``mlxkv generate --json`` for QUESTION under ``flags``, in this process (the model
+    opened is whatever the caller preloaded)."""
+    from mlxkv.cli import main
+
+    argv = ["generate", "-p", QUESTION, "--json", "--max-tokens", str(MAX_TOKENS), *flags]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +51,11 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(server):
-    """``mlxkv generate`` for each policy, run beside the server (started once)."""
-    procs = {name: generate_reference(flags) for name, (_, flags) in POLICIES.items()}
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=600)
-        assert p.returncode == 0, stderr
-        out[name] = json.loads(stdout)
-    return out
+def references(server, default_model):
+    """``mlxkv generate`` for each policy, on the loaded default model in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        preload(mp, default_model)
+        return {name: generate_reference(flags) for name, (_, flags) in POLICIES.items()}
 
 
 def chat(client, kv: dict, **kw):

@@ -67,7 +67,7 @@ async def test_streaming_appends_and_panel_is_throttled():
 
 @sync
 async def test_keypress_handled_while_streaming():
-    app = fake_app(delay=0.3)
+    app = fake_app(delay=0.3, max_tokens=10)  # 3 s of streaming: room for the key presses
     async with app.run_test(size=SIZE) as pilot:
         await wait_idle(app, pilot)
         await send(app, pilot, "tell me something", wait=False)

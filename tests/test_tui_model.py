@@ -16,12 +16,16 @@ from tui.chat_view import MessageView, Note
 from tui.command import PREFILL_STEP, build_app
 from tui.engine import ChatEngine, real_opener
 
+# The app opens the model through mlxkv.engine.loading.open_model on its worker thread;
+# ``preloaded`` hands it the session's loaded default model (a load per app otherwise).
 pytestmark = pytest.mark.model
 GREEDY = {"temperature", "top_p", "repetition_penalty"}  # as if given on the command line
 
 
 @sync
-async def test_real_model_streams_and_panel_matches_under_three_policies(default_model_path):
+async def test_real_model_streams_and_panel_matches_under_three_policies(
+    default_model_path, preloaded
+):
     engine = ChatEngine(real_opener(), GenerationSettings(max_tokens=24), given=GREEDY)
     app = ChatApp(engine, model=str(default_model_path))
     async with app.run_test(size=(130, 40)) as pilot:
@@ -61,7 +65,7 @@ LONG = "Summarize this text. " + "The river runs past the old mill and the town.
 
 
 @sync
-async def test_prefill_is_plotted_and_stops_within_one_step(default_model_path):
+async def test_prefill_is_plotted_and_stops_within_one_step(default_model_path, preloaded):
     settings = GenerationSettings(max_tokens=2, prefill_step=PREFILL_STEP)
     engine = ChatEngine(real_opener(), settings, given=GREEDY)
     app = ChatApp(engine, model=str(default_model_path))
@@ -106,7 +110,7 @@ async def test_prefill_is_plotted_and_stops_within_one_step(default_model_path):
 
 @sync
 async def test_window_dims_what_left_and_resume_keeps_policy_and_history(
-    default_model_path, tmp_path, monkeypatch
+    default_model_path, tmp_path, monkeypatch, preloaded
 ):
     monkeypatch.setattr("tui.conversations.chats_dir", lambda: tmp_path)
     first = [str(default_model_path), "--kv-window", "32", "--kv-sinks", "4", "--temp", "0"]

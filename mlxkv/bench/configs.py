@@ -9,7 +9,7 @@ with RotatingKVCache(K, keep=S).
 mlx-lm's RotatingKVCache hides its sink slots from multi-token chunks, so a chunked stream
 through it shows what a long *prompt* gets. What a long *generated* chat gets (token by
 token) is ``lm-rot-decode``: an exact chunked emulation of its decode
-semantics from ``benchmarks/long_ppl.py`` (sinks never re-positioned; quality only).
+semantics from ``mlxkv/bench/long_ppl.py`` (sinks never re-positioned; quality only).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
 
 
@@ -47,13 +46,10 @@ class CacheConfig:
             size, keep = self.mlx_lm[1:]
             return lambda: [RotatingKVCache(size, keep=keep) for _ in range(n)]
         if kind == "rotating-decode":
-            from mlxkv.bench.sources import script
+            from mlxkv.bench.long_ppl import build_caches
 
-            long_ppl = script("long_ppl")
-            if long_ppl is None:
-                raise UserError("lm-rot-decode needs benchmarks/long_ppl.py (source checkout)")
             kept, sinks = self.mlx_lm[1:]
-            return lambda: long_ppl.build_caches(model, "rotating", kept - sinks, sinks)
+            return lambda: build_caches(model, "rotating", kept - sinks, sinks)
         bits = self.mlx_lm[1]
         return lambda: [QuantizedKVCache(group_size=64, bits=bits) for _ in range(n)]
 

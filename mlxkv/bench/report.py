@@ -369,7 +369,7 @@ def _batch(res):
     return [
         "## 5. Batch\n",
         f"{b['prompts']} chat prompts, {b['max_tokens']} tokens each, greedy, full cache, "
-        f"{b['rounds']} round(s) interleaved (functions of `benchmarks/batch_bench.py`). "
+        f"{b['rounds']} round(s) interleaved (`mlxkv.bench.batch`). "
         f"`mlxkv batch` is the real command ({b.get('mode', 'subprocess')}; its `--stats` "
         "time excludes the model load and includes writing the JSONL); one by one = the "
         "engine's `Session`, prompt after prompt; mlx-lm = `batch_generate`.\n",

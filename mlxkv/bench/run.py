@@ -15,7 +15,9 @@ def log(msg: str) -> None:
     print(f"mlxkv bench: {msg}", file=sys.stderr, flush=True)
 
 
-def run(args, scale) -> dict:
+def run(args, scale, batch_command=None) -> dict:
+    """``batch_command(argv)`` runs ``mlxkv batch ARGV`` in this process (the batch section
+    measures the command itself; the command layer hands it down)."""
     import mlxkv.bench.machine as machine
     from mlxkv.bench import configs as configs_mod
     from mlxkv.bench import corpus, engine_overhead, policies, prediction, quality, roofline
@@ -144,16 +146,23 @@ def run(args, scale) -> dict:
 
     if "batch" in sections:
         if args.model:
-            log("batch: benchmarks/batch_bench.py runs the default model only; skipped")
+            log("batch: the batch section runs the default model only; skipped")
+        elif batch_command is None:
+            log("batch: no batch command to measure; skipped")
         else:
             from mlxkv.bench import batch
 
             try:
                 b = batch.measure(
-                    loaded, scale.batch_prompts, scale.batch_max_tokens, scale.batch_rounds, log
+                    loaded,
+                    scale.batch_prompts,
+                    scale.batch_max_tokens,
+                    scale.batch_rounds,
+                    log,
+                    batch_command,
                 )
-            except Exception as e:  # a script from the source tree: report, don't abort the run
-                log(f"batch: benchmarks/batch_bench.py failed ({type(e).__name__}: {e}); skipped")
+            except Exception as e:  # report, don't abort the run
+                log(f"batch: failed ({type(e).__name__}: {e}); skipped")
                 res["batch_error"] = f"{type(e).__name__}: {e}"
                 b = None
             if b:

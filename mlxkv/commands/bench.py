@@ -142,11 +142,22 @@ def run(args) -> int:
 
     from mlxkv.bench import run as bench_run
 
-    res = bench_run.run(args, scale)
+    res = bench_run.run(args, scale, batch_command=_batch_command)
     path = bench_run.write(res, out)
     bench_run.log(f"report written to {path} ({res['total_seconds'] / 60:.1f} min)")
     print(path)
     return 0
+
+
+def _batch_command(argv: list[str]) -> int:
+    """``mlxkv batch ARGV`` in this process, for the bench's batch section."""
+    import argparse
+
+    from mlxkv.commands import batch
+
+    parser = argparse.ArgumentParser(prog="mlxkv batch")
+    batch.add_arguments(parser)
+    return batch.run(parser.parse_args(argv[1:]))
 
 
 def _check_text(path: Path) -> None:

@@ -140,7 +140,7 @@ POLICIES = [
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
 def test_predicted_equals_actual_at_every_event(default_model, policy):
     chat = ChatSession(
-        Session(default_model, policy), GenerationSettings(max_tokens=24, prefill_step=16)
+        Session(default_model, policy), GenerationSettings(max_tokens=16, prefill_step=16)
     )
     for text in ("Write two sentences about the moon.", "Now about the sun."):
         n = 0

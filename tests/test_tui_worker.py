@@ -16,14 +16,11 @@ from tui.worker import MLXWorker
 SCRIPT = """
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
+from tests.tiny_models import tiny_llama
 from tui.worker import MLXWorker
 
 def job():
-    args = llama.ModelArgs.from_dict({"model_type": "llama", "hidden_size": 64,
-        "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "vocab_size": 256})
-    model = llama.Model(args)
+    model = tiny_llama(layers=2, hidden=64, heads=2, kv_heads=1, vocab=256)
     for i, _ in enumerate(generate_step(mx.array([1, 2, 3]), model, max_tokens=20)):
         if i == 5:
             break

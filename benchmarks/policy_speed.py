@@ -27,19 +27,11 @@ setup_blas()  # route MLX to OpenBLAS before anything imports MLX
 
 
 def prefill_tps(model, caches, ids: list[int], chunk: int) -> float:
-    import mlx.core as mx
+    from mlxkv.engine.scheduler import prefill
 
-    from mlxkv.caches import prefill_chunk
-
-    tokens = mx.array(ids)
-    done, n = 0, len(ids)
     tic = time.perf_counter()
-    while done < n:
-        step = min(prefill_chunk(caches, chunk), n - done)
-        model(tokens[None, done : done + step], cache=caches)
-        mx.eval([c.state for c in caches])
-        done += step
-    return n / (time.perf_counter() - tic)
+    prefill(model, caches, ids, 0, len(ids), chunk)
+    return len(ids) / (time.perf_counter() - tic)
 
 
 def main(argv=None) -> int:

@@ -200,19 +200,11 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def _prefill(model, caches, ids) -> float:
-    import mlx.core as mx
+    from mlxkv.engine.scheduler import prefill
 
-    from mlxkv.caches import prefill_chunk
-
-    tokens = mx.array(ids)
-    done, n = 0, len(ids)
     tic = time.perf_counter()
-    while done < n:
-        step = min(prefill_chunk(caches, CHUNK), n - done)
-        model(tokens[None, done : done + step], cache=caches)
-        mx.eval([c.state for c in caches])
-        done += step
-    return n / (time.perf_counter() - tic)
+    prefill(model, caches, ids, 0, len(ids), CHUNK)
+    return len(ids) / (time.perf_counter() - tic)
 
 
 def _decode(model, caches, first: int, n: int, rows: int = 1) -> float:

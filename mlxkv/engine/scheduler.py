@@ -689,22 +689,11 @@ class Scheduler:
         from mlxkv.caches import copy_caches
 
         held, caches = prefixes.lookup(
-            job.ids, others, lambda c, ids, a, b: self._prefill_range(c, ids, a, b, step)
+            job.ids, others, lambda c, ids, a, b: prefill(self.loaded.model, c, ids, a, b, step)
         )
         if caches is None:
             return new(), 0
         return copy_caches(caches), held
-
-    def _prefill_range(self, caches, ids, start: int, end: int, step: int) -> None:
-        import mlx.core as mx
-
-        from mlxkv.caches import prefill_chunk
-
-        prompt = mx.array(ids)
-        while start < end:
-            n = min(prefill_chunk(caches, step), end - start)
-            feed(self.loaded.model, caches, prompt[start : start + n])
-            start += n
 
     def _prefill_chunk(self, job: _Job) -> None:
         """Feed the next prompt chunk; the last one gives the first answer token."""
@@ -978,6 +967,20 @@ def feed(model, caches: list, tokens, logits: bool = False):
     model(tokens[None], cache=caches)
     mx.eval([c.state for c in caches])
     return None
+
+
+def prefill(model, caches: list, ids: list[int], start: int, end: int, step: int) -> None:
+    """Feed ``ids[start:end]`` into ``caches`` in the chunks the caches take (a sink cache
+    that evicts takes smaller ones), each evaluated before the next."""
+    import mlx.core as mx
+
+    from mlxkv.caches import prefill_chunk
+
+    prompt = mx.array(ids)
+    while start < end:
+        n = min(prefill_chunk(caches, step), end - start)
+        feed(model, caches, prompt[start : start + n])
+        start += n
 
 
 class SharedPrefixes:

@@ -22,6 +22,9 @@ POLICIES = {
     "full": [],
     "sink4+window252": ["--kv-window", "252", "--kv-sinks", "4"],
     "4-bit": ["--kv-bits", "4"],
+    # a window the answer outruns: eviction, sink re-rotation and the KIVI ring wrap
+    "sink4+window28": ["--kv-window", "28", "--kv-sinks", "4"],
+    "sink4+window28 4-bit": ["--kv-window", "28", "--kv-sinks", "4", "--kv-bits", "4"],
 }
 STORY = "Write a long story about a dragon who learns to read."
 BATCH_PROMPTS = [

@@ -19,22 +19,28 @@ _NAME = "scaled_dot_product_attention"
 _MLX_LM = base.scaled_dot_product_attention
 
 
-def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.array:
-    """Softmax attention with the products done by the stores (packed when quantized).
-
-    ``queries`` (B, Hq, L, D) are already in the key store's frame; keys/values are the
-    stores' native forms with Hk heads (Hq a multiple of Hk: grouped-query attention).
-    """
+def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.array, int]:
+    """Scaled queries shaped (B, n_kv, rep, L, D) for grouped-query attention (as they are
+    when every query head has its own key head), and ``rep``."""
     B, n_q, L, D = queries.shape
-    first = keys[0] if isinstance(keys, (tuple, list)) else keys
-    n_kv = first.shape[1]
     rep = n_q // n_kv
     q = queries * scale
-    if rep > 1:
-        q = q.reshape(B, n_kv, rep, L, D)
-        keys = _expand(keys)
-        values = _expand(values)
-    scores = kstore.scores(q, keys)
+    return (q.reshape(B, n_kv, rep, L, D) if rep > 1 else q), rep
+
+
+def expand_heads(s, rep: int):
+    """Keys or values (arrays or quantized triples) with an axis for the ``rep`` query
+    heads that share each key head."""
+    if rep == 1:
+        return s
+    if isinstance(s, (tuple, list)):
+        return tuple(mx.expand_dims(x, -3) for x in s)
+    return mx.expand_dims(s, -3)
+
+
+def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.array:
+    """Softmax over ``scores`` (masked: boolean, additive or "causal"), times the values
+    (packed when the value store is quantized); heads back to (B, n_q, L, D)."""
     if mask is not None:
         if isinstance(mask, str):  # "causal"
             q_len, k_len = scores.shape[-2:]
@@ -46,16 +52,23 @@ def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.a
         else:
             scores = scores + mask
     p = mx.softmax(scores, axis=-1, precise=True)
-    out = vstore.weigh(p, values)
+    out = vstore.weigh(p, expand_heads(values, rep))
     if rep > 1:
-        out = out.reshape(B, n_q, L, out.shape[-1])
+        B, _, _, L, D = out.shape
+        out = out.reshape(B, n_q, L, D)
     return out
 
 
-def _expand(s):
-    if isinstance(s, (tuple, list)):
-        return tuple(mx.expand_dims(x, -3) for x in s)
-    return mx.expand_dims(s, -3)
+def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.array:
+    """Softmax attention with the products done by the stores (packed when quantized).
+
+    ``queries`` (B, Hq, L, D) are already in the key store's frame; keys/values are the
+    stores' native forms with Hk heads (Hq a multiple of Hk: grouped-query attention).
+    """
+    first = keys[0] if isinstance(keys, (tuple, list)) else keys
+    q, rep = grouped_queries(queries, scale, first.shape[1])
+    scores = kstore.scores(q, expand_heads(keys, rep))
+    return weighted_values(scores, mask, rep, vstore, values, queries.shape[1])
 
 
 def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:

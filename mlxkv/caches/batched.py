@@ -31,52 +31,24 @@ import mlx.core as mx
 
 from mlxkv.caches import storage as st
 from mlxkv.caches.attention import attention
-from mlxkv.caches.batch_rows import BatchRowCounters
 from mlxkv.caches.batched_kivi import BatchedKiviKVCache
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
-from mlxkv.caches.rotation import Rotation
+from mlxkv.caches.rows import (
+    BatchRowCounters,
+    pad_tokens,
+    put_rows,
+    put_young_sinks,
+    sinks_at,
+    stack_rows,
+    take_rows,
+)
 from mlxkv.caches.streaming import (
     DEFAULT_REBASE_EVERY,
     QuantizedStreamingKVCache,
     StreamingKVCache,
-    evicted_after,
+    rebase_ring,
 )
-
-
-def _stack(parts: list):
-    """Concatenate stored tensors (arrays or quantized triples) along the batch axis."""
-    if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate(list(p), axis=0) for p in zip(*parts, strict=True))
-    return mx.concatenate(parts, axis=0)
-
-
-def _rows(s, idx: mx.array):
-    if isinstance(s, tuple):
-        return tuple(x[idx] for x in s)
-    return s[idx]
-
-
-def _pad(s, tokens: int):
-    """Zero-pad a stored tensor along the token axis to ``tokens`` slots."""
-    have = st.tokens_of(s)
-    if have == tokens:
-        return s
-    if have > tokens:
-        return st.take(s, 0, tokens)
-
-    def pad(x):
-        return mx.concatenate([x, mx.zeros((*x.shape[:2], tokens - have, x.shape[3]), x.dtype)], 2)
-
-    return tuple(pad(x) for x in s) if isinstance(s, tuple) else pad(s)
-
-
-def _put(s, slots: mx.array, v):
-    """Write one token per row: row ``b`` of ``v`` goes to slot ``slots[b]``."""
-    idx = slots.reshape(-1, 1, 1, 1)
-    if isinstance(s, tuple):
-        return tuple(mx.put_along_axis(x, idx, y, axis=2) for x, y in zip(s, v, strict=True))
-    return mx.put_along_axis(s, idx, v, axis=2)
 
 
 class BatchedKVCache(BatchRowCounters):
@@ -141,7 +113,7 @@ class BatchedKVCache(BatchRowCounters):
             self._alloc_like(like, len(self.n) - len(caches))
         self._extend_offsets(caches, like)
         cap = self._capacity(max(self.n))
-        parts_k, parts_v = [_pad(self.keys, cap)], [_pad(self.values, cap)]
+        parts_k, parts_v = [pad_tokens(self.keys, cap)], [pad_tokens(self.values, cap)]
         parts_s = []
         if self.sinks:
             parts_s.append(self.sink_keys)
@@ -151,11 +123,11 @@ class BatchedKVCache(BatchRowCounters):
                 s = self._zero_sinks(1)
             elif self.sinks and s is None:
                 s = self._zero_sinks(1)
-            parts_k.append(_pad(k, cap))
-            parts_v.append(_pad(v, cap))
+            parts_k.append(pad_tokens(k, cap))
+            parts_v.append(pad_tokens(v, cap))
             if self.sinks:
                 parts_s.append(s)
-        self.keys, self.values = _stack(parts_k), _stack(parts_v)
+        self.keys, self.values = stack_rows(parts_k), stack_rows(parts_v)
         if self.sinks:
             self.sink_keys = mx.concatenate(parts_s, axis=0)
 
@@ -217,11 +189,8 @@ class BatchedKVCache(BatchRowCounters):
         """Keep only rows ``keep`` (finished rows leave); capacity shrinks to what is left."""
         flags = self._no_offset + [False] * (len(self.n) - len(self._no_offset))
         self._no_offset = [flags[i] for i in keep] if self._no_offset else []
-        self.n = [self.n[i] for i in keep]
-        self.evicted = [self.evicted[i] for i in keep]
-        self.base = [self.base[i] for i in keep]
+        self.keep_rows(keep)
         self.sink_shift = [self.sink_shift[i] for i in keep]
-        self._offset = None
         if self.keys is None:
             return
         if not keep:
@@ -232,8 +201,8 @@ class BatchedKVCache(BatchRowCounters):
         if self.kstore.offset is not None:
             self.kstore.offset = self.kstore.offset[idx]
         cap = self._capacity(max(self.n))
-        self.keys = _pad(_rows(self.keys, idx), cap)
-        self.values = _pad(_rows(self.values, idx), cap)
+        self.keys = pad_tokens(take_rows(self.keys, idx), cap)
+        self.values = pad_tokens(take_rows(self.values, idx), cap)
         if self.sinks:
             self.sink_keys = self.sink_keys[idx]
 
@@ -245,8 +214,8 @@ class BatchedKVCache(BatchRowCounters):
         if cls is FullKVCache:
             c = FullKVCache()
             if n and self.keys is not None:
-                c.keys = _pad(self.keys[i : i + 1], st.round_up(n))
-                c.values = _pad(self.values[i : i + 1], st.round_up(n))
+                c.keys = pad_tokens(self.keys[i : i + 1], st.round_up(n))
+                c.values = pad_tokens(self.values[i : i + 1], st.round_up(n))
                 c.offset = n
             return c
         state = dict(scalars)
@@ -256,8 +225,8 @@ class BatchedKVCache(BatchRowCounters):
         if n and self.keys is not None:
             idx = mx.array([i])
             cap = st.capacity(n, self.limit)
-            state["keys"] = _pad(_rows(self.keys, idx), cap)
-            state["values"] = _pad(_rows(self.values, idx), cap)
+            state["keys"] = pad_tokens(take_rows(self.keys, idx), cap)
+            state["values"] = pad_tokens(take_rows(self.values, idx), cap)
             if self.sinks:
                 state["sink_keys"] = self.sink_keys[i : i + 1]
             if self.kstore.offset is not None and not self._row_waits_for_offset(i):
@@ -301,24 +270,18 @@ class BatchedKVCache(BatchRowCounters):
                 self.sink_keys = self._zero_sinks(len(self.n))
         cap = self._capacity(max(self.n) + 1)
         if st.tokens_of(self.keys) < cap:
-            self.keys, self.values = _pad(self.keys, cap), _pad(self.values, cap)
+            self.keys, self.values = pad_tokens(self.keys, cap), pad_tokens(self.values, cap)
         ts = list(self.n)
-        slots = mx.array([self._slot(t) for t in ts])
+        slots = [self._slot(t) for t in ts]
         self._take_first_offsets(keys)
-        self.keys = _put(self.keys, slots, self.kstore.encode(keys))
-        self.values = _put(self.values, slots, self.vstore.encode(values))
-        if S and any(t < S for t in ts):  # sink tokens keep their original rotation
-            young = mx.array([t < S for t in ts]).reshape(-1, 1, 1, 1)
-            sidx = mx.array([min(t, S - 1) for t in ts]).reshape(-1, 1, 1, 1)
-            put = mx.put_along_axis(self.sink_keys, sidx, keys, axis=2)
-            self.sink_keys = mx.where(young, put, self.sink_keys)
-        for b, t in enumerate(ts):
-            self.evicted[b] = evicted_after(t, S, self.window, self.evicted[b])
-            self.n[b] = t + 1
+        self.keys = put_rows(self.keys, slots, self.kstore.encode(keys))
+        self.values = put_rows(self.values, slots, self.vstore.encode(values))
+        if S:
+            self.sink_keys = put_young_sinks(self.sink_keys, ts, keys)
+        self.advance(ts)
         self._set_sink_shifts()
         out = self._fetch()
         self._maybe_rebase()
-        self._offset = None
         return out
 
     def _fetch(self):
@@ -328,52 +291,34 @@ class BatchedKVCache(BatchRowCounters):
         return st.take(self.keys, 0, width), st.take(self.values, 0, width)
 
     def _set_sink_shifts(self):
+        """Rows whose evicted count moved get their sink slots rewritten, rotated for it."""
         if not self.sinks:
             return
         want = [e - b for e, b in zip(self.evicted, self.base, strict=True)]
         if want == self.sink_shift:
             return
         changed = mx.array([w != d for w, d in zip(want, self.sink_shift, strict=True)])
-        rotated = self._shift_rows(self.sink_keys, want)
-        enc = self.kstore.encode(rotated)
+        enc = self.kstore.encode(sinks_at(self.rotation, self.sink_keys, want))
         mask = changed.reshape(-1, 1, 1, 1)
         S = self.sinks
-
         bufs = self.keys if isinstance(self.keys, tuple) else (self.keys,)
         news = enc if isinstance(enc, tuple) else (enc,)
         for buf, new in zip(bufs, news, strict=True):  # in place: only S slots change
             buf[..., :S, :] = mx.where(mask, new, buf[..., :S, :])
         self.sink_shift = want
 
-    def _shift_rows(self, x: mx.array, shifts: list[int]) -> mx.array:
-        """Rotate row ``b`` of ``x`` (B, H, T, D) forward by ``shifts[b]`` positions."""
-        if not isinstance(self.rotation, Rotation):
-            return x  # no RoPE (or MLA): positions are not in the keys
-        return self.rotation._rope(x[..., None, :], mx.array(shifts))[..., 0, :]
-
     def _maybe_rebase(self):
-        if not isinstance(self.rotation, Rotation) or self.window is None:
+        shifts = self.rebase_due()
+        if shifts is None:
             return
-        due = [b for b in range(len(self.n)) if self.evicted[b] - self.base[b] >= self.rebase_every]
-        if not due:
-            return
-        S, W = self.sinks, self.window
-        shifts = [0] * len(self.n)
-        for b in due:
-            shifts[b] = -(self.evicted[b] - self.base[b])
-        ring = self.kstore.restore(st.take(self.keys, S, S + W))
-        ring = self.kstore.encode(self._shift_rows(ring, shifts))
-        rows = mx.array([s != 0 for s in shifts]).reshape(-1, 1, 1, 1)
-        parts = []
-        if S:
-            sinks_now = st.take(self.keys, 0, S)
-            pristine = self.kstore.encode(self.sink_keys)
-            parts.append(_where(rows, pristine, sinks_now))
-        parts.append(_where(rows, ring, st.take(self.keys, S, S + W)))
-        self.keys = st.concat(parts)
-        for b in due:
-            self.base[b] = self.evicted[b]
-            self.sink_shift[b] = 0
+        self.keys = rebase_ring(
+            self.keys, self.sink_keys, self.kstore, self.rotation, self.window, shifts
+        )
+        for b, d in enumerate(shifts):
+            if d:
+                self.base[b] = self.evicted[b]
+                self.sink_shift[b] = 0
+        self._offset = None
 
     # ---- accounting ----
     @property
@@ -386,12 +331,6 @@ class BatchedKVCache(BatchRowCounters):
 
     def empty(self) -> bool:
         return self.keys is None
-
-
-def _where(mask, a, b):
-    if isinstance(a, tuple):
-        return tuple(mx.where(mask, x, y) for x, y in zip(a, b, strict=True))
-    return mx.where(mask, a, b)
 
 
 class QuantizedBatchedKVCache(BatchedKVCache):

@@ -11,15 +11,11 @@ Layout (``S`` sinks, window ``W`` or None for a full cache, group ``G``):
   (positions 0..S-1); attention rotates them forward by the evicted count (exact
   StreamingLLM positions, as :class:`~mlxkv.caches.streaming.StreamingKVCache` does). Their
   values sit in value slots ``[0, S)``.
-* the ring: token ``k >= S`` has ring position ``u % C`` with ``u = k - S`` (``C`` ring slots:
-  ``G * ceil(W / G)`` for a window, growing in 256-token steps for a full cache). Keys are
-  stored transposed, ``K^T`` (B, H, D, C), quantized along the token axis: ``mx.quantize`` on
-  groups of ``G`` ring positions gives a scale and a bias per channel and group. Group
-  ``u // G`` lives in group slot ``(u // G) % (C / G)``: boundaries are fixed by the
-  absolute token index, so chunked prefill equals token-by-token decoding exactly. Values
-  of token ``k`` sit in value slot ``S + u % C``.
-* the residual: the newest ``< G`` ring tokens' keys (the group being filled) in full
-  precision, (B, H, G, D). A group is quantized once its last token is in.
+* the ring and the residual: the keys of token ``k >= S`` (ring token ``u = k - S``) in
+  the key store, :class:`mlxkv.caches.kivi_keys.KiviKeyStore`: packed ``K^T`` groups of
+  ``G`` tokens at ring position ``u % C``, the group being filled in full precision.
+  Group boundaries are fixed by the absolute token index, so chunked prefill equals
+  token-by-token decoding exactly. Values of token ``k`` sit in value slot ``S + u % C``.
 
 What a query at token ``t`` sees: the sinks, and the window tokens before ``t``'s group as
 quantized keys, its own group's tokens up to ``t`` in full precision; values always as
@@ -44,8 +40,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.attention import expand_heads, grouped_queries, weighted_values
 from mlxkv.caches.errors import CacheError
-from mlxkv.caches.rotation import Rotation
+from mlxkv.caches.kivi_keys import KiviKeyStore
+from mlxkv.caches.rotation import ShiftsAhead
+from mlxkv.caches.rows import evicted_after, rebase_shifts, sinks_at
 from mlxkv.caches.streaming import (
     SINK_PREFILL_CHUNK,
     SinkWindowCounters,
@@ -53,66 +52,9 @@ from mlxkv.caches.streaming import (
     _rotation_state,
     check_sink_window,
     default_rebase_every,
-    evicted_after,
     sink_copies_mask,
 )
-from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
 from mlxkv.policy import PolicyError
-
-
-def _expand(x, rep: int):
-    if rep == 1:
-        return x
-    if isinstance(x, (tuple, list)):
-        return tuple(mx.expand_dims(a, -3) for a in x)
-    return mx.expand_dims(x, -3)
-
-
-# The KIVI key arithmetic, shared by the single-sequence and the batched caches.
-def quantize_groups(k: mx.array, group_size: int, bits: int):
-    """``mx.quantize`` of keys (B, H, n*G, D) per channel along tokens: packed K^T."""
-    kt = mx.contiguous(k.swapaxes(-1, -2))
-    return tuple(mx.quantize(kt, group_size=group_size, bits=bits))
-
-
-def dequantize_groups(q, group_size: int, bits: int) -> mx.array:
-    """Keys (B, H, n*G, D) back from packed K^T."""
-    return mx.dequantize(*q, group_size=group_size, bits=bits).swapaxes(-1, -2)
-
-
-def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.array, int]:
-    """Scaled queries shaped (B, n_kv, rep, L, D) for grouped-query attention (as is when
-    every query head has its own key head), and ``rep``."""
-    B, n_q, L, D = queries.shape
-    rep = n_q // n_kv
-    q = queries * scale
-    return (q.reshape(B, n_kv, rep, L, D) if rep > 1 else q), rep
-
-
-def sink_scores(q, rep: int, sink_keys) -> mx.array:
-    """Scores against the full-precision sink keys."""
-    return q @ _expand(sink_keys, rep).swapaxes(-1, -2)
-
-
-def packed_scores(q, rep: int, ring, residual, group_size: int, bits: int):
-    """Scores against the packed ring (K^T, no dequantized copy) and the residual group."""
-    s_ring = mx.quantized_matmul(
-        q, *_expand(ring, rep), transpose=False, group_size=group_size, bits=bits
-    )
-    return s_ring, q @ _expand(residual, rep).swapaxes(-1, -2)
-
-
-def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.array:
-    """Softmax over ``scores`` (masked), times the values; heads back to (B, n_q, L, D)."""
-    if mask is not None:
-        m = mask if rep == 1 else mx.expand_dims(mask, -3)
-        scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-    p = mx.softmax(scores, axis=-1, precise=True)
-    out = vstore.weigh(p, _expand(values, rep))
-    if rep > 1:
-        B, _, _, L, D = out.shape
-        out = out.reshape(B, n_q, L, D)
-    return out
 
 
 class KiviKVCache(SinkWindowCounters):
@@ -140,7 +82,7 @@ class KiviKVCache(SinkWindowCounters):
         if rebase_every is None:
             rebase_every = default_rebase_every(window, sinks)
         self.rebase_every = rebase_every
-        self.key_bits, self.group_size = key_bits, group_size
+        self.kstore = KiviKeyStore(key_bits, group_size, window, sinks)
         self.vstore = st.store_for(value_bits, value_group_size or group_size)
         self.ring = None  # (packed, scales, biases) of K^T, (B, H, D, C) before packing
         self.residual = None  # (B, H, G, D)
@@ -149,6 +91,7 @@ class KiviKVCache(SinkWindowCounters):
         self._n = self._evicted = self._base = 0
         self._fetched = None
         self._last = None  # what the last update returned (keys_and_values)
+        self._ahead = ShiftsAhead()  # decoding's sink rotations, several steps at a time
 
     def empty(self) -> bool:
         return self.values is None
@@ -156,6 +99,14 @@ class KiviKVCache(SinkWindowCounters):
     @property
     def quantized(self) -> bool:
         return True
+
+    @property
+    def key_bits(self) -> int:
+        return self.kstore.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.kstore.group_size
 
     @property
     def value_bits(self) -> int | None:
@@ -166,21 +117,9 @@ class KiviKVCache(SinkWindowCounters):
         return st.nbytes(self.ring, self.residual, self.values, self.sink_keys)
 
     def describe_stores(self) -> dict:
-        keys = {"bits": self.key_bits, "group_size": self.group_size, "scheme": self.scheme}
-        return {"keys": keys, "values": self.vstore.describe()}
+        return {"keys": self.kstore.describe(), "values": self.vstore.describe()}
 
     # ---- arithmetic ----
-    def _ring_slots(self, n: int) -> int:
-        return kivi_ring_slots(n, self.sinks, self.window, self.group_size)
-
-    @property
-    def _cmax(self) -> int | None:
-        return kivi_ring_limit(self.window, self.group_size)
-
-    def _pos(self, u: int) -> int:
-        """Ring position of ring token ``u`` (= token ``S + u``)."""
-        return u if self.window is None else u % self._cmax
-
     def _d(self, t: int) -> int:
         """Evicted count once token ``t`` is in."""
         return evicted_after(t, self.sinks, self.window, self._evicted)
@@ -214,32 +153,9 @@ class KiviKVCache(SinkWindowCounters):
         return self._chunk_mask(N, window_size)
 
     def _decode_mask(self, window_size):
-        S, t = self.sinks, self._n
-        n = t + 1
-        oldest = S + self._d(t)
-        parts = []
-        if S:
-            j = mx.arange(S)
-            vis = j <= t
-            if window_size is not None:
-                vis = vis & (j > t - window_size)
-            parts.append(vis)
-        C = self._ring_slots(n)
-        if C:
-            r = mx.arange(C)
-            ut = t - S
-            if self.window is None:
-                u = r
-            else:
-                u = ut - ((ut - r) % self._cmax)
-            k = S + u
-            vis = (u >= 0) & (u <= ut) & (k >= oldest)
-            if window_size is not None:
-                vis = vis & (k > t - window_size)
-            parts.append(vis)
-        if not parts:
-            return None
-        return mx.concatenate(parts)[None]
+        t = self._n
+        oldest = self.sinks + self._d(t)
+        return self.kstore.decode_mask([t], [oldest], self.kstore.slots(t + 1), window_size)
 
     def _chunk_mask(self, N: int, window_size):
         S, G, P = self.sinks, self.group_size, self._n
@@ -264,8 +180,7 @@ class KiviKVCache(SinkWindowCounters):
     def _ensure(self, keys: mx.array, values: mx.array, n: int):
         """Allocate for ``n`` tokens held (the rule ``policy_bytes`` predicts)."""
         B, H, _, D = keys.shape
-        S, G, b = self.sinks, self.group_size, self.key_bits
-        C = self._ring_slots(n)
+        S, C = self.sinks, self.kstore.slots(n)
         if self.values is None:
             self.values = self.vstore.zeros(values, S + C)
             if S:
@@ -273,79 +188,33 @@ class KiviKVCache(SinkWindowCounters):
         elif st.tokens_of(self.values) < S + C:
             extra = S + C - st.tokens_of(self.values)
             self.values = st.grow(self.values, self.vstore.zeros(values, extra))
-        have = 0 if self.ring is None else self.ring[1].shape[-1] * G
-        if C > have:
-            extra = C - have
-            grow = (
-                mx.zeros((B, H, D, extra * b // 32), mx.uint32),
-                mx.zeros((B, H, D, extra // G), keys.dtype),
-                mx.zeros((B, H, D, extra // G), keys.dtype),
-            )
-            if self.ring is None:
-                self.ring = grow
-                self.residual = mx.zeros((B, H, G, D), keys.dtype)
-            else:
-                self.ring = tuple(
-                    mx.concatenate([a, z], axis=-1) for a, z in zip(self.ring, grow, strict=True)
-                )
-
-    def _quantize_groups(self, k: mx.array):
-        return quantize_groups(k, self.group_size, self.key_bits)
-
-    def _dequantize(self, q) -> mx.array:
-        return dequantize_groups(q, self.group_size, self.key_bits)
-
-    def _write_groups(self, first_group: int, q, groups: int) -> None:
-        """Write ``groups`` quantized groups (group indices from ``first_group``) into their
-        group slots (only the newest ``C / G`` matter when a chunk outruns the ring)."""
-        G, b = self.group_size, self.key_bits
-        nslots = None if self.window is None else self._cmax // G
-        words = G * b // 32
-        for i in range(0 if nslots is None else max(0, groups - nslots), groups):
-            s = first_group + i if nslots is None else (first_group + i) % nslots
-            self.ring[0][..., s * words : (s + 1) * words] = q[0][..., i * words : (i + 1) * words]
-            self.ring[1][..., s : s + 1] = q[1][..., i : i + 1]
-            self.ring[2][..., s : s + 1] = q[2][..., i : i + 1]
+        if self.ring is None:
+            if C:
+                self.ring, self.residual = self.kstore.zeros(B, keys, C)
+        elif C > self.kstore.held(self.ring):
+            self.ring = self.kstore.fit(self.ring, C)
 
     def _write_values(self, u_first: int, enc) -> None:
         """Write encoded values of ring tokens ``u_first..`` into their slots (wrapping)."""
         n = st.tokens_of(enc)
-        C = self._cmax
+        C = self.kstore.limit
         skip = 0 if C is None else max(0, n - C)
         u, done = u_first + skip, skip
         while done < n:
-            p = self._pos(u)
+            p = self.kstore.pos(u)
             length = n - done if C is None else min(n - done, C - p)
             st.write(self.values, self.sinks + p, st.take(enc, done, done + length))
             u, done = u + length, done + length
 
-    def _ring_keys(self, a: int, b: int) -> list:
-        """Dequantized keys (B, H, n, D) of ring tokens [a, b), in pieces (the ring wraps);
-        only the groups that hold them are dequantized."""
-        G, words = self.group_size, self.key_bits * self.group_size // 32
-        out = []
-        while a < b:
-            p = self._pos(a)
-            length = b - a if self._cmax is None else min(b - a, self._cmax - p)
-            g0, g1 = p // G, -(-(p + length) // G)
-            part = (
-                self.ring[0][..., g0 * words : g1 * words],
-                self.ring[1][..., g0:g1],
-                self.ring[2][..., g0:g1],
-            )
-            out.append(self._dequantize(part)[..., p - g0 * G : p - g0 * G + length, :])
-            a += length
-        return out
-
     def _shifted_sinks(self) -> mx.array:
-        d = self._evicted - self._base
-        return self.sink_keys if d == 0 else self.rotation.shift(self.sink_keys, d)
+        return sinks_at(self.rotation, self.sink_keys, [self._evicted - self._base], self._ahead)
 
     # ---- updates ----
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         P, N, S = self._n, keys.shape[2], self.sinks
         self._ensure(keys, values, P + N)
         if P < S:  # sink tokens: full precision keys, values in slots [0, S)
+            self._ahead.clear()
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
             st.write(self.values, P, self.vstore.encode(values[..., : S - P, :]))
         self._last = None
@@ -364,7 +233,7 @@ class KiviKVCache(SinkWindowCounters):
             self.residual[..., i : i + 1, :] = keys
             self._write_values(u, self.vstore.encode(values))
             if i == G - 1:  # the group is complete: quantize it now (attention uses the residual)
-                self._write_groups(u // G, self._quantize_groups(self.residual), 1)
+                self.kstore.write_groups(self.ring, u // G, self.kstore.encode(self.residual), 1)
         sinks = self._shifted_sinks() if S else None  # this step's frame, before a rebase
         self._fetched = ("decode", t, self.residual, sinks)
         out = self.ring, self.values
@@ -394,12 +263,12 @@ class KiviKVCache(SinkWindowCounters):
             pieces = [vdec(p) for p in self._ring_value_pieces(a, u0)] + [vdec(enc_v)]
             v_line = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
             if e > r0:
-                q = self._quantize_groups(raw[..., : e - r0, :])
+                q = self.kstore.encode(raw[..., : e - r0, :])
             if e_seen > lo:  # earlier groups, as quantized
                 if lo < r0:
-                    parts_k += self._ring_keys(lo, min(r0, e_seen))
+                    parts_k += self.kstore.ring_keys(self.ring, lo, min(r0, e_seen))
                 if e_seen > r0:
-                    dq = self._dequantize(q)
+                    dq = self.kstore.decode(q)
                     parts_k.append(dq[..., max(0, lo - r0) : e_seen - r0, :])
                 parts_v.append(v_line[..., lo - a : e_seen - a, :])
             parts_k.append(raw)  # the groups being filled, in full precision
@@ -410,7 +279,7 @@ class KiviKVCache(SinkWindowCounters):
         if u1 > u0:
             self._write_values(u0, enc_v)
             if e > r0:
-                self._write_groups(r0 // G, q, (e - r0) // G)
+                self.kstore.write_groups(self.ring, r0 // G, q, (e - r0) // G)
             if u1 > e:
                 self.residual[..., : u1 - e, :] = raw[..., e - r0 :, :]
         self._n = P + N
@@ -422,22 +291,23 @@ class KiviKVCache(SinkWindowCounters):
     def _ring_value_pieces(self, a: int, b: int) -> list:
         out = []
         while a < b:
-            p = self._pos(a)
-            length = b - a if self._cmax is None else min(b - a, self._cmax - p)
+            p = self.kstore.pos(a)
+            length = b - a if self.kstore.limit is None else min(b - a, self.kstore.limit - p)
             out.append(st.take(self.values, self.sinks + p, self.sinks + p + length))
             a += length
         return out
 
     def _maybe_rebase(self):
-        if not isinstance(self.rotation, Rotation) or self.window is None:
+        shifts = rebase_shifts(
+            self.rotation, self.window, self.rebase_every, [self._evicted], [self._base]
+        )
+        if shifts is None:
             return
-        R = self._evicted - self._base
-        if R < self.rebase_every:
-            return
-        ring = self.rotation.shift(self._dequantize(self.ring), -R)
-        self.ring = self._quantize_groups(ring)
-        self.residual = self.rotation.shift(self.residual, -R)
-        self._base += R
+        self.ring, self.residual = self.kstore.rebase(
+            self.rotation, self.ring, self.residual, shifts
+        )
+        self._base = self._evicted
+        self._ahead.clear()
 
     # ---- attention ----
     def attend(self, queries, keys, values, scale: float, mask, sinks=None) -> mx.array:
@@ -451,11 +321,11 @@ class KiviKVCache(SinkWindowCounters):
         q, rep = grouped_queries(queries, scale, n_kv)
         parts = []
         if S:
-            parts.append(sink_scores(q, rep, sink_keys))
+            parts.append(q @ expand_heads(sink_keys, rep).swapaxes(-1, -2))
         if t >= S:
-            s_ring, s_res = packed_scores(q, rep, keys, residual, G, self.key_bits)
+            s_ring, s_res = self.kstore.scores(q, rep, keys, residual)
             u = t - S
-            j = self._pos(u) // G * G
+            j = self.kstore.pos(u) // G * G
             blk = mx.where(mx.arange(G) <= u % G, s_res, s_ring[..., j : j + G])
             parts += [s_ring[..., :j], blk, s_ring[..., j + G :]]
         scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
@@ -536,19 +406,14 @@ class KiviKVCache(SinkWindowCounters):
         if self._n == 0:
             self.ring = self.residual = self.values = self.sink_keys = None
             return n
-        C = self._ring_slots(self._n)
+        C = self.kstore.slots(self._n)
         if st.tokens_of(self.values) > self.sinks + C:
             self.values = st.shrink(self.values, self.sinks + C)
-        if self.ring is not None and self.ring[1].shape[-1] * self.group_size > C:
+        if self.kstore.held(self.ring) > C:
             if C == 0:
                 self.ring = self.residual = None
             else:
-                g, words = C // self.group_size, C * self.key_bits // 32
-                self.ring = (
-                    mx.contiguous(self.ring[0][..., :words]),
-                    mx.contiguous(self.ring[1][..., :g]),
-                    mx.contiguous(self.ring[2][..., :g]),
-                )
+                self.ring = self.kstore.fit(self.ring, C)
         return n
 
     # ---- state ----
@@ -584,7 +449,7 @@ class KiviKVCache(SinkWindowCounters):
         self._n, self._evicted, self._base = v["tokens_seen"], v["evicted"], v["base"]
         self.rebase_every = v["rebase_every"]
         self.rotation = _rotation_from_state(v["rotation"])
-        self.key_bits, self.group_size = v["key_bits"], v["key_group_size"]
+        self.kstore = KiviKeyStore(v["key_bits"], v["key_group_size"], self.window, self.sinks)
         self.vstore = st.store_for(v["value_bits"], v["value_group_size"] or self.group_size)
         ring = v["ring"]
         self.ring = None if ring is None else tuple(ring)
@@ -592,6 +457,7 @@ class KiviKVCache(SinkWindowCounters):
         self.values = tuple(vals) if isinstance(vals, list) else vals
         self.residual, self.sink_keys = v["residual"], v["sink_keys"]
         self._fetched = self._last = None
+        self._ahead = ShiftsAhead()
 
     @classmethod
     def for_policy(cls, policy, rotation=None, rebase_every=None) -> KiviKVCache:

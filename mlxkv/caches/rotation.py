@@ -51,6 +51,13 @@ class Rotation:
         # axis so each one gets exactly ``d``.
         return self._rope(x[..., None, :], d)[..., 0, :]
 
+    def shift_rows(self, x: mx.array, shifts: list[int]) -> mx.array:
+        """Rotate row ``b`` of ``x`` (B, H, T, D) forward by ``shifts[b]`` positions, in one
+        call (per-row offsets; bit for bit what ``shift`` gives each row alone)."""
+        if len(set(shifts)) == 1:
+            return self.shift(x, shifts[0])
+        return self._rope(x[..., None, :], mx.array(shifts))[..., 0, :]
+
     def shifted_copies(self, x: mx.array, d0: int, m: int) -> mx.array:
         """(B, H, T, D) -> (B, H, T, m, D) where copy c of each token is shifted by d0 + c."""
         y = mx.broadcast_to(x[..., None, :], (*x.shape[:-1], m, x.shape[-1]))

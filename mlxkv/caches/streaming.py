@@ -63,6 +63,7 @@ from mlxkv.caches import storage as st
 from mlxkv.caches.attention import attention
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Identity, Rotation, ShiftsAhead
+from mlxkv.caches.rows import evicted_after, rebase_shifts, sinks_at, where_rows
 
 DEFAULT_REBASE_EVERY = 4096
 # A chunk of N tokens through an evicting sink cache attends to S * N extra keys (one
@@ -124,15 +125,6 @@ def prefill_chunk(caches, step: int) -> int:
     return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
 
 
-def evicted_after(t: int, sinks: int, window: int | None, before: int) -> int:
-    """Tokens a sink + window cache has evicted once token ``t`` is in (never fewer than
-    ``before``, its count so far): also the shift its sink keys need. Single and batched
-    caches (one row at a time) all count with this."""
-    if window is None:
-        return 0
-    return max(before, t + 1 - sinks - window)
-
-
 def check_sink_window(window: int | None, sinks: int, rotation) -> None:
     """The constructor checks every sink + window cache shares."""
     if window is None and sinks:
@@ -144,6 +136,20 @@ def check_sink_window(window: int | None, sinks: int, rotation) -> None:
 def default_rebase_every(window: int | None, sinks: int) -> int | None:
     """How many evictions a cache lets pass before it rebases its positions."""
     return None if window is None else max(sinks + window, DEFAULT_REBASE_EVERY)
+
+
+def rebase_ring(keys, sink_keys, kstore, rotation, window: int, shifts: list[int]):
+    """The key slots of a ring layout (sinks in ``[0, S)``, the window after them) with
+    row ``b`` moved into its new frame: its window keys rotated by ``shifts[b]``, its sink
+    slots back to the pristine copy (their shift is 0 there). Rows with no shift keep their
+    slots. Single caches (one row) and batched ones rebase with this."""
+    S = 0 if sink_keys is None else sink_keys.shape[2]
+    ring = kstore.restore(st.take(keys, S, S + window))
+    ring = kstore.encode(rotation.shift_rows(ring, shifts))
+    new = st.concat([kstore.encode(sink_keys), ring]) if S else ring
+    if all(shifts):
+        return new
+    return where_rows([d != 0 for d in shifts], new, keys)
 
 
 def sink_copies_mask(S: int, m: int, t: mx.array, copy: mx.array, window_size) -> mx.array:
@@ -368,10 +374,7 @@ class StreamingKVCache(SinkWindowCounters):
     def _set_sink_shift(self, d: int, ahead: bool = False):
         if not self.sinks or d == self._sink_shift:
             return
-        if ahead:
-            rotated = self._ahead.get(self.rotation, self.sink_keys, d)
-        else:
-            rotated = self.rotation.shift(self.sink_keys, d)
+        rotated = sinks_at(self.rotation, self.sink_keys, [d], self._ahead if ahead else None)
         st.write(self.keys, 0, self.kstore.encode(rotated))
         self._sink_shift = d
 
@@ -450,18 +453,15 @@ class StreamingKVCache(SinkWindowCounters):
         return out
 
     def _maybe_rebase(self):
-        if not isinstance(self.rotation, Rotation):
+        shifts = rebase_shifts(
+            self.rotation, self.window, self.rebase_every, [self._evicted], [self._base]
+        )
+        if shifts is None:
             return
-        R = self._evicted - self._base
-        if R < self.rebase_every:
-            return
-        S = self.sinks
-        ring = self.kstore.restore(st.take(self.keys, S, S + self.window))
-        ring = self.kstore.encode(self.rotation.shift(ring, -R))
-        if S:  # the sinks' shift becomes 0 in the new frame: the pristine copy itself
-            self.keys = st.concat([self.kstore.encode(self.sink_keys), ring])
-        else:
-            self.keys = ring
+        R = -shifts[0]
+        self.keys = rebase_ring(
+            self.keys, self.sink_keys, self.kstore, self.rotation, self.window, shifts
+        )
         self._base += R
         self._sink_shift = 0
         for rec in self._undo:  # the undo log moves to the new frame with the ring

@@ -72,13 +72,22 @@ def batch(
         return json.loads(_run(checkout, args, env).strip().splitlines()[-1])
 
 
-def measure(sides: dict[str, Path], rounds: int, max_tokens: int, lines: int, env: dict) -> dict:
-    """{policy: {side: {metric: [values]}}}, interleaved A-B then B-A."""
+def measure(
+    sides: dict[str, Path],
+    rounds: int,
+    max_tokens: int,
+    lines: int,
+    env: dict,
+    policies: list[str] | None = None,
+) -> dict:
+    """{policy: {side: {metric: [values]}}}, interleaved A-B then B-A (every policy of
+    ``POLICIES``, or those named)."""
     names = list(sides)
-    res: dict = {p: {n: {} for n in names} for p in POLICIES}
+    chosen = {p: f for p, f in POLICIES.items() if policies is None or p in policies}
+    res: dict = {p: {n: {} for n in names} for p in chosen}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
-        for policy, flags in POLICIES.items():
+        for policy, flags in chosen.items():
             for name in order:
                 cell = res[policy][name]
                 g = generate(sides[name], flags, max_tokens, env)

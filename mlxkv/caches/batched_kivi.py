@@ -164,14 +164,6 @@ class BatchedKiviKVCache(BatchRowCounters):
         )
         self.ring, self.residual, self.values, self.sink_keys = self._fit(state, C)
 
-    @property
-    def key_bits(self) -> int:
-        return self.kstore.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.kstore.group_size
-
     def empty(self) -> bool:
         return self.values is None
 
@@ -196,7 +188,7 @@ class BatchedKiviKVCache(BatchRowCounters):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if keys.shape[2] != 1:
             raise ValueError("a batched cache takes decode steps only; prefill rows alone")
-        S, G = self.sinks, self.group_size
+        S, G = self.sinks, self.kstore.group_size
         if self._shapes is None:
             self._shapes = (mx.zeros_like(keys[:1]), mx.zeros_like(values[:1]))
         if self.values is None:
@@ -248,7 +240,7 @@ class BatchedKiviKVCache(BatchRowCounters):
         if sinks is not None:
             raise ValueError("quantized KV caches do not support learned attention sinks")
         ts, residual, sink_keys = self._step
-        S, G = self.sinks, self.group_size
+        S, G = self.sinks, self.kstore.group_size
         B = queries.shape[0]
         q, rep = grouped_queries(queries, scale, residual.shape[1])
         parts = []

@@ -1,3 +1,3 @@
-from mlxkv.cli import main
+from mlxkv.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

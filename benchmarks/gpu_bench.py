@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from mlxkv.backend import setup_blas
+from mlxkv.backend import free_streams, setup_blas
 
 setup_blas()  # route MLX's CPU matmuls to OpenBLAS before anything imports MLX
 
@@ -71,4 +71,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        free_streams()  # an abort at exit would stop the device commands chained after it
+    sys.exit(code)

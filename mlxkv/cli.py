@@ -13,7 +13,7 @@ import os
 import sys
 
 from mlxkv import __version__
-from mlxkv.backend import setup_blas
+from mlxkv.backend import free_streams, setup_blas
 from mlxkv.errors import UserError
 
 # subcommand -> module with HELP, add_arguments(parser), run(args) -> int
@@ -57,22 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def entry() -> int:
-    """The ``mlxkv`` console script and ``python -m mlxkv``: run a command, then free the
-    main thread's MLX streams before the interpreter tears down.
-
-    MLX (>= 0.31) asks for ``mx.clear_streams()`` on every thread that used it before the
-    thread or process ends; without it a process exits through MLX's static destructors
-    and now and then aborts after its last line ("terminate called without an active
-    exception", exit 134): 4 of 20 runs of a refused ``--prompt-cache`` here, 0 of 20
-    with it. Only here, not in :func:`main`: the streams cannot be used afterwards, and
-    tests call ``main`` in a process that goes on using MLX.
-    """
+    """The ``mlxkv`` console script and ``python -m mlxkv``: a command, then MLX's streams
+    freed before the interpreter tears down (:func:`mlxkv.backend.free_streams`). Only
+    here, not in :func:`main`: tests call ``main`` in a process that goes on using MLX."""
     try:
         return main()
     finally:
-        mx = sys.modules.get("mlx.core")  # never imported by plan, models, --help...
-        if mx is not None:
-            mx.clear_streams()
+        free_streams()
 
 
 def main(argv: list[str] | None = None) -> int:

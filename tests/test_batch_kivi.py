@@ -107,3 +107,14 @@ def test_batched_bytes_equal_the_prediction(policy):
     assert batched.nbytes == policy_bytes.allocated_bytes(
         policy, H, D, D, 4, max(batched.n), batch=2
     )
+
+
+def test_a_pipeline_send_tied_to_the_batched_cache_keeps_its_buffers():
+    """mlx-lm's pipeline rebinds ``cache.keys`` through ``mx.depends`` (a list back): the
+    batched KIVI cache keeps its value triple and every row's buffers."""
+    policy = POLICIES[1]
+    singles = [_prefill(_single(policy), n, i) for i, n in enumerate([3, 50])]
+    batched = BatchedKVCache.merge(copy_caches(singles))
+    batched.keys = mx.depends(batched.keys, mx.ones((2, 1, 8)))
+    assert isinstance(batched.values, tuple)
+    _rows_equal(batched, singles)

@@ -172,3 +172,21 @@ def test_engine_greedy_answers_on_the_default_model(default_model):
     plain = answer(KVPolicy())
     assert answer(KVPolicy(bits=8)) == plain
     assert "Paris" in answer(KVPolicy(bits=4))
+
+
+@pytest.mark.parametrize("policy", CASES[:2], ids=[p.describe() for p in CASES[:2]])
+def test_a_pipeline_send_tied_to_the_last_cache_changes_nothing(model, policy):
+    """mlx-lm's pipeline models run ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` on
+    every rank but the first, so the next step runs the send; a KIVI cache must take that
+    (it once raised AttributeError, refusing --kv-bits under --shard pipeline) and go on
+    as before, its value store still a triple."""
+    plain = feed(model, TOKENS, make_caches(model, policy), CHUNKS[2])
+    caches, tokens, outs, p = make_caches(model, policy), mx.array(TOKENS), [], 0
+    for c in CHUNKS[2]:
+        h = model(tokens[None, p : p + c], cache=caches)
+        caches[-1].keys = mx.depends(caches[-1].keys, h)
+        mx.eval(h)
+        outs.append(h)
+        p += c
+    assert isinstance(caches[-1].values, tuple)
+    assert mx.array_equal(mx.concatenate(outs, axis=1), plain).item()

@@ -73,8 +73,9 @@ POLICIES = {
 
 @pytest.mark.parametrize(
     "policy",
-    # The bounded policies run per rank like the full one; in CI time the full one suffices.
-    [p if p == "full" else pytest.param(p, marks=pytest.mark.slow) for p in POLICIES],
+    # The window runs per rank like the full cache (slow); KIVI keys meet mlx-lm's pipeline
+    # send in their own way (the send rides on the value store), so 4-bit runs in CI.
+    [p if p != "sinks+window" else pytest.param(p, marks=pytest.mark.slow) for p in POLICIES],
 )
 def test_pipeline_over_two_ranks_samples_the_single_process_tokens(cli, tiny_qwen2, policy):
     """Sampling (temperature 1, a seed) turns any difference in the logits into different

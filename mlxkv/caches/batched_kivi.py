@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from mlxkv.caches import storage as st
 from mlxkv.caches.attention import expand_heads, grouped_queries, weighted_values
-from mlxkv.caches.kivi import KiviKVCache
+from mlxkv.caches.kivi import PIPELINE_KEYS, KiviKVCache
 from mlxkv.caches.rows import (
     BatchRowCounters,
     pad_tokens,
@@ -59,6 +59,8 @@ def _is_buffer(v) -> bool:
 
 class BatchedKiviKVCache(BatchRowCounters):
     """B rows of one layer's KIVI cache (full, window or sink + window)."""
+
+    keys = PIPELINE_KEYS  # the value store, for mlx-lm's pipeline send (see kivi.py)
 
     def __init__(self, like: KiviKVCache):
         super().__init__(like.window, like.sinks)

@@ -57,8 +57,26 @@ from mlxkv.caches.streaming import (
 from mlxkv.policy import PolicyError
 
 
+def _get_send_carrier(cache):
+    return cache.values
+
+
+def _set_send_carrier(cache, v) -> None:
+    cache.values = tuple(v) if isinstance(v, list) else v  # mx.depends returns a list
+
+
+# mlx-lm's pipeline models tie a rank's send of its output to its last layer's cache,
+# ``cache[-1].keys = mx.depends(cache[-1].keys, h)``, so that the next step's attention
+# runs the send (else the rank below waits for it forever). KIVI keys have no single
+# array (a packed ring and a residual, either of which may be empty); the value store is
+# read by every step, so it carries the dependency under the name mlx-lm uses.
+PIPELINE_KEYS = property(_get_send_carrier, _set_send_carrier)
+
+
 class KiviKVCache(SinkWindowCounters):
     """Sinks + window (or a full cache) with KIVI keys and per-token quantized values."""
+
+    keys = PIPELINE_KEYS
 
     scheme = "kivi"
     # True where other layers read this cache (KV-shared models, see make_caches): then a

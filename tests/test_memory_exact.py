@@ -97,10 +97,16 @@ def expected_logical(c, policy: KVPolicy, spec, b: int = 4) -> int:
     return kept * per_token
 
 
+# Under the GPU rule, as the published checkpoints are: mlx-lm's seed_oss multiplies by
+# ``embed_tokens.weight.T`` when the head is tied, which a packed embedding cannot do
+# (Seed-OSS-36B does not tie it).
+GPU_OVERRIDES = {"seed_oss": {"tie_word_embeddings": False}}
+
+
 def _build(family: str, rule: str = "float32"):
     """The family's model; under the ``gpu`` rule in bfloat16 with its linear and embedding
     layers packed to 4 bits (group 32) where their width allows, as a GPU runs it."""
-    model = build_family(family)
+    model = build_family(family, **(GPU_OVERRIDES.get(family, {}) if rule == "gpu" else {}))
     model.eval()
     if rule == "gpu":
         import mlx.nn as nn

@@ -15,6 +15,7 @@ machine: docs/gpu.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import sys
 from pathlib import Path
@@ -71,8 +72,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    finally:
-        free_streams()  # an abort at exit would stop the device commands chained after it
-    sys.exit(code)
+    atexit.register(free_streams)  # an abort at exit would stop the commands chained after it
+    sys.exit(main())

@@ -16,7 +16,7 @@ exports prefixed names (``scipy_cblas_sgemm``) that MLX cannot bind to: refused 
 
 Nothing happens on import: each entry point (the CLI, ``python -m mlxkv``, the test suite,
 bench workers) calls :func:`setup_blas` before anything imports MLX, and a process's entry
-point calls :func:`free_streams` as it ends. This module must not import MLX.
+point has :func:`free_streams` run at exit (``atexit``). This module must not import MLX.
 """
 
 from __future__ import annotations
@@ -307,7 +307,9 @@ def free_streams() -> None:
     and now and then aborts after its last line ("terminate called without an active
     exception", exit 134): 4 of 20 runs of ``mlxkv generate`` refusing a crafted
     ``--prompt-cache`` here, 0 of 20 with it. The thread's streams cannot be used
-    afterwards. A no-op where MLX was never imported.
+    afterwards, so a process's entry point registers this with ``atexit`` rather than
+    calling it: code run in a process that goes on (a test running a script's
+    ``__main__``) must not take MLX away from it. A no-op where MLX was never imported.
     """
     mx = sys.modules.get("mlx.core")
     if mx is not None:

@@ -7,6 +7,7 @@ entry points in pyproject.toml, so this module never imports them by name.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import importlib
 import os
@@ -57,13 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def entry() -> int:
-    """The ``mlxkv`` console script and ``python -m mlxkv``: a command, then MLX's streams
-    freed before the interpreter tears down (:func:`mlxkv.backend.free_streams`). Only
-    here, not in :func:`main`: tests call ``main`` in a process that goes on using MLX."""
-    try:
-        return main()
-    finally:
-        free_streams()
+    """The ``mlxkv`` console script and ``python -m mlxkv``: a command, with MLX's streams
+    freed as the process exits (:func:`mlxkv.backend.free_streams`). Only here, not in
+    :func:`main`, which tests call in a process that goes on using MLX."""
+    atexit.register(free_streams)
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

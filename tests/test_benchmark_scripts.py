@@ -72,6 +72,11 @@ def test_a_script_without_mlx_answers_help_with_its_options(script, tree, capsys
     assert out.out.startswith("usage: ") and out.err == ""
     missing = [o for o in options if o not in out.out]
     assert missing == [], f"{script.name} --help does not name {missing}"
+    # and MLX still works here: a script frees MLX's streams at exit (atexit), not as
+    # its main() returns, or every later test in this process would fail
+    import mlx.core as mx
+
+    assert mx.add(mx.ones(2), 1).tolist() == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("script, tree", _trees(True))

@@ -251,10 +251,15 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": []}, None, 400, "messages", "non-empty list"),
     ({"model": "smollm2-135m"}, None, 400, "messages", "messages is required"),
     ({"messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0].role", "robot"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].role", "tool"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].tool_call_id",
+     "must be the id of the call"),
+    ({"messages": [{"role": "function", "content": "x"}]}, None, 400, "messages[0].role",
+     "retired form of role 'tool'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400,
      "messages[0].content", "only text parts"),
-    ({"messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools", "tool calling"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools[0].function",
+     "tools[0].function must be an object with a name"),
+    ({"messages": MSG, "tools": {"type": "function"}}, None, 400, "tools", "must be a list"),
     ({"messages": MSG, "response_format": {"type": "json_object"}}, None, 400,
      "response_format", "structured output"),
     ({"messages": MSG, "presence_penalty": 0.5}, None, 400, "presence_penalty", "not supported"),
@@ -325,7 +330,22 @@ def test_the_openai_client_sees_the_errors(server):
             messages=MSG,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
-    assert "tool calling is not supported" in e.value.message
+    assert e.value.body == {
+        "message": "the model 'smollm2-135m' cannot call tools: its chat template has no "
+        "tool-call format mlx-lm knows; leave 'tools' out or send tool_choice 'none'",
+        "type": "invalid_request_error",
+        "param": "tools",
+        "code": "tools_unsupported",
+    }
+    # with tool_choice "none" the tools stay out of the prompt: any model answers
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=MSG,
+        max_tokens=2,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice="none",
+    )
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
 def test_without_a_key_only_this_machine_is_served(server):

@@ -4,7 +4,9 @@ loads like any other."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -161,3 +163,108 @@ def model_folder(out: Path, cfg: dict, tokenizer_from: Path, seed: int = 0) -> P
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_from / name, out / name)
     return out
+
+
+def _byte_chars() -> dict[int, str]:
+    """Byte-level BPE's byte -> vocabulary character map (GPT-2's ``bytes_to_unicode``)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _distinct_ids(text: str, vocab: dict[str, int], taken: set[int]) -> list[int]:
+    """Token ids that decode to ``text`` with no id used twice (nor one of ``taken``)."""
+    chars = _byte_chars()
+    s = "".join(chars[b] for b in text.encode())
+    out: list[int] = []
+
+    def go(i: int) -> bool:
+        if i == len(s):
+            return True
+        for k in range(min(16, len(s) - i), 0, -1):
+            tid = vocab.get(s[i : i + k])
+            if tid is None or tid in taken:
+                continue
+            taken.add(tid)
+            out.append(tid)
+            if go(i + k):
+                return True
+            taken.discard(tid)
+            out.pop()
+        return False
+
+    if not go(0):
+        raise ValueError(f"no token path through {text!r} uses each token once")
+    return out
+
+
+def scripted_model(
+    out: Path, tokenizer_from: Path, script: str, chat_template: str, added: tuple = ()
+) -> list[int]:
+    """A one-layer llama saved in ``out`` that answers ``script`` (then its EOS) to every
+    chat prompt, greedy or sampled: what a test needs to see a real model write a given
+    answer (a tool call) through the whole engine and server.
+
+    Its attention and MLP write nothing, so the last layer sees only the current token's
+    embedding, and the output head maps each token of the script (embedded one-hot) to the
+    next: a bigram chain, so every token of it must be distinct. ``added`` tokens (tool-call
+    markers, as Qwen's tokenizers have them) are added to the tokenizer of
+    ``tokenizer_from``, which is saved with ``chat_template``. Returns the script's ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    tok.add_tokens(list(added))
+    tok.chat_template = chat_template
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out))
+    hi = [{"role": "user", "content": "hi"}]
+    prompt = tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False)
+    start = tok.encode(prompt, add_special_tokens=False)[-1]  # the generation prompt's last
+    eos = tok.eos_token_id
+    vocab = tok.get_vocab()
+    taken = {start, eos}
+    ids: list[int] = []
+    for piece in (
+        re.split("(" + "|".join(map(re.escape, added)) + ")", script) if added else [script]
+    ):
+        if piece in added:
+            assert vocab[piece] not in taken, piece
+            taken.add(vocab[piece])
+            ids.append(vocab[piece])
+        elif piece:
+            ids += _distinct_ids(piece, vocab, taken)
+    chain = [start, *ids, eos]
+    hidden = 64
+    assert len(chain) <= hidden, "script too long for the model's width"
+    cfg = dict(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=len(tok),
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    embed = mx.zeros((len(tok), hidden))
+    head = mx.zeros((len(tok), hidden))
+    for k, (tid, nxt) in enumerate(itertools.pairwise(chain)):
+        embed[tid, k] = 1.0
+        head[nxt, k] = 10.0  # after the final norm: logit 80 for the next token, 0 for the rest
+    layer = model.model.layers[0]
+    model.model.embed_tokens.weight = embed
+    model.lm_head.weight = head
+    layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    mx.eval(model.parameters())
+    save_model(out, model)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return ids

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from mlxkv.engine.events import Stats, TokenDelta
+from mlxkv.server.tools import CallReader
 
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
 
@@ -32,10 +33,35 @@ class Choice:
     """One answer as it arrives."""
 
     index: int
-    text: list[str] = field(default_factory=list)
+    reader: CallReader | None = None  # set when the request offered tools
+    text: list[str] = field(default_factory=list)  # the content (tool calls taken out)
+    calls: list[dict] = field(default_factory=list)  # tool calls, as a stream sends them
     logprobs: list[dict] = field(default_factory=list)  # chat entries, one per token
     finish_reason: str | None = None
     stats: Stats | None = None
+
+    def read(self, text: str) -> tuple[str, list[dict]]:
+        """New text of the answer: the content to send now and the calls it completed."""
+        text, calls = self.reader.feed(text) if self.reader else (text, [])
+        self.text.append(text)
+        self.calls += calls
+        return text, calls
+
+    def close(self) -> tuple[str, list[dict]]:
+        """The answer ended: what a tool-call reader still held."""
+        if self.reader is None:
+            return "", []
+        text, calls = self.reader.close()
+        self.text.append(text)
+        self.calls += calls
+        return text, calls
+
+    @property
+    def reason(self) -> str | None:
+        """The API's finish reason: an answer that ended by itself after calling a tool
+        ends with "tool_calls"."""
+        reason = FINISH_REASONS.get(self.finish_reason, self.finish_reason)
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
 
 def chat_logprob(words: TokenText, ev: TokenDelta) -> dict | None:
@@ -109,13 +135,20 @@ class Envelope:
         out = []
         for c in choices:
             text = "".join(c.text)
-            reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+            reason = c.reason
             if self.kind == "chat":
                 lp = {"content": c.logprobs, "refusal": None} if c.logprobs else None
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if c.calls:
+                    # as OpenAI: no content beside the calls unless the model wrote some
+                    message["content"] = text if text.strip() else None
+                    message["tool_calls"] = [
+                        {k: v for k, v in call.items() if k != "index"} for call in c.calls
+                    ]
                 out.append(
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": text, "refusal": None},
+                        "message": message,
                         "logprobs": lp,
                         "finish_reason": reason,
                     }
@@ -137,16 +170,24 @@ class Envelope:
         return out
 
     def delta(
-        self, index: int, text: str | None, entry: dict | None, reason: str | None, offset: int
+        self,
+        index: int,
+        text: str | None,
+        entry: dict | None,
+        reason: str | None,
+        offset: int,
+        calls: list[dict] | None = None,
     ) -> dict:
         """One choice's part of a chunk: new text (``None``: the opening role chunk of a
-        chat stream), its token's logprobs, or the finish reason."""
-        reason = FINISH_REASONS.get(reason, reason)
+        chat stream), its token's logprobs, tool calls, or the finish reason (as the API
+        names it)."""
         if self.kind == "chat":
             if text is None:
                 d = {"role": "assistant", "content": ""}
             else:
-                d = {"content": text} if reason is None else {}
+                d = {"content": text} if reason is None and (text or not calls) else {}
+            if calls:
+                d["tool_calls"] = calls
             lp = {"content": [entry], "refusal": None} if entry else None
             return {"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}
         lp = completion_logprobs([entry], offset) if entry else None

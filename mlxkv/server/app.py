@@ -26,6 +26,7 @@ from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
+from mlxkv.server.tools import has_tool_calling, reader_for
 
 ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /metrics, /health"
 
@@ -134,9 +135,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         encode = bridge.scheduler.encode
         if ask.kind == "completion":
             return [p if isinstance(p, list) else encode(p) for p in ask.prompts]
+        tools = {"tools": ask.tools.tools} if ask.tools.on else {}
         try:
             text = served.tokenizer.apply_chat_template(
-                ask.messages, tokenize=False, add_generation_prompt=True, **ask.template_kwargs
+                ask.messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                **tools,
+                **ask.template_kwargs,
             )
         except Exception as e:  # the template refused these messages or arguments
             raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
@@ -149,10 +155,18 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         body = parse_json(await read_body(request))
         ask = (parse_chat if kind == "chat" else parse_completion)(body, served.limits)
         check_model(ask.model)
+        if ask.tools.on and not has_tool_calling(served.tokenizer):
+            raise APIError(
+                400,
+                f"the model '{served.id}' cannot call tools: its chat template has no "
+                "tool-call format mlx-lm knows; leave 'tools' out or send tool_choice 'none'",
+                param="tools",
+                code="tools_unsupported",
+            )
         prompts = await run_in_threadpool(render, ask)
         run = bridge.start(prompts, ask.n, ask.settings, ask.policy, ask.logprobs)
         env = Envelope(kind, served.id)
-        choices = [Choice(i) for i in range(run.rows)]
+        choices = [Choice(i, reader_for(served.tokenizer, ask.tools)) for i in range(run.rows)]
         gone = Disconnect(request)
         streaming = False
         try:
@@ -187,12 +201,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             event = first
             while True:
                 row, ev = event
-                part = _take(choices, row, ev, words, ask, run)
-                if part is not None:
-                    text, entry, reason = part
-                    yield _data(
-                        env.chunk([env.delta(row, text, entry, reason, offsets[row])], usage)
-                    )
+                for text, entry, reason, calls in _take(choices, row, ev, words, ask, run):
+                    delta = env.delta(row, text, entry, reason, offsets[row], calls)
+                    yield _data(env.chunk([delta], usage))
                     offsets[row] += len(text or "")
                 if run.open == 0:
                     break
@@ -296,16 +307,16 @@ def _guard(endpoint):
     return guarded
 
 
-def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: Run):
-    """Record one event of row ``row``; returns what a stream sends for it, (text,
-    logprobs entry, finish reason), or None. Raises APIError for a failed row."""
+def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: Run) -> list:
+    """Record one event of row ``row``; returns what a stream sends for it, as (text,
+    logprobs entry, finish reason, tool calls) parts. Raises APIError for a failed row."""
     c = choices[row]
     if isinstance(ev, TokenDelta):
         entry = chat_logprob(words, ev) if ask.logprobs is not None else None
-        c.text.append(ev.text)
+        text, calls = c.read(ev.text)
         if entry is not None:
             c.logprobs.append(entry)
-        return (ev.text, entry, None) if ev.text or entry else None
+        return [(text, entry, None, calls)] if text or entry or calls else []
     if isinstance(ev, Finished):
         c.stats = ev.stats
         if ev.finish_reason == "cancelled":
@@ -317,13 +328,15 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
                     code="shutting_down",
                 )
             raise APIError(499, "the request was cancelled", code="cancelled")
+        text, calls = c.close()
         c.finish_reason = ev.finish_reason
-        return ("", None, ev.finish_reason)
+        held = [(text, None, None, calls)] if text or calls else []
+        return [*held, ("", None, c.reason, [])]
     if isinstance(ev, Failed):
         _raise_failed(ev, ask)
     if isinstance(ev, Notice):
         print(f"mlxkv: {ev.message}", file=sys.stderr, flush=True)
-    return None
+    return []
 
 
 def _raise_failed(ev, ask: Ask) -> None:
@@ -357,10 +370,18 @@ def _log(env: Envelope, ask: Ask, choices: list[Choice], run: Run) -> None:
             file=sys.stderr,
             flush=True,
         )
+    for c in choices:
+        for raw in c.reader.unread if c.reader else ():
+            print(
+                f"mlxkv: {env.id} answer {c.index}: a tool call the model's parser cannot "
+                f"read was sent as text ({len(raw)} characters)",
+                file=sys.stderr,
+                flush=True,
+            )
     if not done:
         return
     s = done[0].stats
-    reasons = ",".join(sorted({c.finish_reason or "cancelled" for c in done}))
+    reasons = ",".join(sorted({c.reason or "cancelled" for c in done}))
     who = f" user={ask.user!r}" if ask.user else ""
     print(
         f"mlxkv: {env.id} {len(done)} answer(s), {s.prompt_tokens} prompt tokens "

@@ -2,8 +2,8 @@
 
 Every parameter of the OpenAI API is either honoured or refused with a 400 naming it: a
 parameter whose only accepted value is its no-op default (``presence_penalty: 0``,
-``response_format: {"type": "text"}``, ``tools: []``) is accepted with that value and
-refused with any other. Names the API does not have are refused too.
+``response_format: {"type": "text"}``) is accepted with that value and refused with any
+other. Names the API does not have are refused too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from mlxkv.engine.request import GenerationSettings
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy, PolicyError
 from mlxkv.server.errors import bad
+from mlxkv.server.tools import ToolUse, assistant_calls, check_tools
 
 SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
 MAX_STOP = 16
@@ -33,11 +34,8 @@ CHAT_NO_OPS = {
     **_COMMON_NO_OPS,
     "store": (False, "storing completions is not supported; leave 'store' out"),
     "metadata": ({}, "'metadata' goes with 'store', which is not supported; leave it out"),
-    "tools": ([], "tool calling is not supported yet; leave 'tools' out"),
-    "tool_choice": ("none", "tool calling is not supported yet; leave 'tool_choice' out"),
-    "parallel_tool_calls": (NO_OP, "tool calling is not supported yet; leave it out"),
-    "functions": ([], "function calling is not supported; leave 'functions' out"),
-    "function_call": ("none", "function calling is not supported; leave it out"),
+    "functions": ([], "'functions' is the retired form of 'tools'; send 'tools'"),
+    "function_call": ("none", "'function_call' is the retired form of 'tool_choice'"),
     "response_format": (
         {"type": "text"},
         'structured output is not supported yet; only response_format {"type": "text"}',
@@ -80,6 +78,9 @@ CHAT_HONOURED = _HONOURED | {
     "top_logprobs",
     "chat_template_kwargs",
     "safety_identifier",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of"}
 
@@ -147,6 +148,7 @@ class Ask:
     template_kwargs: dict = field(default_factory=dict)
     prompts: list = field(default_factory=list)  # completions: text or token ids, each
     user: str | None = None
+    tools: ToolUse = field(default_factory=ToolUse)  # chat: the tools offered
 
 
 def parse_json(raw: bytes) -> dict:
@@ -367,6 +369,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     if "messages" not in body:
         raise bad("messages is required: a list of {role, content} objects", param="messages")
     messages = _messages(body["messages"])
+    tools = check_tools(body)
     kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     mt = _int(body, "max_tokens", 1, 2**31 - 1)
     mct = _int(body, "max_completion_tokens", 1, 2**31 - 1)
@@ -392,6 +395,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         messages=messages,
         template_kwargs=kwargs,
         user=_user(body, "user", "safety_identifier"),
+        tools=tools,
     )
 
 
@@ -425,29 +429,51 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
 def _messages(v) -> list[dict]:
     if not isinstance(v, list) or not v:
         raise bad("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(v):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object with role and content", param=where)
-        role = m.get("role")
-        if role in ("tool", "function"):
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(v)]
+
+
+def _message(m, where: str) -> dict:
+    """One message as the chat template reads it."""
+    if not isinstance(m, dict):
+        raise bad(f"{where} must be an object with role and content", param=where)
+    role = m.get("role")
+    if role == "function":
+        raise bad(
+            f"{where}: role 'function' is the retired form of role 'tool'; send the result "
+            "as {role: 'tool', tool_call_id, content}",
+            param=f"{where}.role",
+        )
+    if role not in ROLES and role != "tool":
+        raise bad(
+            f"{where}.role must be one of {', '.join(ROLES)}, tool, got {_show(role)}",
+            param=f"{where}.role",
+        )
+    allowed = {"role", "content"}
+    if role == "tool":
+        allowed.add("tool_call_id")
+    if role == "assistant":
+        allowed |= {"tool_calls"}
+    for k, x in m.items():
+        if k in allowed or (k in ("refusal", "function_call", "tool_calls") and not x):
+            continue
+        raise bad(f"{where}.{k} is not supported; send role and content", f"{where}.{k}")
+    calls = m.get("tool_calls")
+    out = {"role": ROLES.get(role, role)}
+    if role == "assistant" and calls:
+        # an assistant turn that called tools may have no text
+        c = m.get("content")
+        out["content"] = "" if c is None else _content(c, where)
+        out["tool_calls"] = assistant_calls(calls, where)
+        return out
+    out["content"] = _content(m.get("content"), where)
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
             raise bad(
-                f"{where}: role '{role}' needs tool calling, which is not supported yet",
-                param=f"{where}.role",
+                f"{where}.tool_call_id must be the id of the call this message answers",
+                f"{where}.tool_call_id",
             )
-        if role not in ROLES:
-            raise bad(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
-                param=f"{where}.role",
-            )
-        for k, x in m.items():
-            if k in ("role", "content") or (k == "refusal" and x is None):
-                continue
-            if k in ("tool_calls", "function_call") and x in (None, []):
-                continue
-            raise bad(f"{where}.{k} is not supported; send role and content", f"{where}.{k}")
-        out.append({"role": ROLES[role], "content": _content(m.get("content"), where)})
+        out["tool_call_id"] = call_id
     return out
 
 

@@ -1,0 +1,277 @@
+"""Tool calling: the request's tools and tool messages checked, and the calls a model
+writes into its answer found and turned into OpenAI ``tool_calls``.
+
+A model calls a tool by writing its chat template's markers around the call
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` for Qwen and Hermes-style
+templates); mlx-lm's tokenizer knows each family's markers and parser
+(``tokenizer.has_tool_calling``, ``tool_call_start``, ``tool_call_end``, ``tool_parser``),
+and this module uses them as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mlxkv.server.errors import bad
+
+MAX_TOOLS = 128  # as OpenAI's API
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request asks of tool calling."""
+
+    tools: list[dict] = field(default_factory=list)  # handed to the chat template
+    parallel: bool = True  # False: at most one call per answer
+
+    @property
+    def on(self) -> bool:
+        return bool(self.tools)
+
+
+def check_tools(body: dict) -> ToolUse:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request.
+
+    ``tool_choice`` "auto" (the default) lets the model decide; "none" renders the prompt
+    without the tools, so the model answers in text. Forcing a call ("required" or one
+    named function) would need constrained decoding, which the server does not do.
+    """
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise bad("tools must be a list of function tools", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
+    seen = set()
+    for i, tool in enumerate(tools):
+        name = _check_tool(tool, f"tools[{i}]")
+        if name in seen:
+            raise bad(f"tools[{i}]: the name '{name}' is given twice", f"tools[{i}].function.name")
+        seen.add(name)
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        what = f"'{choice}'" if isinstance(choice, str) else "a named tool"
+        raise bad(
+            f"tool_choice {what} (forcing a tool call) is not supported: the server does not "
+            "constrain decoding; send 'auto' or 'none'",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    if choice == "none":
+        tools = []
+    return ToolUse(tools=list(tools), parallel=parallel is not False)
+
+
+def _check_tool(tool, where: str) -> str:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise bad(
+            f"{where} must be a function tool ({{type: 'function', function: {{name, "
+            f"parameters}}}})" + (f"; '{kind}' tools are not supported" if kind else ""),
+            param=f"{where}.type",
+        )
+    for k in tool:
+        if k not in ("type", "function"):
+            raise bad(f"{where}.{k} is not a field of a function tool", f"{where}.{k}")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function must be an object with a name", f"{where}.function")
+    for k in fn:
+        if k not in _FUNCTION_KEYS:
+            raise bad(
+                f"{where}.function.{k} is not a field of a function; use "
+                + ", ".join(sorted(_FUNCTION_KEYS)),
+                f"{where}.function.{k}",
+            )
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise bad(
+            f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got "
+            f"{json.dumps(name)[:40]}",
+            f"{where}.function.name",
+        )
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise bad(f"{where}.function.description must be a string", f"{where}.function")
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        raise bad(
+            f"{where}.function.parameters must be a JSON Schema object",
+            f"{where}.function.parameters",
+        )
+    if fn.get("strict") not in (None, False):
+        raise bad(
+            f"{where}.function.strict: strict schemas need constrained decoding, which the "
+            "server does not do; leave strict out or false",
+            f"{where}.function.strict",
+            code="unsupported_parameter",
+        )
+    return name
+
+
+def assistant_calls(calls, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's
+    ``arguments`` (a JSON string in the API) decoded to an object."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise bad(f"{at} must be {{id, type: 'function', function: {{name, arguments}}}}", at)
+        name, args = fn.get("name"), fn.get("arguments", "{}")
+        if not isinstance(name, str) or not name:
+            raise bad(f"{at}.function.name must be a non-empty string", f"{at}.function.name")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise bad(
+                    f"{at}.function.arguments is not valid JSON; send the arguments the "
+                    "model's call gave",
+                    f"{at}.function.arguments",
+                ) from None
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad(f"{at}.id must be a string", f"{at}.id")
+        entry = {"type": "function", "function": {"name": name, "arguments": args}}
+        if call_id is not None:
+            entry["id"] = call_id
+        out.append(entry)
+    return out
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+class CallReader:
+    """Splits one answer's text, as it streams, into content and tool calls.
+
+    Text is released as soon as it cannot be the start of a call; the text of a call is
+    held until its end marker, then parsed. A call the parser cannot read (a truncated or
+    malformed one) is given back as the model wrote it, as content: nothing the model
+    wrote is dropped, except the calls past the first with ``parallel_tool_calls: false``.
+    """
+
+    def __init__(
+        self,
+        start: str,
+        end: str,
+        parse: Callable[[str, list], object],
+        tools: list[dict],
+        parallel: bool = True,
+    ):
+        self.start, self.end = start, end
+        self.parse = parse
+        self.tools = tools
+        self.parallel = parallel
+        self.buf = ""
+        self.inside = False
+        self.calls: list[dict] = []  # every call found so far
+        self.unread: list[str] = []  # calls the parser refused (for the server's log)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """The content that may be sent now and the calls that ``text`` completed."""
+        self.buf += text
+        out, calls = [], []
+        while True:
+            if not self.inside:
+                i = self.buf.find(self.start)
+                if i < 0:
+                    keep = _pending(self.buf, self.start)
+                    out.append(self.buf[: len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    break
+                out.append(self.buf[:i])
+                self.buf = self.buf[i + len(self.start) :]
+                self.inside = True
+            elif not self.end:  # the call runs to the end of the answer (Mistral)
+                break
+            else:
+                j = self.buf.find(self.end)
+                if j < 0:
+                    break
+                raw, self.buf = self.buf[:j], self.buf[j + len(self.end) :]
+                self.inside = False
+                found, text_back = self._read(raw, closed=True)
+                calls += found
+                out.append(text_back)
+        return "".join(out), calls
+
+    def close(self) -> tuple[str, list[dict]]:
+        """At the answer's end: what is still held, as content or as a last call."""
+        rest, self.buf = self.buf, ""
+        if not self.inside:
+            return rest, []
+        self.inside = False
+        found, text_back = self._read(rest, closed=not self.end)
+        return text_back, found
+
+    def _read(self, raw: str, closed: bool) -> tuple[list[dict], str]:
+        written = self.start + raw + (self.end if closed else "")
+        try:
+            parsed = self.parse(raw, self.tools)
+        except Exception:  # the parsers raise what they meet (ValueError, KeyError, ...)
+            parsed = None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if not items or not all(_is_call(c) for c in items):
+            self.unread.append(written)
+            return [], written
+        calls = []
+        for c in items:
+            if not self.parallel and self.calls:
+                break
+            args = c["arguments"]
+            call = {
+                "index": len(self.calls),
+                "id": c.get("id") or new_call_id(),
+                "type": "function",
+                "function": {
+                    "name": c["name"],
+                    "arguments": args
+                    if isinstance(args, str)
+                    else json.dumps(args, ensure_ascii=False),
+                },
+            }
+            self.calls.append(call)
+            calls.append(call)
+        return calls, ""
+
+
+def _is_call(c) -> bool:
+    return isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
+
+
+def _pending(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could begin ``marker``."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def reader_for(tokenizer, use: ToolUse) -> CallReader | None:
+    """A CallReader for one answer of a request that offered tools (None: no tools)."""
+    if not use.on:
+        return None
+    return CallReader(
+        tokenizer.tool_call_start,
+        tokenizer.tool_call_end or "",
+        tokenizer.tool_parser,
+        use.tools,
+        use.parallel,
+    )
+
+
+def has_tool_calling(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "has_tool_calling", False))

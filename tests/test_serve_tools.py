@@ -1,0 +1,273 @@
+"""Tool calling through ``mlxkv serve``, as an agent meets it: a real server process running
+a model that writes a real tool call (the scripted model of tests/tiny_models.py, with a
+Qwen-style chat template and tokenizer markers), driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.serve_helpers import Server
+from tests.tiny_models import scripted_model
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+
+# A Qwen2.5-shaped template: tools listed in the system turn, calls written between
+# <tool_call> markers, results sent back in a user turn (mlx-lm reads its parser from it).
+TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": <function-name>, "arguments": <args>}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+MARKERS = ("<tool_call>", "</tool_call>")
+CALL = '{"name": "get_weather","arguments": {"city":"Paris"} }'
+SCRIPT = f"Checking.<tool_call>{CALL}</tool_call>"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def rendered(folder, messages: list[dict]) -> list[int]:
+    """The prompt's token ids as the model's own tokenizer renders it with the tools."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    text = tok.apply_chat_template(
+        messages, tools=[WEATHER], add_generation_prompt=True, tokenize=False
+    )
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, default_model_path):
+    out = tmp_path_factory.mktemp("tool_model")
+    return out, scripted_model(out, default_model_path, SCRIPT, TEMPLATE, MARKERS)
+
+
+@pytest.fixture(scope="module")
+def folder(built):
+    return built[0]
+
+
+@pytest.fixture(scope="module")
+def script_ids(built):
+    return built[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, folder):
+    s = Server(tmp_path_factory.mktemp("serve_tools"), str(folder), "--force")
+    s.model = s.http("GET", "/v1/models").json()["data"][0]["id"]
+    yield s
+    code = s.stop()
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+def test_the_scripted_model_writes_its_script(server):
+    """Without tools, the call is the model's text: nothing is parsed."""
+    r = server.client().chat.completions.create(model=server.model, messages=ASK, temperature=0)
+    assert r.choices[0].message.content == SCRIPT
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_a_tool_call_comes_back_as_tool_calls(server, temperature):
+    r = server.client().chat.completions.create(
+        model=server.model, messages=ASK, tools=[WEATHER], temperature=temperature, n=2, seed=3
+    )
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking."
+        (call,) = choice.message.tool_calls
+        assert call.type == "function"
+        assert call.id.startswith("call_") and len(call.id) == 29
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id
+
+
+def test_a_streamed_tool_call(server, script_ids):
+    stream = server.client().chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        tools=[WEATHER],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    content, calls, reasons, usage = [], [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        d = chunk.choices[0]
+        content.append(d.delta.content or "")
+        calls += d.delta.tool_calls or []
+        reasons.append(d.finish_reason)
+    assert "".join(content) == "Checking."
+    (call,) = calls
+    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert [r for r in reasons if r] == ["tool_calls"]
+    assert usage.completion_tokens == len(script_ids) + 1  # the script and its EOS
+
+
+def test_tool_choice_none_leaves_the_tools_out(server, folder):
+    """With tool_choice "none" the prompt is rendered without the tools (as without
+    them) and the answer is text."""
+    client = server.client()
+    plain = client.chat.completions.create(model=server.model, messages=ASK, temperature=0)
+    none = client.chat.completions.create(
+        model=server.model, messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0
+    )
+    offered = client.chat.completions.create(
+        model=server.model, messages=ASK, tools=[WEATHER], temperature=0
+    )
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.choices[0].message.content == SCRIPT
+    assert offered.usage.prompt_tokens == len(rendered(folder, ASK))
+
+
+def test_the_tool_result_turn(server, folder):
+    """The agent's next turn: the assistant's call and the tool's result go back through
+    the chat template exactly as it renders them, and the prefix cache serves the turn
+    before."""
+    client = server.client()
+    first = client.chat.completions.create(
+        model=server.model, messages=ASK, tools=[WEATHER], temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    turn = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "c": 21}'},
+    ]
+    second = client.chat.completions.create(model=server.model, messages=turn, tools=[WEATHER])
+    expected = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "c": 21}'},
+    ]
+    assert second.usage.prompt_tokens == len(rendered(folder, expected))
+    # the first turn's prompt is a prefix of this one: the prefix cache serves all of it
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+    assert second.choices[0].finish_reason == "tool_calls"
+
+
+BAD = [
+    (
+        {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        "tools[0].function.name",
+        "tools[0].function.name must be 1 to 64 letters, digits, '_' or '-', got \"get weather\"",
+    ),
+    (
+        {"tools": [WEATHER, WEATHER]},
+        "tools[1].function.name",
+        "tools[1]: the name 'get_weather' is given twice",
+    ),
+    (
+        {"tools": [{"type": "custom", "custom": {"name": "x"}}]},
+        "tools[0].type",
+        "tools[0] must be a function tool ({type: 'function', function: {name, parameters}}); "
+        "'custom' tools are not supported",
+    ),
+    (
+        {"tools": [WEATHER], "tool_choice": "required"},
+        "tool_choice",
+        "tool_choice 'required' (forcing a tool call) is not supported: the server does not "
+        "constrain decoding; send 'auto' or 'none'",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+        "tools[0].function.strict",
+        "tools[0].function.strict: strict schemas need constrained decoding, which the server "
+        "does not do; leave strict out or false",
+    ),
+    (
+        {
+            "messages": [
+                *ASK,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+        "messages[1].tool_calls[0].function.arguments is not valid JSON; send the arguments "
+        "the model's call gave",
+    ),
+    (
+        {"messages": [*ASK, {"role": "tool", "content": "21 C"}]},
+        "messages[1].tool_call_id",
+        "messages[1].tool_call_id must be the id of the call this message answers",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra,param,message", BAD, ids=[b[1] for b in BAD])
+def test_bad_tool_requests_get_a_400_naming_the_field(server, extra, param, message):
+    body = {"messages": ASK, "max_tokens": 4, **extra}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["param"], err["message"], err["type"]) == (param, message, "invalid_request_error")

@@ -17,8 +17,10 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
 
-# A Qwen2.5-shaped template: tools listed in the system turn, calls written between
-# <tool_call> markers, results sent back in a user turn (mlx-lm reads its parser from it).
+# A Qwen-shaped template: tools listed in the system turn, calls written between
+# <tool_call> markers, results sent back in a user turn (mlx-lm reads its parser from it);
+# the model thinks between <think> markers first, or the prompt opens the block itself
+# (chat_template_kwargs open_think, as DeepSeek-R1's template does).
 TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 You may call these functions:
@@ -46,10 +48,12 @@ Call one as <tool_call>{"name": <function-name>, "arguments": <args>}</tool_call
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-MARKERS = ("<tool_call>", "</tool_call>")
+{% if open_think %}<think>{% endif %}{% endif %}"""
+MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 CALL = '{"name": "get_weather","arguments": {"city":"Paris"} }'
-SCRIPT = f"Checking.<tool_call>{CALL}</tool_call>"
+THOUGHT = "The user wants the weather"
+ANSWER = f"Checking.<tool_call>{CALL}</tool_call>"
+SCRIPT = f"<think>{THOUGHT}</think>{ANSWER}"
 WEATHER = {
     "type": "function",
     "function": {
@@ -101,11 +105,27 @@ def server(tmp_path_factory, folder):
 
 
 def test_the_scripted_model_writes_its_script(server):
-    """Without tools, the call is the model's text: nothing is parsed."""
+    """Without tools, the call is the model's text: nothing is parsed; its thinking comes
+    apart, as reasoning_content."""
     r = server.client().chat.completions.create(model=server.model, messages=ASK, temperature=0)
-    assert r.choices[0].message.content == SCRIPT
+    assert r.choices[0].message.content == ANSWER
+    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_prompt_that_opens_the_think_block(server, script_ids):
+    """The answer starts inside the block when the prompt opened it: what comes before
+    </think> is reasoning."""
+    r = server.client().chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"open_think": True}},
+    )
+    assert r.choices[0].message.content == ANSWER
+    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT
+    assert r.usage.completion_tokens == len(script_ids)  # <think> was the prompt's; + EOS
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
@@ -116,6 +136,7 @@ def test_a_tool_call_comes_back_as_tool_calls(server, temperature):
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == "Checking."
+        assert choice.message.model_extra["reasoning_content"] == THOUGHT
         (call,) = choice.message.tool_calls
         assert call.type == "function"
         assert call.id.startswith("call_") and len(call.id) == 29
@@ -133,16 +154,18 @@ def test_a_streamed_tool_call(server, script_ids):
         stream=True,
         stream_options={"include_usage": True},
     )
-    content, calls, reasons, usage = [], [], [], None
+    content, thought, calls, reasons, usage = [], [], [], [], None
     for chunk in stream:
         if not chunk.choices:
             usage = chunk.usage
             continue
         d = chunk.choices[0]
         content.append(d.delta.content or "")
+        thought.append(d.delta.model_extra.get("reasoning_content") or "")
         calls += d.delta.tool_calls or []
         reasons.append(d.finish_reason)
     assert "".join(content) == "Checking."
+    assert "".join(thought) == THOUGHT
     (call,) = calls
     assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
     assert call.function.name == "get_weather"
@@ -163,7 +186,7 @@ def test_tool_choice_none_leaves_the_tools_out(server, folder):
         model=server.model, messages=ASK, tools=[WEATHER], temperature=0
     )
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
-    assert none.choices[0].message.content == SCRIPT
+    assert none.choices[0].message.content == ANSWER
     assert offered.usage.prompt_tokens == len(rendered(folder, ASK))
 
 

@@ -1,6 +1,6 @@
-"""The tool-call reader and the request checks of tool calling, on mlx-lm's own parsers
-(the end-to-end path, a real model writing a call through ``mlxkv serve``, is
-tests/test_serve_tools.py)."""
+"""The readers that split a chat answer (tool calls on mlx-lm's own parsers, reasoning)
+and the request checks of tool calling (the end-to-end path, a real model thinking and
+writing a call through ``mlxkv serve``, is tests/test_serve_tools.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import json
 import pytest
 from mlx_lm.tool_parsers import json_tools, mistral, pythonic
 
+from mlxkv.server.answers import Choice
 from mlxkv.server.errors import APIError
 from mlxkv.server.params import Limits, parse_chat
+from mlxkv.server.reasoning import ThinkReader
 from mlxkv.server.tools import CallReader
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
@@ -196,3 +198,22 @@ def test_bad_tool_fields_are_named(body, param):
         ask(**body)
     assert (e.value.status, e.value.param) == (400, param)
     assert "\n" not in e.value.message
+
+
+THINKING = "<think>I could call <tool_call>{}</tool_call> here</think>Done."
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, len(THINKING)])
+def test_reasoning_comes_apart_and_a_call_inside_it_is_not_a_call(size):
+    c = Choice(0, reader(json_tools), ThinkReader("<think>", "</think>"))
+    parts = [c.read(THINKING[i : i + size]) for i in range(0, len(THINKING), size)]
+    parts.append(c.close())
+    assert "".join(p.reasoning for p in parts) == "I could call <tool_call>{}</tool_call> here"
+    assert "".join(p.text for p in parts) == "Done."
+    assert c.calls == [] and c.reader.unread == []
+
+
+def test_an_answer_cut_while_thinking_keeps_its_reasoning():
+    c = Choice(0, None, ThinkReader("<think>", "</think>", inside=True))
+    assert c.read("still thinking </thi").reasoning == "still thinking "
+    assert (c.close().reasoning, "".join(c.text)) == ("</thi", "")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from mlxkv.engine.events import Stats, TokenDelta
+from mlxkv.server.reasoning import ThinkReader
 from mlxkv.server.tools import CallReader
 
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
@@ -29,32 +30,54 @@ class TokenText:
 
 
 @dataclass
+class Part:
+    """What one event of an answer adds: content, reasoning, tool calls, the token's
+    logprobs, or the finish reason (as the API names it)."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: list[dict] = field(default_factory=list)
+    entry: dict | None = None
+    reason: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.reasoning or self.calls or self.entry or self.reason)
+
+
+@dataclass
 class Choice:
     """One answer as it arrives."""
 
     index: int
     reader: CallReader | None = None  # set when the request offered tools
+    think: ThinkReader | None = None  # set when the model has think markers
     text: list[str] = field(default_factory=list)  # the content (tool calls taken out)
+    reasoning: list[str] = field(default_factory=list)
     calls: list[dict] = field(default_factory=list)  # tool calls, as a stream sends them
     logprobs: list[dict] = field(default_factory=list)  # chat entries, one per token
     finish_reason: str | None = None
     stats: Stats | None = None
 
-    def read(self, text: str) -> tuple[str, list[dict]]:
-        """New text of the answer: the content to send now and the calls it completed."""
-        text, calls = self.reader.feed(text) if self.reader else (text, [])
-        self.text.append(text)
-        self.calls += calls
-        return text, calls
+    def read(self, text: str) -> Part:
+        """New text of the answer: what may be sent now (a call inside the reasoning is
+        reasoning)."""
+        thought, text = self.think.feed(text) if self.think else ("", text)
+        return self._keep(thought, *(self.reader.feed(text) if self.reader else (text, [])))
 
-    def close(self) -> tuple[str, list[dict]]:
-        """The answer ended: what a tool-call reader still held."""
+    def close(self) -> Part:
+        """The answer ended: what the readers still held."""
+        thought, text = self.think.close() if self.think else ("", "")
         if self.reader is None:
-            return "", []
-        text, calls = self.reader.close()
+            return self._keep(thought, text, [])
+        text, calls = self.reader.feed(text)
+        rest, last = self.reader.close()
+        return self._keep(thought, text + rest, calls + last)
+
+    def _keep(self, thought: str, text: str, calls: list[dict]) -> Part:
+        self.reasoning.append(thought)
         self.text.append(text)
         self.calls += calls
-        return text, calls
+        return Part(text=text, reasoning=thought, calls=calls)
 
     @property
     def reason(self) -> str | None:
@@ -139,6 +162,8 @@ class Envelope:
             if self.kind == "chat":
                 lp = {"content": c.logprobs, "refusal": None} if c.logprobs else None
                 message = {"role": "assistant", "content": text, "refusal": None}
+                if any(c.reasoning):
+                    message["reasoning_content"] = "".join(c.reasoning)
                 if c.calls:
                     # as OpenAI: no content beside the calls unless the model wrote some
                     message["content"] = text if text.strip() else None
@@ -169,26 +194,22 @@ class Envelope:
             out["usage"] = usage_value
         return out
 
-    def delta(
-        self,
-        index: int,
-        text: str | None,
-        entry: dict | None,
-        reason: str | None,
-        offset: int,
-        calls: list[dict] | None = None,
-    ) -> dict:
-        """One choice's part of a chunk: new text (``None``: the opening role chunk of a
-        chat stream), its token's logprobs, tool calls, or the finish reason (as the API
-        names it)."""
+    def opening(self, index: int) -> dict:
+        """A chat stream's first chunk of each answer: its role."""
+        d = {"role": "assistant", "content": ""}
+        return {"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, part: Part, offset: int) -> dict:
+        """One choice's part of a chunk."""
         if self.kind == "chat":
-            if text is None:
-                d = {"role": "assistant", "content": ""}
-            else:
-                d = {"content": text} if reason is None and (text or not calls) else {}
-            if calls:
-                d["tool_calls"] = calls
-            lp = {"content": [entry], "refusal": None} if entry else None
-            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}
-        lp = completion_logprobs([entry], offset) if entry else None
-        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            d = {}
+            if part.reasoning:
+                d["reasoning_content"] = part.reasoning
+            if part.text or not (part.reasoning or part.calls or part.reason):
+                d["content"] = part.text
+            if part.calls:
+                d["tool_calls"] = part.calls
+            lp = {"content": [part.entry], "refusal": None} if part.entry else None
+            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": part.reason}
+        lp = completion_logprobs([part.entry], offset) if part.entry else None
+        return {"index": index, "text": part.text, "logprobs": lp, "finish_reason": part.reason}

@@ -20,12 +20,13 @@ from starlette.routing import Route
 from mlxkv.engine.events import Failed, Finished, Notice, TokenDelta
 from mlxkv.policy import KVPolicy
 from mlxkv.server import metrics
-from mlxkv.server.answers import Choice, Envelope, TokenText, chat_logprob
+from mlxkv.server.answers import Choice, Envelope, Part, TokenText, chat_logprob
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
+from mlxkv.server.reasoning import think_reader
 from mlxkv.server.tools import has_tool_calling, reader_for
 
 ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /metrics, /health"
@@ -130,11 +131,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 code="model_not_found",
             )
 
-    def render(ask: Ask) -> list[list[int]]:
-        """The prompts as token ids (the chat template applied); runs in a worker thread."""
+    def render(ask: Ask) -> tuple[list[list[int]], str]:
+        """The prompts as token ids (the chat template applied), and a chat prompt's text;
+        runs in a worker thread."""
         encode = bridge.scheduler.encode
         if ask.kind == "completion":
-            return [p if isinstance(p, list) else encode(p) for p in ask.prompts]
+            return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
         tools = {"tools": ask.tools.tools} if ask.tools.on else {}
         try:
             text = served.tokenizer.apply_chat_template(
@@ -148,7 +150,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
         if not isinstance(text, str):
             raise bad("chat_template_kwargs made the template return no text", "messages")
-        return [encode(text)]
+        return [encode(text)], text
 
     async def completions(request: Request, kind: str) -> Response:
         check_auth(request)
@@ -163,10 +165,17 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 param="tools",
                 code="tools_unsupported",
             )
-        prompts = await run_in_threadpool(render, ask)
+        prompts, text = await run_in_threadpool(render, ask)
         run = bridge.start(prompts, ask.n, ask.settings, ask.policy, ask.logprobs)
         env = Envelope(kind, served.id)
-        choices = [Choice(i, reader_for(served.tokenizer, ask.tools)) for i in range(run.rows)]
+        choices = [
+            Choice(
+                i,
+                reader_for(served.tokenizer, ask.tools),
+                think_reader(served.tokenizer, text) if kind == "chat" else None,
+            )
+            for i in range(run.rows)
+        ]
         gone = Disconnect(request)
         streaming = False
         try:
@@ -197,14 +206,13 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         try:
             if env.kind == "chat":
                 for i in range(run.rows):
-                    yield _data(env.chunk([env.delta(i, None, None, None, 0)], usage))
+                    yield _data(env.chunk([env.opening(i)], usage))
             event = first
             while True:
                 row, ev = event
-                for text, entry, reason, calls in _take(choices, row, ev, words, ask, run):
-                    delta = env.delta(row, text, entry, reason, offsets[row], calls)
-                    yield _data(env.chunk([delta], usage))
-                    offsets[row] += len(text or "")
+                for part in _take(choices, row, ev, words, ask, run):
+                    yield _data(env.chunk([env.delta(row, part, offsets[row])], usage))
+                    offsets[row] += len(part.text)
                 if run.open == 0:
                     break
                 event = await run.next()
@@ -308,15 +316,15 @@ def _guard(endpoint):
 
 
 def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: Run) -> list:
-    """Record one event of row ``row``; returns what a stream sends for it, as (text,
-    logprobs entry, finish reason, tool calls) parts. Raises APIError for a failed row."""
+    """Record one event of row ``row``; returns the parts a stream sends for it. Raises
+    APIError for a failed row."""
     c = choices[row]
     if isinstance(ev, TokenDelta):
-        entry = chat_logprob(words, ev) if ask.logprobs is not None else None
-        text, calls = c.read(ev.text)
-        if entry is not None:
-            c.logprobs.append(entry)
-        return [(text, entry, None, calls)] if text or entry or calls else []
+        part = c.read(ev.text)
+        part.entry = chat_logprob(words, ev) if ask.logprobs is not None else None
+        if part.entry is not None:
+            c.logprobs.append(part.entry)
+        return [part] if part else []
     if isinstance(ev, Finished):
         c.stats = ev.stats
         if ev.finish_reason == "cancelled":
@@ -328,10 +336,9 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
                     code="shutting_down",
                 )
             raise APIError(499, "the request was cancelled", code="cancelled")
-        text, calls = c.close()
+        held = c.close()
         c.finish_reason = ev.finish_reason
-        held = [(text, None, None, calls)] if text or calls else []
-        return [*held, ("", None, c.reason, [])]
+        return [p for p in (held, Part(reason=c.reason)) if p]
     if isinstance(ev, Failed):
         _raise_failed(ev, ask)
     if isinstance(ev, Notice):

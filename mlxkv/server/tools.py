@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxkv.server.errors import bad
+from mlxkv.server.markers import pending
 
 MAX_TOOLS = 128  # as OpenAI's API
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -188,7 +189,7 @@ class CallReader:
             if not self.inside:
                 i = self.buf.find(self.start)
                 if i < 0:
-                    keep = _pending(self.buf, self.start)
+                    keep = pending(self.buf, self.start)
                     out.append(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                     break
@@ -250,14 +251,6 @@ class CallReader:
 
 def _is_call(c) -> bool:
     return isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
-
-
-def _pending(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could begin ``marker``."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def reader_for(tokenizer, use: ToolUse) -> CallReader | None:

@@ -35,7 +35,10 @@ CHAT_NO_OPS = {
     "store": (False, "storing completions is not supported; leave 'store' out"),
     "metadata": ({}, "'metadata' goes with 'store', which is not supported; leave it out"),
     "functions": ([], "'functions' is the retired form of 'tools'; send 'tools'"),
-    "function_call": ("none", "'function_call' is the retired form of 'tool_choice'"),
+    "function_call": (
+        "none",
+        "'function_call' is the retired form of 'tool_choice'; send 'tool_choice'",
+    ),
     "response_format": (
         {"type": "text"},
         'structured output is not supported yet; only response_format {"type": "text"}',

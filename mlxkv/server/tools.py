@@ -178,6 +178,7 @@ class CallReader:
         self.parallel = parallel
         self.buf = ""
         self.inside = False
+        self.seen = 0  # inside a call: how far the held text has no end marker
         self.calls: list[dict] = []  # every call found so far
         self.unread: list[str] = []  # calls the parser refused (for the server's log)
 
@@ -195,12 +196,13 @@ class CallReader:
                     break
                 out.append(self.buf[:i])
                 self.buf = self.buf[i + len(self.start) :]
-                self.inside = True
+                self.inside, self.seen = True, 0
             elif not self.end:  # the call runs to the end of the answer (Mistral)
                 break
             else:
-                j = self.buf.find(self.end)
+                j = self.buf.find(self.end, self.seen)  # a long call is not searched again
                 if j < 0:
+                    self.seen = max(0, len(self.buf) - len(self.end) + 1)
                     break
                 raw, self.buf = self.buf[:j], self.buf[j + len(self.end) :]
                 self.inside = False

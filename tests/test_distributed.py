@@ -1,13 +1,16 @@
 """Real ``mlx.launch`` runs over 127.0.0.1 (ring backend): the model split over ranks gives
 the single-process tokens, and ``plan --hosts`` predicts each rank's bytes exactly.
 
-Each test uses its own port range so that tests (and engineers) running at once do not meet.
+Each launch takes ports that are free when it starts, below the kernel's ephemeral range: a
+fixed range in that range was once taken by a client socket of a test on the other worker.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +28,51 @@ ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
 TIMEOUT = 900  # a shared 2-core machine makes every collective slow; never hang forever
 
 
-def launch(n: int, port: int, *args: str, timeout: int = TIMEOUT):
-    """``mlx.launch -n N --starting-port PORT -- mlxkv ARGS`` as a user types it."""
+# Ring ports come from here: below Linux's ephemeral range (32768-60999), so no outgoing
+# connection is handed one of them between the check and the ranks' bind.
+PORTS = range(20000, 32000)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that nothing listens on now."""
+    for _ in range(100):
+        base = random.randrange(PORTS.start, PORTS.stop - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports in {PORTS}")
+
+
+def launch_cmd(n: int, *args: str) -> list[str]:
+    """``mlx.launch -n N --starting-port P -- mlxkv ARGS`` as a user types it, P free."""
+    port = str(free_ports(n))
+    return [
+        str(BIN / "mlx.launch"),
+        "-n",
+        str(n),
+        "--starting-port",
+        port,
+        "--",
+        str(BIN / "mlxkv"),
+        *args,
+    ]
+
+
+def launch(n: int, *args: str, timeout: int = TIMEOUT):
+    """Run ``launch_cmd``; a port taken between the check and the bind (another process's
+    listener) is the one failure tried again, on other ports."""
     env = {**os.environ, **ONE_THREAD}  # N ranks share the cores
-    cmd = [str(BIN / "mlx.launch"), "-n", str(n), "--starting-port", str(port), "--"]
-    return subprocess.run(
-        [*cmd, str(BIN / "mlxkv"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    for _ in range(3):
+        run = subprocess.run(
+            launch_cmd(n, *args), capture_output=True, text=True, env=env, timeout=timeout
+        )
+        if "Couldn't bind socket" not in run.stderr:
+            break
+    return run
 
 
 def last_json(out) -> dict:
@@ -84,8 +121,7 @@ def test_pipeline_over_two_ranks_samples_the_single_process_tokens(cli, tiny_qwe
     args += ["--max-tokens", "24", "--temp", "1", "--seed", "5", "--json", *POLICIES[policy]]
     one = cli("generate", *args)
     assert one.returncode == 0, one.stderr
-    port = 41100 + 10 * list(POLICIES).index(policy)
-    two = launch(2, port, "generate", *args, "--shard", "pipeline")
+    two = launch(2, "generate", *args, "--shard", "pipeline")
     assert two.returncode == 0, two.stderr
     single, split = json.loads(one.stdout), last_json(two)
     assert split["text"] == single["text"]
@@ -103,7 +139,7 @@ def test_plan_hosts_pipeline_matches_what_each_rank_holds(tiny_qwen2):
     """Per-host weights and KV from plan --hosts 2 equal the real ranks' bytes, and the KV is
     the sum over the layers each rank holds (5 layers: ranks hold 3 and 2)."""
     args = ["--model", str(tiny_qwen2), "--prompt", "One two three", "--raw", "--json"]
-    run = launch(2, 41200, "generate", *args, "--max-tokens", "4", "--shard", "pipeline")
+    run = launch(2, "generate", *args, "--max-tokens", "4", "--shard", "pipeline")
     assert run.returncode == 0, run.stderr
     res = last_json(run)
     tokens = res["kv_tokens"]
@@ -131,7 +167,7 @@ def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(
     args = ["-p", "What is the capital of France?", "--max-tokens", "3", "--json"]
     one = cli("generate", *args)
     assert one.returncode == 0, one.stderr
-    three = launch(3, 41300, "generate", *args)
+    three = launch(3, "generate", *args)
     assert three.returncode == 0, three.stderr
     single, split = json.loads(one.stdout), last_json(three)
     assert split["text"] == single["text"]
@@ -157,9 +193,27 @@ def test_tensor_parallel_bounded_policies_give_the_single_process_answer(policy)
     args = ["--prompt", "Name three colours.", "--max-tokens", "6", "--json", *extra]
     one = run_cli("generate", *args, env=ONE_THREAD)
     assert one.returncode == 0, one.stderr
-    three = launch(3, 41400 + (10 if policy == "4-bit" else 0), "generate", *args)
+    three = launch(3, "generate", *args)
     assert three.returncode == 0, three.stderr
     assert last_json(three)["text"] == json.loads(one.stdout)["text"]
+
+
+def test_a_taken_port_is_named_in_one_line(tiny_qwen2):
+    """A rank whose ring port another process holds says so and what to change."""
+    port = free_ports(2)
+    env = {**os.environ, **ONE_THREAD}
+    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", str(port), "--"]
+    cmd += [str(BIN / "mlxkv"), "generate", "--model", str(tiny_qwen2), "-p", "hi"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.stdout == "" and "Traceback" not in run.stderr
+    assert (
+        "mlxkv generate: error: cannot join the distributed group mlx.launch set up: "
+        "[ring] Couldn't bind socket (error: 98); a port of this rank's is in use: give "
+        "mlx.launch free ones (--starting-port)\n"
+    ) in run.stderr
 
 
 def test_a_split_that_cannot_work_is_refused_in_one_line(cli, default_model_path):
@@ -170,7 +224,7 @@ def test_a_split_that_cannot_work_is_refused_in_one_line(cli, default_model_path
         "mlxkv plan: error: tensor parallelism over 2 hosts needs attention heads divisible "
         "by 2; the model has 9: use a host count that divides 9, or --shard pipeline"
     )
-    gen = launch(2, 41500, "generate", "--prompt", "hi", "--max-tokens", "2", timeout=300)
+    gen = launch(2, "generate", "--prompt", "hi", "--max-tokens", "2", timeout=300)
     # mlx.launch itself exits 0 whatever its ranks do: the ranks' stderr is what a user sees.
     assert gen.stdout == "" and "Traceback" not in gen.stderr
     assert (
@@ -225,7 +279,7 @@ def test_data_parallel_batch_writes_the_single_process_records(cli, preloaded, t
     one = cli("batch", str(src), "-o", str(tmp_path / "one.jsonl"), *flags)
     assert one.returncode == 0, one.stderr
     out = tmp_path / "two.jsonl"
-    two = launch(2, 41600, "batch", str(src), "-o", str(out), *flags, "--stats")
+    two = launch(2, "batch", str(src), "-o", str(out), *flags, "--stats")
     assert "error:" not in two.stderr and "Traceback" not in two.stderr, two.stderr
     stats = last_json(two)
     assert stats["ranks"] == 2 and stats["shard"] == "data"
@@ -234,7 +288,7 @@ def test_data_parallel_batch_writes_the_single_process_records(cli, preloaded, t
     split = read_records(out)
     assert sorted(r["id"] for r in split) == [0, 1, 2, 3]
     assert {r["id"]: r["text"] for r in split} == single
-    again = launch(2, 41610, "batch", str(src), "-o", str(out), *flags)
+    again = launch(2, "batch", str(src), "-o", str(out), *flags)
     assert "nothing left to run" in again.stderr, again.stderr
     assert read_records(out) == split
 
@@ -271,8 +325,7 @@ def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tm
     assert ref.returncode == 0, ref.stderr
 
     out = tmp_path / "out.jsonl"
-    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", "41700", "--"]
-    cmd += [str(BIN / "mlxkv"), "batch", str(src), "-o", str(out), *flags]
+    cmd = launch_cmd(2, "batch", str(src), "-o", str(out), *flags)
     env = {**os.environ, **ONE_THREAD}
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -296,7 +349,7 @@ def test_a_dead_rank_stops_the_batch_and_a_rerun_loses_and_duplicates_nothing(tm
     assert 2 <= len(kept) < n
     assert len({r["id"] for r in kept}) == len(kept)
 
-    rerun = launch(2, 41710, "batch", str(src), "-o", str(out), *flags)
+    rerun = launch(2, "batch", str(src), "-o", str(out), *flags)
     assert f"resuming: {len(kept)} lines already in {out}" in rerun.stderr, rerun.stderr
     final = read_records(out)
     assert final[: len(kept)] == kept  # nothing rewritten
@@ -331,7 +384,7 @@ def test_batch_over_a_tensor_split_model_writes_the_single_process_records(tmp_p
     one = run_cli("batch", str(src), "-o", str(tmp_path / "one.jsonl"), *flags, env=ONE_THREAD)
     assert one.returncode == 0, one.stderr
     out = tmp_path / "three.jsonl"
-    three = launch(3, 41800, "batch", str(src), "-o", str(out), *flags, "--shard", "tensor")
+    three = launch(3, "batch", str(src), "-o", str(out), *flags, "--shard", "tensor")
     assert "error:" not in three.stderr and "Traceback" not in three.stderr, three.stderr
     single = {r["id"]: r["text"] for r in read_records(tmp_path / "one.jsonl")}
     assert {r["id"]: r["text"] for r in read_records(out)} == single

@@ -45,7 +45,10 @@ def join() -> Cluster | None:
     try:
         group = mx.distributed.init(strict=True)
     except RuntimeError as e:
-        raise UserError(f"cannot join the distributed group mlx.launch set up: {e}") from None
+        hint = ""
+        if "Couldn't bind socket" in str(e):  # the ring's listening port is taken
+            hint = "; a port of this rank's is in use: give mlx.launch free ones (--starting-port)"
+        raise UserError(f"cannot join the distributed group mlx.launch set up: {e}{hint}") from None
     if group.size() < 2:
         return None
     return Cluster(group, group.rank(), group.size())

@@ -15,6 +15,10 @@ def _no_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
 
+    # Imported first: importing it while loader.load is patched would bind its ``load`` to
+    # ``refuse`` for good, and the other test files on this worker could load no model.
+    import mlxkv.engine.loading  # noqa: F401
+
     monkeypatch.setattr("mlxkv.models.loader.load", refuse)
     monkeypatch.setattr("mlxkv.engine.loading.load", refuse)
 

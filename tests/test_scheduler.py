@@ -13,6 +13,7 @@ from mlxkv.engine.events import Failed, Finished, PrefillProgress, TokenDelta
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.policy import KVPolicy
+from tests.mlx_lm_ref import answer_penalties, greedy_tokens
 
 pytestmark = pytest.mark.model
 
@@ -143,3 +144,45 @@ def test_logprobs_follow_the_chosen_token(default_model):
         assert best_token == d.token  # greedy: the best alternative is the one chosen
         assert d.logprob == pytest.approx(best_lp) and d.logprob <= 0
         assert d.top_logprobs[1][1] <= best_lp
+
+
+def test_penalties_and_logit_bias_give_mlx_lms_tokens_in_a_batch(default_model):
+    """Repetition penalty as mlx-lm applies it (the last 20 tokens, prompt included);
+    presence and frequency penalties over the answer alone; logit_bias added. Each row of
+    a batch of three gets the tokens of mlx-lm's generate_step with the same processors,
+    and the penalties change the plain greedy answer."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    n = 24
+    ids = _ids(default_model, "Write a poem about the sea, the sea, the sea.")
+    comma = default_model.tokenizer.encode(",")[-1]
+    asked = {
+        "plain": (GenerationSettings(max_tokens=n), []),
+        "repetition": (
+            GenerationSettings(max_tokens=n, repetition_penalty=1.5),
+            make_logits_processors(repetition_penalty=1.5),
+        ),
+        "openai": (
+            GenerationSettings(
+                max_tokens=n,
+                presence_penalty=0.8,
+                frequency_penalty=0.6,
+                logit_bias=((comma, -100.0),),
+            ),
+            [answer_penalties(len(ids), 0.8, 0.6, {comma: -100.0})],
+        ),
+    }
+    sched = Scheduler(default_model, KVPolicy(), max_batch=4)
+    handles = {k: sched.submit(Request(ids, s)) for k, (s, _) in asked.items()}
+    while sched.step():
+        pass
+    got = {
+        k: [e.token for e in _collect(h) if isinstance(e, TokenDelta) and e.token >= 0]
+        for k, h in handles.items()
+    }
+    assert sched.status()["max_rows_in_a_step"] == 3
+    for name, (_, processors) in asked.items():
+        ref = greedy_tokens(default_model, ids, n, processors)
+        assert got[name] == ref[: len(got[name])] and len(got[name]) in (len(ref), n), name
+    assert got["repetition"] != got["plain"] and got["openai"] != got["plain"]
+    assert comma in got["plain"] and comma not in got["openai"]

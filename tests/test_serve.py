@@ -181,6 +181,36 @@ def test_chat_logprobs_stop_and_n(server, references):
     assert sampled() == sampled()  # seeded: the same answers again
 
 
+def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
+    """The openai client's presence_penalty, frequency_penalty and logit_bias: the answer
+    is mlx-lm's greedy answer with OpenAI's penalties written out, and a +100 bias makes
+    one token the whole answer, in chat and text completions alike."""
+    from mlxkv.engine.request import encode_prompt
+    from tests.mlx_lm_ref import answer_penalties, greedy_tokens
+
+    client = server.client()
+    tok = default_model.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
+    ids = encode_prompt(tok, text)
+    first = greedy_tokens(default_model, ids, 1, [])[0]  # "The" of the plain answer
+    ref = greedy_tokens(
+        default_model, ids, MAX_TOKENS, [answer_penalties(len(ids), 0.5, 1.0, {first: -100})]
+    )
+    ends = [i for i, t in enumerate(ref) if t in tok.eos_token_ids]
+    ref = ref[: ends[0]] if ends else ref
+    r = chat(client, {}, presence_penalty=0.5, frequency_penalty=1.0, logit_bias={first: -100})
+    assert r.choices[0].message.content == tok.decode(ref)
+    assert r.choices[0].message.content != chat(client, {}).choices[0].message.content
+
+    the = tok.encode(" the")[-1]
+    only = client.completions.create(
+        model="smollm2-135m", prompt="Once", max_tokens=4, temperature=0, logit_bias={str(the): 100}
+    )
+    assert only.choices[0].text == "the the the the"
+
+
 def test_sixteen_streams_decode_as_one_batch(server):
     client = server.client()
     alone = client.completions.create(
@@ -262,8 +292,18 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "tools": {"type": "function"}}, None, 400, "tools", "must be a list"),
     ({"messages": MSG, "response_format": {"type": "json_object"}}, None, 400,
      "response_format", "structured output"),
-    ({"messages": MSG, "presence_penalty": 0.5}, None, 400, "presence_penalty", "not supported"),
-    ({"messages": MSG, "logit_bias": {"5": 1}}, None, 400, "logit_bias", "not supported"),
+    ({"messages": MSG, "presence_penalty": 2.5}, None, 400, "presence_penalty",
+     "presence_penalty must be in [-2, 2], got 2.5; 0 means none"),
+    ({"messages": MSG, "frequency_penalty": "high"}, None, 400, "frequency_penalty",
+     'frequency_penalty must be a number, got "high"'),
+    ({"messages": MSG, "logit_bias": [5]}, None, 400, "logit_bias", "must be an object"),
+    ({"messages": MSG, "logit_bias": {"the": 1}}, None, 400, "logit_bias",
+     'logit_bias key "the" is not a token id of this model; keys are token ids in [0, 49152)'),
+    ({"messages": MSG, "logit_bias": {"49152": 1}}, None, 400, "logit_bias", "in [0, 49152)"),
+    ({"messages": MSG, "logit_bias": {"5": 101}}, None, 400, "logit_bias",
+     'logit_bias["5"] must be a number in [-100, 100], got 101'),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "/v1/completions", 400,
+     "logit_bias", "logit_bias holds 1025 tokens; at most 1024"),
     ({"messages": MSG, "foo": 1}, None, 400, "foo", "Unrecognized request argument supplied: foo"),
     ({"messages": MSG, "temperature": "hot"}, None, 400, "temperature", "must be a number"),
     ({"messages": MSG, "temperature": 3}, None, 400, "temperature", "in [0, 2]"),

@@ -15,6 +15,10 @@ class GenerationSettings:
     min_p: float = 0.0
     top_k: int = 0
     repetition_penalty: float | None = None
+    # OpenAI's penalties over the answer so far: once per token seen / per occurrence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     prefill_step: int = 512

@@ -1,4 +1,5 @@
-"""How a request picks its next token from log-probabilities (None: greedy argmax)."""
+"""How a request picks its next token: the logits processors that reshape its logits, then
+the sampler that draws from the log-probabilities (None: greedy argmax)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,41 @@ def sampler_for(s: GenerationSettings) -> Callable | None:
     if s.seed is not None:
         return SeededSampler(s)
     return make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+
+
+# The prompt tokens the logits processors see before the answer's: mlx-lm's generate_step
+# shows them the whole prompt, and its repetition penalty looks at the last 20 tokens.
+PROMPT_TAIL = 20
+
+
+def processor_history(ids: list[int]):
+    """What the processors see at the first answer token: the prompt's last tokens."""
+    import mlx.core as mx
+
+    return mx.array(ids[-PROMPT_TAIL:])
+
+
+def processors_for(s: GenerationSettings, prompt_len: int) -> list[Callable]:
+    """mlx-lm's logits processors for ``s``, each called with the tokens seen so far
+    (``processor_history``, then every answer token) and the logits. The repetition
+    penalty looks at the last 20 of them, as in mlx-lm; the presence and frequency
+    penalties at the whole answer and nothing of the prompt, as OpenAI defines them
+    (mlx_lm.server counts the last 20 tokens, the prompt's among them)."""
+    from mlx_lm.sample_utils import (
+        make_frequency_penalty,
+        make_logits_processors,
+        make_presence_penalty,
+    )
+
+    processors = make_logits_processors(
+        logit_bias=dict(s.logit_bias) or None, repetition_penalty=s.repetition_penalty
+    )
+    lead = min(PROMPT_TAIL, prompt_len)
+    for make, penalty in (
+        (make_presence_penalty, s.presence_penalty),
+        (make_frequency_penalty, s.frequency_penalty),
+    ):
+        if penalty:
+            over_answer = make(penalty, s.max_tokens)
+            processors.append(lambda tokens, logits, p=over_answer: p(tokens[lead:], logits))
+    return processors

@@ -50,7 +50,7 @@ from mlxkv.engine.finish import FinishRule, token_budget
 from mlxkv.engine.kv_stats import KVAccounting
 from mlxkv.engine.request import GenerationSettings, common_prefix, encode_prompt
 from mlxkv.engine.reuse import Checkpoint
-from mlxkv.engine.samplers import sampler_for
+from mlxkv.engine.samplers import processor_history, processors_for, sampler_for
 from mlxkv.errors import UserError
 from mlxkv.models.loader import LoadedModel
 from mlxkv.policy import KVPolicy
@@ -616,8 +616,6 @@ class Scheduler:
 
     def _start(self, job: _Job) -> None:
         """Give ``job`` its caches (reusing what its session or a shared prefix holds)."""
-        from mlx_lm.sample_utils import make_logits_processors
-
         s = job.req.settings
         job.started = time.perf_counter()
         if job.session is not None:
@@ -644,7 +642,7 @@ class Scheduler:
                 job.cached = 0  # a shared prefix counts as prefilled for this batch
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         job.sampler = sampler_for(s)
-        job.processors = make_logits_processors(repetition_penalty=s.repetition_penalty)
+        job.processors = processors_for(s, len(job.ids))
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
@@ -728,7 +726,7 @@ class Scheduler:
         job.first_token = now
         if now > job.started:
             job.prompt_tps = (job.total - job.cached) / (now - job.started)
-        job.history = mx.array(job.ids[-1:]) if job.processors else None
+        job.history = processor_history(job.ids) if job.processors else None
         tokens, lps = self._sample([job], logits)
         token = tokens.item()
         job.next_input = token

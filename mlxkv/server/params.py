@@ -1,7 +1,7 @@
 """The request bodies of /v1/chat/completions and /v1/completions, checked field by field.
 
 Every parameter of the OpenAI API is either honoured or refused with a 400 naming it: a
-parameter whose only accepted value is its no-op default (``presence_penalty: 0``,
+parameter whose only accepted value is its no-op default (``store: false``,
 ``response_format: {"type": "text"}``) is accepted with that value and refused with any
 other. Names the API does not have are refused too.
 """
@@ -22,16 +22,11 @@ from mlxkv.server.tools import ToolUse, assistant_calls, check_tools
 SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
 
 # A parameter accepted only with these values (JSON null always means "not given").
 NO_OP = object()
-_COMMON_NO_OPS = {
-    "frequency_penalty": (0, "frequency penalties are not supported; send 0 or leave it out"),
-    "presence_penalty": (0, "presence penalties are not supported; send 0 or leave it out"),
-    "logit_bias": ({}, "logit_bias is not supported; leave it out"),
-}
 CHAT_NO_OPS = {
-    **_COMMON_NO_OPS,
     "store": (False, "storing completions is not supported; leave 'store' out"),
     "metadata": ({}, "'metadata' goes with 'store', which is not supported; leave it out"),
     "functions": ([], "'functions' is the retired form of 'tools'; send 'tools'"),
@@ -53,7 +48,6 @@ CHAT_NO_OPS = {
     "prompt_cache_key": (NO_OP, "prompt_cache_key is not supported yet; leave it out"),
 }
 COMPLETION_NO_OPS = {
-    **_COMMON_NO_OPS,
     "echo": (False, "echo is not supported; leave it out"),
     "suffix": (NO_OP, "suffix (insertion) is not supported; leave it out"),
 }
@@ -68,6 +62,9 @@ _HONOURED = {
     "stream",
     "stream_options",
     "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
     # extensions (as in mlx_lm.server and vLLM)
     "kv",
     "top_k",
@@ -313,6 +310,9 @@ def _settings(body: dict, limits: Limits, max_tokens: int | None) -> GenerationS
         "top_k": _int(body, "top_k", 0, 2**31 - 1, "0 keeps every token"),
         "min_p": _float(body, "min_p", 0, 1),
         "repetition_penalty": _float(body, "repetition_penalty", 0, None, lo_open=True),
+        "presence_penalty": _float(body, "presence_penalty", -2, 2, hint="0 means none"),
+        "frequency_penalty": _float(body, "frequency_penalty", -2, 2, hint="0 means none"),
+        "logit_bias": _logit_bias(body, limits.vocab_size),
         "seed": _int(body, "seed", 0, SEED_MAX),
         "stop": _stop(body),
     }
@@ -320,6 +320,34 @@ def _settings(body: dict, limits: Limits, max_tokens: int | None) -> GenerationS
         return replace(limits.defaults, **{k: v for k, v in given.items() if v is not None})
     except UserError as e:  # GenerationSettings' own checks (the ranges above cover them)
         raise bad(str(e)) from None
+
+
+def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` ({"token id": bias in [-100, 100]}) as (id, bias) pairs."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad('logit_bias must be an object such as {"1234": -100}', param="logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias holds {len(v)} tokens; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    top = vocab_size if vocab_size is not None else 2**31
+    pairs = []
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and int(key) < top):
+            raise bad(
+                f"logit_bias key {_show(key)} is not a token id of this model; keys are token "
+                f"ids in [0, {top}) written as strings",
+                param="logit_bias",
+            )
+        number = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not (number and -100 <= bias <= 100):
+            raise bad(
+                f'logit_bias["{key}"] must be a number in [-100, 100], got {_show(bias)}',
+                param="logit_bias",
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _stream(body: dict) -> tuple[bool, bool]:

@@ -1,0 +1,38 @@
+"""References computed by mlx-lm itself, for token identity: its generate_step and the
+sampling rules written out in numpy."""
+
+from __future__ import annotations
+
+
+def greedy_tokens(loaded, ids, n, processors) -> list[int]:
+    """Greedy tokens of mlx-lm's own generate_step with ``processors`` (the reference)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    steps = generate_step(
+        mx.array(ids),
+        loaded.model,
+        max_tokens=n,
+        sampler=lambda lp: mx.argmax(lp, axis=-1),
+        logits_processors=processors,
+        prompt_cache=make_prompt_cache(loaded.model),
+    )
+    return [int(t) for t, _ in steps]
+
+
+def answer_penalties(prompt_len: int, presence: float, frequency: float, bias: dict):
+    """OpenAI's penalties written out: each token's count in the answer so far (not the
+    prompt) costs ``presence`` once and ``frequency`` per occurrence; ``bias`` adds."""
+    import mlx.core as mx
+    import numpy as np
+
+    def process(tokens, logits):
+        answer = np.array(tokens.tolist()[prompt_len:], dtype=np.int64)
+        counts = np.bincount(answer, minlength=logits.shape[-1])
+        out = np.array(logits.astype(mx.float32)) - presence * (counts > 0) - frequency * counts
+        for token, b in bias.items():
+            out[:, token] += b
+        return mx.array(out)
+
+    return process

@@ -14,10 +14,22 @@ class FinishRule:
     without a delta; ``end()`` then gives the rest of the text and the whole answer.
     """
 
-    def __init__(self, tokenizer, stop, max_tokens: int, capped: bool = False):
+    def __init__(
+        self, tokenizer, stop, max_tokens: int, capped: bool = False, after: tuple[int, ...] = ()
+    ):
         self.eos = set(tokenizer.eos_token_ids)
+        # The answer's text is what its tokens add to the text of ``after`` (the prompt's
+        # last token): mlx-lm's detokenizers drop the leading space of a text's first
+        # token, which for a continuation (" Paris" after "The capital of France is")
+        # belongs to the answer.
+        seed = tokenizer.detokenizer
+        for t in after:
+            seed.add_token(t)
+        seed.finalize()
+        self.before = seed.text
         self.detok = tokenizer.detokenizer
-        self.detok.reset()
+        for t in after:
+            self.detok.add_token(t)
         self.stop = StopMatcher(stop)
         self.max_tokens = max_tokens
         self.capped = capped  # max_tokens was cut to what the context has room for
@@ -32,7 +44,7 @@ class FinishRule:
             self.reason = "stop"
             return "", self.reason
         self.detok.add_token(token)
-        text = self.detok.text
+        text = self._answer(self.detok.text)
         cut = self.stop.find(text)
         if cut is not None:
             self.text, self.reason = text[:cut], "stop_string"
@@ -50,10 +62,18 @@ class FinishRule:
         self.reason = self.reason or reason or "length"
         if self.reason != "stop_string":
             self.detok.finalize()
-            self.text = self.detok.text
+            self.text = self._answer(self.detok.text)
         rest = self.text[self.shown :]
         self.shown = len(self.text)
         return rest, self.text
+
+    def _answer(self, text: str) -> str:
+        """The answer's part of the detokenizer's ``text`` (which starts with ``after``)."""
+        if text.startswith(self.before):
+            return text[len(self.before) :]
+        if self.before.startswith(text):
+            return ""  # the prompt token's text is not out yet
+        return text  # the answer completed a character the prompt's token began
 
 
 def token_budget(context_length: int | None, window: int | None, n_prompt: int, max_tokens: int):

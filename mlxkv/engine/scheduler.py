@@ -646,7 +646,9 @@ class Scheduler:
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
-        job.finish = FinishRule(self.loaded.tokenizer, s.stop, max_tokens, capped)
+        job.finish = FinishRule(
+            self.loaded.tokenizer, s.stop, max_tokens, capped, after=tuple(job.ids[-1:])
+        )
 
     def _boundary(self, job: _Job) -> None:
         """``job``'s caches hold its prompt but the last token: keep a copy (the turn

@@ -180,6 +180,23 @@ def test_bounded_and_quantized_policies_run_batched(tmp_path, capsys, preloaded,
 
 
 @pytest.mark.model
+def test_raw_prompts_continue_their_text_and_chat_answers_do_not_start_with_a_space(
+    tmp_path, preloaded
+):
+    """--raw: a 'prompt' line's text is what its tokens add to it (" Paris" after "... is");
+    a 'messages' line is a chat message either way."""
+    lines = [
+        {"id": "raw", "prompt": "The capital of France is", "max_tokens": 2},
+        {"id": "chat", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 2},
+    ]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out), "--raw"]) == 0
+    texts = {r["id"]: r["text"] for r in read_records(out)}
+    assert texts == {"raw": " Paris.", "chat": "The capital"}
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_kill_9_then_resume(tmp_path, default_model_path):
     """A real ``mlxkv batch`` process killed -9 mid-run; the re-run completes the file with

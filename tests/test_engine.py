@@ -80,7 +80,7 @@ def test_regenerate_before_any_message_is_refused(default_model):
 
 def test_stop_string_cuts_the_answer(default_model):
     gen = Session(default_model)
-    settings = GenerationSettings(max_tokens=40, stop=("rather a city",))
+    settings = GenerationSettings(max_tokens=40, stop=("rather a city",), continues=True)
     out = finish(gen.run("The capital of France is Paris. The capital of France is", settings))
     assert out.finish_reason == "stop_string"
     assert out.text == " not a country, but "  # "... France is" + " not a country"

@@ -194,3 +194,26 @@ def test_a_prompt_cache_from_packed_weights_is_refused_by_other_weights(shallow,
     plain = dataclasses.replace(shallow, packed=False)  # same dtype, dequantized weights
     with pytest.raises(CacheError, match="weights"):
         Session(plain).load_cache(tmp_path / "c.safetensors")
+
+
+def test_a_biased_neighbour_leaves_a_rows_logprobs_as_they_are(shallow):
+    """A row's logits processors touch its row alone: under bfloat16 the rows beside a
+    biased one keep their logprobs bit for bit (a processor that turned its row to float32
+    would turn the whole batch's logprobs to float32)."""
+    from mlxkv.engine.scheduler import Request, Scheduler
+
+    def run(neighbour: bool) -> list[tuple[int, float]]:
+        sched = Scheduler(shallow, KVPolicy(), max_batch=2)
+        plain = sched.submit(Request(PROMPT, GenerationSettings(max_tokens=4), logprobs=0))
+        if neighbour:
+            biased = GenerationSettings(max_tokens=4, logit_bias=((PROMPT[0], 5.0),))
+            sched.submit(Request(PROMPT, biased))
+        while sched.step():
+            pass
+        rows = sched.status()["max_rows_in_a_step"]
+        assert rows == (2 if neighbour else 1)
+        return [(e.token, e.logprob) for e in plain.events() if isinstance(e, TokenDelta)]
+
+    alone = run(False)
+    assert len(alone) == 4
+    assert run(True) == alone

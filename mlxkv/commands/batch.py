@@ -404,7 +404,8 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
                 write_error(job, str(e))
                 progress.update(False, 0)
                 continue
-            yield Request(job.line, text, _settings(job, base))
+            raw = args.raw and job.prompt is not None
+            yield Request(job.line, text, replace(_settings(job, base), continues=raw))
 
     t0 = time.perf_counter()
     try:

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from mlxkv.commands.common import (
@@ -51,7 +52,12 @@ def add_arguments(p) -> None:
         "(or not a cache file) is refused with an error and left untouched",
     )
     p.add_argument("--system", default="", help="system prompt (chat template only)")
-    p.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="no chat template: complete the text as is (the answer is what follows it, "
+        "its first space included)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_model_flags(p)
     add_overflow_flag(p)
@@ -215,7 +221,7 @@ def run(args) -> int:
     if cache_file is not None and cache_file.exists():
         gen.load_cache(cache_file)  # refuses (one line) a file made for something else
     if args.raw:
-        events = gen.run(prompt, settings)
+        events = gen.run(prompt, replace(settings, continues=True))
     else:
         chat = ChatSession(gen, settings, system=system)
         if messages is None:

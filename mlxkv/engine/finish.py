@@ -19,9 +19,9 @@ class FinishRule:
     ):
         self.eos = set(tokenizer.eos_token_ids)
         # The answer's text is what its tokens add to the text of ``after`` (the prompt's
-        # last token): mlx-lm's detokenizers drop the leading space of a text's first
-        # token, which for a continuation (" Paris" after "The capital of France is")
-        # belongs to the answer.
+        # last token, for a continuation): mlx-lm's detokenizers drop the space a text's
+        # first token starts with, right for a chat message, but a continuation's own
+        # (" Paris" after "The capital of France is").
         seed = tokenizer.detokenizer
         for t in after:
             seed.add_token(t)

@@ -19,6 +19,9 @@ class GenerationSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # The answer continues the prompt's text (a raw completion, not a chat message): its
+    # text keeps the space its first token starts with ("... is" + " Paris").
+    continues: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
     prefill_step: int = 512

@@ -647,7 +647,11 @@ class Scheduler:
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
         job.finish = FinishRule(
-            self.loaded.tokenizer, s.stop, max_tokens, capped, after=tuple(job.ids[-1:])
+            self.loaded.tokenizer,
+            s.stop,
+            max_tokens,
+            capped,
+            after=tuple(job.ids[-1:]) if s.continues else (),
         )
 
     def _boundary(self, job: _Job) -> None:

@@ -446,7 +446,9 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
     return Ask(
         kind="completion",
         model=_model(body),
-        settings=_settings(body, limits, _int(body, "max_tokens", 1, 2**31 - 1)),
+        settings=replace(
+            _settings(body, limits, _int(body, "max_tokens", 1, 2**31 - 1)), continues=True
+        ),
         policy=_policy(body),
         logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
         n=n,

@@ -157,6 +157,10 @@ def test_chat_logprobs_stop_and_n(server, references):
     assert all(e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3 for e in content)
     assert all(bytes(e.bytes) == e.token.encode() for e in content)
 
+    # the prompt-caching hints agents send (OpenAI's names) are taken, and change nothing
+    hinted = chat(client, {}, prompt_cache_key="agent-7", prompt_cache_retention="24h")
+    assert hinted.choices[0].message.content == references["full"]["text"]
+
     cut = chat(client, {}, stop=["Paris"])
     assert cut.choices[0].message.content == references["full"]["text"].split("Paris")[0]
     assert cut.choices[0].finish_reason == "stop"
@@ -303,6 +307,10 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
      'logit_bias["5"] must be a number in [-100, 100], got 101'),
     ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "/v1/completions", 400,
      "logit_bias", "logit_bias holds 1025 tokens; at most 1024"),
+    ({"messages": MSG, "prompt_cache_key": 5}, None, 400, "prompt_cache_key",
+     "prompt_cache_key must be a string, got 5"),
+    ({"messages": MSG, "prompt_cache_retention": "1h"}, None, 400, "prompt_cache_retention",
+     "prompt_cache_retention must be 'in_memory' or '24h', got \"1h\""),
     ({"messages": MSG, "foo": 1}, None, 400, "foo", "Unrecognized request argument supplied: foo"),
     ({"messages": MSG, "temperature": "hot"}, None, 400, "temperature", "must be a number"),
     ({"messages": MSG, "temperature": 3}, None, 400, "temperature", "in [0, 2]"),

@@ -23,6 +23,7 @@ SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
+RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 
 # A parameter accepted only with these values (JSON null always means "not given").
 NO_OP = object()
@@ -45,7 +46,6 @@ CHAT_NO_OPS = {
     "verbosity": (NO_OP, "verbosity is not supported; leave it out"),
     "web_search_options": (NO_OP, "web search is not supported"),
     "service_tier": ("auto", "there is one service tier; send 'auto' or leave it out"),
-    "prompt_cache_key": (NO_OP, "prompt_cache_key is not supported yet; leave it out"),
 }
 COMPLETION_NO_OPS = {
     "echo": (False, "echo is not supported; leave it out"),
@@ -81,6 +81,9 @@ CHAT_HONOURED = _HONOURED | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    # prompt-caching hints agents send: the prefix cache matches requests by their tokens
+    "prompt_cache_key",
+    "prompt_cache_retention",
 }
 COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of"}
 
@@ -383,6 +386,21 @@ def _user(body: dict, *names: str) -> str | None:
     return next((body[n] for n in names if body.get(n)), None)
 
 
+def _cache_hints(body: dict) -> None:
+    """``prompt_cache_key`` and ``prompt_cache_retention``, checked: the prefix cache keeps
+    every request's prefix whatever they say, in memory and then on disk (the server's
+    --prefix-cache-* flags bound it)."""
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise bad(f"prompt_cache_key must be a string, got {_show(key)}", "prompt_cache_key")
+    keep = body.get("prompt_cache_retention")
+    if keep is not None and keep not in RETENTIONS:
+        raise bad(
+            f"prompt_cache_retention must be 'in_memory' or '24h', got {_show(keep)}",
+            param="prompt_cache_retention",
+        )
+
+
 def _n(body: dict, prompts: int, limits: Limits) -> int:
     n = _int(body, "n", 1, limits.max_rows, "more answers than the server's rows") or 1
     if prompts * n > limits.max_rows:
@@ -414,6 +432,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     if top is not None and not logprobs:
         raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
     stream, usage = _stream(body)
+    _cache_hints(body)
     return Ask(
         kind="chat",
         model=_model(body),

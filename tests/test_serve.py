@@ -303,6 +303,8 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "logit_bias": {"the": 1}}, None, 400, "logit_bias",
      'logit_bias key "the" is not a token id of this model; keys are token ids in [0, 49152)'),
     ({"messages": MSG, "logit_bias": {"49152": 1}}, None, 400, "logit_bias", "in [0, 49152)"),
+    ({"messages": MSG, "logit_bias": {"9" * 5000: 1}}, None, 400, "logit_bias",
+     'logit_bias key "' + "9" * 36 + '... is not a token id of this model'),
     ({"messages": MSG, "logit_bias": {"5": 101}}, None, 400, "logit_bias",
      'logit_bias["5"] must be a number in [-100, 100], got 101'),
     ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "/v1/completions", 400,

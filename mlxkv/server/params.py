@@ -337,7 +337,8 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
     top = vocab_size if vocab_size is not None else 2**31
     pairs = []
     for key, bias in v.items():
-        if not (key.isascii() and key.isdigit() and int(key) < top):
+        # (a thousand-digit key is no token id, and too long for int() to read)
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < top):
             raise bad(
                 f"logit_bias key {_show(key)} is not a token id of this model; keys are token "
                 f"ids in [0, {top}) written as strings",

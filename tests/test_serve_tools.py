@@ -20,7 +20,8 @@ pytestmark = pytest.mark.model
 # A Qwen-shaped template: tools listed in the system turn, calls written between
 # <tool_call> markers, results sent back in a user turn (mlx-lm reads its parser from it);
 # the model thinks between <think> markers first, or the prompt opens the block itself
-# (chat_template_kwargs open_think, as DeepSeek-R1's template does).
+# (chat_template_kwargs open_think, as DeepSeek-R1's template does); it reads
+# reasoning_effort (as gpt-oss's does) and enable_thinking (as Qwen3's does).
 TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 You may call these functions:
@@ -48,7 +49,9 @@ Call one as <tool_call>{"name": <function-name>, "arguments": <args>}</tool_call
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% if open_think %}<think>{% endif %}{% endif %}"""
+{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}
+{% endif %}{% if enable_thinking is defined and not enable_thinking %}<think></think>\
+{% elif open_think %}<think>{% endif %}{% endif %}"""
 MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 CALL = '{"name": "get_weather","arguments": {"city":"Paris"} }'
 THOUGHT = "The user wants the weather"
@@ -69,11 +72,11 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def rendered(folder, messages: list[dict]) -> list[int]:
-    """The prompt's token ids as the model's own tokenizer renders it with the tools."""
+def rendered(folder, messages: list[dict], tools=(WEATHER,), **kwargs) -> list[int]:
+    """The prompt's token ids as the model's own tokenizer renders it (with the tools)."""
     tok = AutoTokenizer.from_pretrained(str(folder))
     text = tok.apply_chat_template(
-        messages, tools=[WEATHER], add_generation_prompt=True, tokenize=False
+        messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=False, **kwargs
     )
     return tok.encode(text, add_special_tokens=False)
 
@@ -190,6 +193,28 @@ def test_tool_choice_none_leaves_the_tools_out(server, folder):
     assert offered.usage.prompt_tokens == len(rendered(folder, ASK))
 
 
+@pytest.mark.parametrize(
+    "effort, extra, template_kwargs",
+    [
+        ("high", {}, {"reasoning_effort": "high"}),
+        ("none", {}, {"reasoning_effort": "none", "enable_thinking": False}),
+        ("none", {"enable_thinking": True}, {"reasoning_effort": "none"}),  # theirs wins
+    ],
+)
+def test_reasoning_effort_reaches_the_chat_template(server, folder, effort, extra, template_kwargs):
+    """reasoning_effort is handed to the template as itself, and "none" as
+    enable_thinking: false; chat_template_kwargs sent beside it win."""
+    r = server.client().chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        max_tokens=1,
+        reasoning_effort=effort,
+        extra_body={"chat_template_kwargs": extra} if extra else None,
+    )
+    want = rendered(folder, ASK, tools=(), **template_kwargs)
+    assert r.usage.prompt_tokens == len(want) != len(rendered(folder, ASK, tools=()))
+
+
 def test_the_tool_result_turn(server, folder):
     """The agent's next turn: the assistant's call and the tool's result go back through
     the chat template exactly as it renders them, and the prefix cache serves the turn
@@ -283,6 +308,11 @@ BAD = [
         {"messages": [*ASK, {"role": "tool", "content": "21 C"}]},
         "messages[1].tool_call_id",
         "messages[1].tool_call_id must be the id of the call this message answers",
+    ),
+    (
+        {"reasoning_effort": "max"},
+        "reasoning_effort",
+        'reasoning_effort must be one of none, minimal, low, medium, high, xhigh, got "max"',
     ),
 ]
 

@@ -23,6 +23,7 @@ SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 
 # A parameter accepted only with these values (JSON null always means "not given").
@@ -42,7 +43,6 @@ CHAT_NO_OPS = {
     "modalities": (["text"], 'only text output is supported (modalities ["text"])'),
     "audio": (NO_OP, "audio output is not supported"),
     "prediction": (NO_OP, "predicted outputs are not supported; leave 'prediction' out"),
-    "reasoning_effort": (NO_OP, "reasoning_effort is not supported by this model server"),
     "verbosity": (NO_OP, "verbosity is not supported; leave it out"),
     "web_search_options": (NO_OP, "web search is not supported"),
     "service_tier": ("auto", "there is one service tier; send 'auto' or leave it out"),
@@ -81,6 +81,7 @@ CHAT_HONOURED = _HONOURED | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "reasoning_effort",
     # prompt-caching hints agents send: the prefix cache matches requests by their tokens
     "prompt_cache_key",
     "prompt_cache_retention",
@@ -420,7 +421,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         raise bad("messages is required: a list of {role, content} objects", param="messages")
     messages = _messages(body["messages"])
     tools = check_tools(body)
-    kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    kwargs = {**_effort(body), **_template_kwargs(body.get("chat_template_kwargs"))}
     mt = _int(body, "max_tokens", 1, 2**31 - 1)
     mct = _int(body, "max_completion_tokens", 1, 2**31 - 1)
     if mt is not None and mct is not None and mt != mct:
@@ -547,6 +548,22 @@ def _content(c, where: str) -> str:
             parts.append(p["text"])
         return "\n".join(parts)
     raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _effort(body: dict) -> dict:
+    """``reasoning_effort`` as chat template arguments: the effort itself (gpt-oss's
+    templates read ``reasoning_effort``) and, for "none", ``enable_thinking: false``
+    (Qwen3's and others' switch). A template that reads neither ignores them, as a model
+    that does not think does; chat_template_kwargs given beside it win."""
+    v = body.get("reasoning_effort")
+    if v is None:
+        return {}
+    if v not in EFFORTS:
+        raise bad(
+            f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {_show(v)}",
+            param="reasoning_effort",
+        )
+    return {"reasoning_effort": v, **({"enable_thinking": False} if v == "none" else {})}
 
 
 def _template_kwargs(v) -> dict:

@@ -252,3 +252,25 @@ def test_prompt_text_system_rules():
     assert _prompt_text(job, tok, raw) == "q"
     with pytest.raises(UserError, match="needs the chat template"):
         _prompt_text(own, tok, raw)
+
+
+def test_fingerprints_of_files_written_before_stay_the_same():
+    """The run context of a chat batch is byte for byte what earlier versions wrote into
+    every record's fingerprint (settings a batch cannot set are left out), so their files
+    resume; a raw batch's differs, its lines' text now keeping their first space."""
+    from types import SimpleNamespace
+
+    from mlxkv.commands.batch import _run_context
+    from mlxkv.engine.request import GenerationSettings
+    from mlxkv.policy import KVPolicy
+
+    args = SimpleNamespace(model="smollm2-135m", dtype="auto", system="", raw=False)
+    assert _run_context(args, KVPolicy(), GenerationSettings()) == (
+        '{"dtype": "auto", "model": "smollm2-135m", "policy": {"bits": null, "group_size": 64, '
+        '"key_bits": null, "key_scheme": "kivi", "sinks": 0, "value_bits": null, '
+        '"value_group_size": 64, "window": null}, "raw": false, "settings": {"max_tokens": 512, '
+        '"min_p": 0.0, "repetition_penalty": null, "seed": null, "stop": [], "temperature": '
+        '0.0, "top_k": 0, "top_p": 1.0}, "system": ""}'
+    )
+    raw = SimpleNamespace(model="smollm2-135m", dtype="auto", system="", raw=True)
+    assert '"raw": "continuation"' in _run_context(raw, KVPolicy(), GenerationSettings())

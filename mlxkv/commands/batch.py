@@ -119,6 +119,18 @@ def _raw_formatter():
 
 
 # -- planning: which lines run, which become error records, which are already done ----------
+# Settings left out of the fingerprints: the prefill step does not change the text, and a
+# batch cannot set the rest (they keep their defaults), so files written before those
+# fields existed still resume.
+NOT_IN_FINGERPRINT = (
+    "prefill_step",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "continues",
+)
+
+
 def _run_context(args, policy, base) -> str:
     """Everything run-wide that changes the text, for the records' fingerprints."""
     from dataclasses import asdict
@@ -129,14 +141,15 @@ def _run_context(args, policy, base) -> str:
     model = args.model or default_alias()
     if Path(model).expanduser().exists():  # a path: the same file however it is spelled
         model = str(Path(model).expanduser().resolve())
-    settings = {k: v for k, v in asdict(base).items() if k != "prefill_step"}
+    settings = {k: v for k, v in asdict(base).items() if k not in NOT_IN_FINGERPRINT}
     return run_context(
         model=model,
         dtype=args.dtype,
         policy=policy.to_dict(),
         settings=settings,
         system=args.system,
-        raw=args.raw,
+        # a raw line's text now keeps its first space: records written before resume anew
+        raw="continuation" if args.raw else False,
     )
 
 

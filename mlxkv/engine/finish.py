@@ -22,14 +22,15 @@ class FinishRule:
         # last token, for a continuation): mlx-lm's detokenizers drop the space a text's
         # first token starts with, right for a chat message, but a continuation's own
         # (" Paris" after "The capital of France is").
-        seed = tokenizer.detokenizer
-        for t in after:
-            seed.add_token(t)
-        seed.finalize()
-        self.before = seed.text
+        self.before = ""
         self.detok = tokenizer.detokenizer
-        for t in after:
-            self.detok.add_token(t)
+        if after:
+            seed = tokenizer.detokenizer
+            for t in after:
+                seed.add_token(t)
+                self.detok.add_token(t)
+            seed.finalize()
+            self.before = seed.text
         self.stop = StopMatcher(stop)
         self.max_tokens = max_tokens
         self.capped = capped  # max_tokens was cut to what the context has room for

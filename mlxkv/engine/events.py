@@ -59,6 +59,7 @@ class Finished:
     text: str  # the whole answer of this turn
     finish_reason: str  # stop | length | stop_string | cancelled | context
     stats: Stats
+    stop: str | None = None  # the stop string that ended it (finish_reason stop_string)
 
 
 @dataclass(frozen=True)

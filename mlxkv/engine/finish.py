@@ -38,6 +38,7 @@ class FinishRule:
         self.text = ""
         self.shown = 0
         self.reason: str | None = None
+        self.matched: str | None = None  # the stop string that ended the answer
 
     def add(self, token: int) -> tuple[str, str | None]:
         self.tokens.append(token)
@@ -46,8 +47,9 @@ class FinishRule:
             return "", self.reason
         self.detok.add_token(token)
         text = self._answer(self.detok.text)
-        cut = self.stop.find(text)
-        if cut is not None:
+        hit = self.stop.find(text)
+        if hit is not None:
+            cut, self.matched = hit
             self.text, self.reason = text[:cut], "stop_string"
             return "", self.reason
         safe = self.stop.safe_length(text)

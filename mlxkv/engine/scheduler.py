@@ -884,7 +884,7 @@ class Scheduler:
         stats = replace(self._stats(job), finish_reason=final)
         if rest:
             job.handle._emit(TokenDelta(rest, -1, stats))
-        job.handle._emit(Finished(text, final, stats))
+        job.handle._emit(Finished(text, final, stats, job.finish.matched if job.finish else None))
         self.requests_finished += 1
 
     def _keep(self, job: _Job, caches: list) -> None:

@@ -7,10 +7,11 @@ class StopMatcher:
     def __init__(self, stops: list[str] | tuple[str, ...] = ()):
         self.stops = [s for s in stops if s]
 
-    def find(self, text: str, start: int = 0) -> int | None:
-        """Index where the earliest stop string begins in ``text[start:]``, or None."""
-        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+    def find(self, text: str, start: int = 0) -> tuple[int, str] | None:
+        """Where the earliest stop string begins in ``text[start:]`` and which it is (the
+        first given of those starting there), or None."""
+        hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def safe_length(self, text: str) -> int:
         """How much of ``text`` can be shown without showing the start of a stop string."""

@@ -84,6 +84,34 @@ def test_ordinary_templates_render_as_transformers_does(default_model_path):
     assert got == ref
 
 
+@pytest.mark.parametrize("start", ["1, 2, 3,", "The answer is ", "  two spaces"])
+def test_a_final_message_is_continued_as_transformers_does(default_model_path, start):
+    """continue_final_message (a prefill): the prompt ends right after the assistant's own
+    start of its answer, cut as transformers cuts it, trailing spaces included or not."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(default_model_path)
+    chat = [*MESSAGES, {"role": "assistant", "content": start}]
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    ref = tok.apply_chat_template(chat, tokenize=False, **kw)
+    ref_ids = tok.apply_chat_template(chat, tokenize=True, **kw)
+    chat_template.install(tok)
+    assert tok.apply_chat_template(chat, tokenize=False, **kw) == ref
+    assert tok.apply_chat_template(chat, tokenize=True, **kw) == ref_ids
+    assert ref.endswith(start.lstrip())  # this template keeps trailing spaces
+
+
+def test_a_final_message_the_template_hides_is_refused():
+    from mlxkv.models.chat_template import open_final_message
+
+    chat = [*MESSAGES, {"role": "assistant", "content": "hidden"}]
+    with pytest.raises(UserError) as e:
+        open_final_message("<user>Hi</user>", chat)
+    assert str(e.value) == (
+        "the last message cannot be continued: the chat template does not show its text as written"
+    )
+
+
 def _folder_with_template(src, dst, template: str):
     """The default model with its chat template replaced (weights linked, not copied)."""
     dst.mkdir()

@@ -260,6 +260,22 @@ _TOKENIZE_OPTIONS = ("return_dict", "padding", "truncation", "max_length", "retu
                      "tokenizer_kwargs", "return_assistant_tokens_mask")  # fmt: skip
 
 
+def open_final_message(text: str, conversation: list[dict]) -> str:
+    """``text`` cut right after the last message's content, so that the answer goes on
+    from it (a prefill): transformers' ``continue_final_message``, done the same way."""
+    final = conversation[-1].get("content") if conversation else None
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise UserError(
+            "the last message cannot be continued: the chat template does not show its "
+            "text as written"
+        )
+    at = text.rindex(final.strip())
+    kept = len(final.lstrip())
+    # a template that keeps the message's trailing spaces keeps them; one that trims, not
+    end = at + kept if text[at : at + kept] == final else at + len(final.strip())
+    return text[:end]
+
+
 def install(tokenizer) -> None:
     """Route ``tokenizer.apply_chat_template`` through :func:`render` (the HF tokenizer's
     own method is kept for the token ids, when a caller asks for them)."""
@@ -278,6 +294,7 @@ def install(tokenizer) -> None:
         **kwargs,
     ):
         options = {k: kwargs.pop(k) for k in _TOKENIZE_OPTIONS if k in kwargs}
+        continue_final = kwargs.pop("continue_final_message", False)
         special = {
             k: v for k, v in getattr(hf, "special_tokens_map", {}).items() if isinstance(v, str)
         }
@@ -289,6 +306,8 @@ def install(tokenizer) -> None:
             documents=documents,
             add_generation_prompt=add_generation_prompt,
         )
+        if continue_final:
+            text = open_final_message(text, conversation)
         if not tokenize:
             return text
         return original(
@@ -298,6 +317,7 @@ def install(tokenizer) -> None:
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
+            continue_final_message=continue_final,
             **options,
             **kwargs,
         )

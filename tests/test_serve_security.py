@@ -105,6 +105,26 @@ def test_the_key_is_required(server):
     assert server.status()["policy"] == "full, 4-bit (group 64), kivi keys"
 
 
+def test_anthropics_clients_send_the_key_as_x_api_key(server):
+    """Anthropic's SDKs send "x-api-key: KEY": the key is taken there too, and a wrong
+    one is refused in Anthropic's error shape on /v1/messages."""
+    import anthropic
+
+    url = server.url
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+            model="smollm2-135m", max_tokens=2, messages=MSG
+        )
+    assert e.value.status_code == 401
+    assert e.value.body["error"]["type"] == "authentication_error"
+    assert "'x-api-key: KEY'" in e.value.body["error"]["message"]
+    r = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.create(
+        model="smollm2-135m", max_tokens=2, messages=MSG
+    )
+    assert r.usage.output_tokens == 2 and r.stop_reason == "max_tokens"
+    assert server.http("GET", "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
 def test_a_body_over_the_limit_gets_413(server):
     big = {"messages": [{"role": "user", "content": "x" * 5000}]}
     r = server.http("POST", "/v1/chat/completions", json=big)

@@ -1,4 +1,5 @@
-"""``mlxkv serve``: an OpenAI-compatible HTTP server for one model (see mlxkv/server/)."""
+"""``mlxkv serve``: an OpenAI- and Anthropic-compatible HTTP server for one model (see
+mlxkv/server/)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from mlxkv.commands.common import (
 )
 from mlxkv.errors import UserError
 
-HELP = "serve one model over an OpenAI-compatible HTTP API (chat and text completions)"
+HELP = (
+    "serve one model over OpenAI's HTTP API (chat and text completions) and Anthropic's (messages)"
+)
 KEY_ENV = "MLXKV_API_KEY"
 
 

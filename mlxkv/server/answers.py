@@ -56,6 +56,7 @@ class Choice:
     calls: list[dict] = field(default_factory=list)  # tool calls, as a stream sends them
     logprobs: list[dict] = field(default_factory=list)  # chat entries, one per token
     finish_reason: str | None = None
+    stop: str | None = None  # the stop string that ended it
     stats: Stats | None = None
 
     def read(self, text: str) -> Part:

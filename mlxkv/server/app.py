@@ -1,5 +1,5 @@
-"""The HTTP API (Starlette): OpenAI's chat and text completions, models, health, status,
-metrics."""
+"""The HTTP API (Starlette): OpenAI's chat and text completions, Anthropic's messages,
+models, health, status, metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxkv.engine.events import Failed, Finished, Notice, TokenDelta
+from mlxkv.engine.events import Failed, Finished, Notice, Stats, TokenDelta
 from mlxkv.policy import KVPolicy
 from mlxkv.server import metrics
 from mlxkv.server.answers import Choice, Envelope, Part, TokenText, chat_logprob
@@ -25,11 +26,17 @@ from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source
+from mlxkv.server.messages import Message, error_response, event, parse_messages
+from mlxkv.server.messages import error_body as message_error
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
 from mlxkv.server.reasoning import think_reader
 from mlxkv.server.tools import has_tool_calling, reader_for
 
-ENDPOINTS = "/v1/chat/completions, /v1/completions, /v1/models, /v1/status, /metrics, /health"
+ENDPOINTS = (
+    "/v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, "
+    "/v1/models, /v1/status, /metrics, /health"
+)
+PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages}
 
 
 @dataclass
@@ -81,15 +88,16 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if served.api_key is None:
             check_local(request)
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            key.strip().encode(), served.api_key.encode()
-        ):
+        # OpenAI's clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY"
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            key = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(key.strip().encode(), served.api_key.encode()):
             raise APIError(
                 401,
-                "missing or wrong API key: send the header 'Authorization: Bearer KEY' with "
-                "the key the server was started with (--api-key or MLXKV_API_KEY)",
+                "missing or wrong API key: send the header 'Authorization: Bearer KEY' (or "
+                "'x-api-key: KEY') with the key the server was started with (--api-key or "
+                "MLXKV_API_KEY)",
                 code="invalid_api_key",
             )
 
@@ -138,11 +146,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if ask.kind == "completion":
             return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
         tools = {"tools": ask.tools.tools} if ask.tools.on else {}
+        # a last assistant message is the start of the answer: the template leaves it open
+        ending = {"continue_final_message": True} if ask.continue_final else {}
         try:
             text = served.tokenizer.apply_chat_template(
                 ask.messages,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=not ask.continue_final,
+                **ending,
                 **tools,
                 **ask.template_kwargs,
             )
@@ -155,24 +166,20 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def completions(request: Request, kind: str) -> Response:
         check_auth(request)
         body = parse_json(await read_body(request))
-        ask = (parse_chat if kind == "chat" else parse_completion)(body, served.limits)
+        ask = PARSERS[kind](body, served.limits)
         check_model(ask.model)
-        if ask.tools.on and not has_tool_calling(served.tokenizer):
-            raise APIError(
-                400,
-                f"the model '{served.id}' cannot call tools: its chat template has no "
-                "tool-call format mlx-lm knows; leave 'tools' out or send tool_choice 'none'",
-                param="tools",
-                code="tools_unsupported",
-            )
+        check_tools(ask)
         prompts, text = await run_in_threadpool(render, ask)
         run = bridge.start(prompts, ask.n, ask.settings, ask.policy, ask.logprobs)
-        env = Envelope(kind, served.id)
+        if kind == "messages":
+            env = Message(served.id, ask.show_thinking, ask.warm_only)
+        else:
+            env = Envelope(kind, served.id)
         choices = [
             Choice(
                 i,
                 reader_for(served.tokenizer, ask.tools),
-                think_reader(served.tokenizer, text) if kind == "chat" else None,
+                think_reader(served.tokenizer, text) if kind != "completion" else None,
             )
             for i in range(run.rows)
         ]
@@ -184,13 +191,15 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             if ask.stream:
                 streaming = True
                 gone.stop()
-                return _Stream(_sse(run, first, env, ask, choices), lambda: bridge.finish(run))
-            event = first
-            while True:
-                _take(choices, *event, words, ask, run)
-                if run.open == 0:
-                    break
-                event = await gone.next(run)
+                events = (_message_events if kind == "messages" else _sse)(
+                    run, first, env, ask, choices
+                )
+                return _Stream(events, lambda: bridge.finish(run))
+            async for _, part in _parts(run, first, lambda: gone.next(run), ask, choices):
+                if kind == "messages":
+                    env.add(part)
+            if kind == "messages":
+                return JSONResponse(env.whole(choices[0]))
             return JSONResponse(env.whole(choices, ask.n))
         except ClientGone:
             return Response(status_code=499)
@@ -200,6 +209,26 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 bridge.finish(run)
                 _log(env, ask, choices, run)
 
+    def check_tools(ask: Ask) -> None:
+        if ask.tools.on and not has_tool_calling(served.tokenizer):
+            raise APIError(
+                400,
+                f"the model '{served.id}' cannot call tools: its chat template has no "
+                "tool-call format mlx-lm knows; leave 'tools' out or send tool_choice 'none'",
+                param="tools",
+                code="tools_unsupported",
+            )
+
+    async def _parts(run: Run, first, next_event, ask: Ask, choices: list[Choice]):
+        """``(row, part)`` for what each event of ``run`` adds, from ``first`` on."""
+        row, ev = first
+        while True:
+            for part in _take(choices, row, ev, words, ask, run):
+                yield row, part
+            if run.open == 0:
+                return
+            row, ev = await next_event()
+
     async def _sse(run: Run, first, env: Envelope, ask: Ask, choices: list[Choice]):
         usage = ask.include_usage
         offsets = [0] * run.rows
@@ -207,15 +236,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             if env.kind == "chat":
                 for i in range(run.rows):
                     yield _data(env.chunk([env.opening(i)], usage))
-            event = first
-            while True:
-                row, ev = event
-                for part in _take(choices, row, ev, words, ask, run):
-                    yield _data(env.chunk([env.delta(row, part, offsets[row])], usage))
-                    offsets[row] += len(part.text)
-                if run.open == 0:
-                    break
-                event = await run.next()
+            async for row, part in _parts(run, first, run.next, ask, choices):
+                yield _data(env.chunk([env.delta(row, part, offsets[row])], usage))
+                offsets[row] += len(part.text)
             if usage:
                 yield _data(env.chunk([], True, usage_of(choices, ask.n)))
             yield "data: [DONE]\n\n"
@@ -225,18 +248,59 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             bridge.finish(run)
             _log(env, ask, choices, run)
 
+    async def _message_events(run: Run, first, msg: Message, ask: Ask, choices: list[Choice]):
+        """Anthropic's stream: message_start, each content block's start, deltas and stop,
+        message_delta (the stop reason and usage), message_stop."""
+        try:
+            for e in msg.start(getattr(first[1], "stats", None) or Stats()):
+                yield event(*e)
+            async for _, part in _parts(run, first, run.next, ask, choices):
+                for e in msg.add(part):
+                    yield event(*e)
+            for e in msg.end(choices[0]):
+                yield event(*e)
+        except APIError as e:
+            yield event("error", message_error(e))
+        finally:
+            bridge.finish(run)
+            _log(msg, ask, choices, run)
+
     async def chat_completions(request: Request) -> Response:
         return await completions(request, "chat")
 
     async def text_completions(request: Request) -> Response:
         return await completions(request, "completion")
 
+    async def messages(request: Request) -> Response:
+        return await completions(request, "messages")
+
+    async def count_tokens(request: Request) -> Response:
+        check_auth(request)
+        ask = parse_messages(parse_json(await read_body(request)), served.limits, counting=True)
+        check_model(ask.model)
+        check_tools(ask)
+        prompts, _ = await run_in_threadpool(render, ask)
+        return JSONResponse({"input_tokens": len(prompts[0])})
+
     def model_card() -> dict:
-        return {"id": served.id, "object": "model", "created": served.started, "owned_by": "mlxkv"}
+        """The served model as both APIs list one (OpenAI's fields, then Anthropic's)."""
+        started = datetime.fromtimestamp(served.started, timezone.utc)
+        return {
+            "id": served.id,
+            "object": "model",
+            "created": served.started,
+            "owned_by": "mlxkv",
+            "type": "model",
+            "display_name": served.id,
+            "created_at": started.isoformat().replace("+00:00", "Z"),
+            "lifecycle": "active",
+        }
 
     async def models(request: Request) -> Response:
         check_auth(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        listed = {"object": "list", "data": [model_card()]}
+        paging = {"has_more": False, "first_id": served.id, "last_id": served.id}
+        return JSONResponse({**listed, **paging})
 
     async def one_model(request: Request) -> Response:
         check_auth(request)
@@ -274,6 +338,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", _guard(text_completions), methods=["POST"]),
+        Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
         Route("/v1/models/{name:path}", _guard(one_model), methods=["GET"]),
         Route("/v1/status", _guard(status), methods=["GET"]),
@@ -305,12 +371,14 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
-def _guard(endpoint):
+def _guard(endpoint, shape=APIError.response):
+    """The endpoint with its APIErrors answered in its API's error shape."""
+
     async def guarded(request: Request) -> Response:
         try:
             return await endpoint(request)
         except APIError as e:
-            return e.response()
+            return shape(e)
 
     return guarded
 
@@ -337,7 +405,7 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
                 )
             raise APIError(499, "the request was cancelled", code="cancelled")
         held = c.close()
-        c.finish_reason = ev.finish_reason
+        c.finish_reason, c.stop = ev.finish_reason, ev.stop
         return [p for p in (held, Part(reason=c.reason)) if p]
     if isinstance(ev, Failed):
         _raise_failed(ev, ask)
@@ -349,7 +417,7 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
 def _raise_failed(ev, ask: Ask) -> None:
     if not isinstance(ev, Failed):
         return
-    where = "messages" if ask.kind == "chat" else "prompt"
+    where = "prompt" if ask.kind == "completion" else "messages"
     if ev.code == "invalid_policy":
         raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
     if ev.code == "context_length_exceeded":
@@ -407,9 +475,16 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return APIError(exc.status_code, message).response()
+    return _shaped(request, APIError(exc.status_code, message))
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     print(f"mlxkv: internal error on {request.url.path}: {exc!r}", file=sys.stderr, flush=True)
-    return APIError(500, "internal server error; see the server's log").response()
+    return _shaped(request, APIError(500, "internal server error; see the server's log"))
+
+
+def _shaped(request: Request, e: APIError) -> Response:
+    """An error in the shape of the API the path belongs to."""
+    if request.url.path.startswith("/v1/messages"):
+        return error_response(e)
+    return e.response()

@@ -140,7 +140,7 @@ class Limits:
 class Ask:
     """A checked request: what to render and run, and how to answer."""
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "messages"
     model: str | None
     settings: GenerationSettings
     policy: KVPolicy | None  # None: the server's default policy
@@ -153,6 +153,9 @@ class Ask:
     prompts: list = field(default_factory=list)  # completions: text or token ids, each
     user: str | None = None
     tools: ToolUse = field(default_factory=ToolUse)  # chat: the tools offered
+    continue_final: bool = False  # the last message is the answer's start, to go on from
+    warm_only: bool = False  # messages: max_tokens 0, the prompt only fills the prefix cache
+    show_thinking: bool = True  # messages: thinking blocks carry their text
 
 
 def parse_json(raw: bytes) -> dict:
@@ -202,25 +205,25 @@ def _given(body: dict, name: str) -> bool:
     return body.get(name) is not None
 
 
-def _int(body: dict, name: str, lo: int, hi: int, hint: str = "") -> int | None:
+def int_field(body: dict, name: str, lo: int, hi: int, hint: str = "") -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(f"{name} must be an integer, got {_show(v)}", param=name)
+        raise bad(f"{name} must be an integer, got {show(v)}", param=name)
     if not lo <= v <= hi:
         raise bad(f"{name} must be in [{lo}, {hi}], got {v}" + (f"; {hint}" if hint else ""), name)
     return v
 
 
-def _float(
+def number_field(
     body: dict, name: str, lo: float, hi: float | None, lo_open: bool = False, hint: str = ""
 ) -> float | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise bad(f"{name} must be a number, got {_show(v)}", param=name)
+        raise bad(f"{name} must be a number, got {show(v)}", param=name)
     v = float(v)
     ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
     if not ok:
@@ -230,16 +233,16 @@ def _float(
     return v
 
 
-def _bool(body: dict, name: str) -> bool | None:
+def bool_field(body: dict, name: str) -> bool | None:
     v = body.get(name)
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {_show(v)}", param=name)
+        raise bad(f"{name} must be true or false, got {show(v)}", param=name)
     return v
 
 
-def _show(v) -> str:
+def show(v) -> str:
     text = json.dumps(v, ensure_ascii=False)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -275,7 +278,7 @@ def _stop(body: dict) -> tuple[str, ...] | None:
     return tuple(stops)
 
 
-def _policy(body: dict) -> KVPolicy | None:
+def policy_of(body: dict) -> KVPolicy | None:
     kv = body.get("kv")
     if kv is None:
         return None
@@ -291,7 +294,7 @@ def _policy(body: dict) -> KVPolicy | None:
                 param=f"kv.{name}",
             )
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise bad(f"kv.{name} must be an integer, got {_show(value)}", param=f"kv.{name}")
+            raise bad(f"kv.{name} must be an integer, got {show(value)}", param=f"kv.{name}")
         flags[name] = value
     try:
         return KVPolicy.from_flags(**flags)
@@ -306,18 +309,18 @@ def _api_names(message: str) -> str:
     )
 
 
-def _settings(body: dict, limits: Limits, max_tokens: int | None) -> GenerationSettings:
+def settings_of(body: dict, limits: Limits, max_tokens: int | None) -> GenerationSettings:
     given = {
         "max_tokens": max_tokens,
-        "temperature": _float(body, "temperature", 0, 2, hint="0 means greedy"),
-        "top_p": _float(body, "top_p", 0, 1, lo_open=True),
-        "top_k": _int(body, "top_k", 0, 2**31 - 1, "0 keeps every token"),
-        "min_p": _float(body, "min_p", 0, 1),
-        "repetition_penalty": _float(body, "repetition_penalty", 0, None, lo_open=True),
-        "presence_penalty": _float(body, "presence_penalty", -2, 2, hint="0 means none"),
-        "frequency_penalty": _float(body, "frequency_penalty", -2, 2, hint="0 means none"),
+        "temperature": number_field(body, "temperature", 0, 2, hint="0 means greedy"),
+        "top_p": number_field(body, "top_p", 0, 1, lo_open=True),
+        "top_k": int_field(body, "top_k", 0, 2**31 - 1, "0 keeps every token"),
+        "min_p": number_field(body, "min_p", 0, 1),
+        "repetition_penalty": number_field(body, "repetition_penalty", 0, None, lo_open=True),
+        "presence_penalty": number_field(body, "presence_penalty", -2, 2, hint="0 means none"),
+        "frequency_penalty": number_field(body, "frequency_penalty", -2, 2, hint="0 means none"),
         "logit_bias": _logit_bias(body, limits.vocab_size),
-        "seed": _int(body, "seed", 0, SEED_MAX),
+        "seed": int_field(body, "seed", 0, SEED_MAX),
         "stop": _stop(body),
     }
     try:
@@ -341,14 +344,14 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
         # (a thousand-digit key is no token id, and too long for int() to read)
         if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < top):
             raise bad(
-                f"logit_bias key {_show(key)} is not a token id of this model; keys are token "
+                f"logit_bias key {show(key)} is not a token id of this model; keys are token "
                 f"ids in [0, {top}) written as strings",
                 param="logit_bias",
             )
         number = isinstance(bias, int | float) and not isinstance(bias, bool)
         if not (number and -100 <= bias <= 100):
             raise bad(
-                f'logit_bias["{key}"] must be a number in [-100, 100], got {_show(bias)}',
+                f'logit_bias["{key}"] must be a number in [-100, 100], got {show(bias)}',
                 param="logit_bias",
             )
         pairs.append((int(key), float(bias)))
@@ -356,7 +359,7 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
-    stream = bool(_bool(body, "stream"))
+    stream = bool(bool_field(body, "stream"))
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
@@ -370,13 +373,13 @@ def _stream(body: dict) -> tuple[bool, bool]:
         if k == "include_obfuscation" and v in (None, False):
             continue
         raise bad(f"stream_options.{k} is not supported", param=f"stream_options.{k}")
-    return stream, bool(_bool(opts, "include_usage"))
+    return stream, bool(bool_field(opts, "include_usage"))
 
 
-def _model(body: dict) -> str | None:
+def model_of(body: dict) -> str | None:
     v = body.get("model")
     if v is not None and not isinstance(v, str):
-        raise bad(f"model must be a string, got {_show(v)}", param="model")
+        raise bad(f"model must be a string, got {show(v)}", param="model")
     return v
 
 
@@ -394,17 +397,17 @@ def _cache_hints(body: dict) -> None:
     --prefix-cache-* flags bound it)."""
     key = body.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
-        raise bad(f"prompt_cache_key must be a string, got {_show(key)}", "prompt_cache_key")
+        raise bad(f"prompt_cache_key must be a string, got {show(key)}", "prompt_cache_key")
     keep = body.get("prompt_cache_retention")
     if keep is not None and keep not in RETENTIONS:
         raise bad(
-            f"prompt_cache_retention must be 'in_memory' or '24h', got {_show(keep)}",
+            f"prompt_cache_retention must be 'in_memory' or '24h', got {show(keep)}",
             param="prompt_cache_retention",
         )
 
 
 def _n(body: dict, prompts: int, limits: Limits) -> int:
-    n = _int(body, "n", 1, limits.max_rows, "more answers than the server's rows") or 1
+    n = int_field(body, "n", 1, limits.max_rows, "more answers than the server's rows") or 1
     if prompts * n > limits.max_rows:
         raise bad(
             f"this request asks for {prompts * n} answers ({prompts} prompts x n={n}); the "
@@ -421,25 +424,25 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         raise bad("messages is required: a list of {role, content} objects", param="messages")
     messages = _messages(body["messages"])
     tools = check_tools(body)
-    kwargs = {**_effort(body), **_template_kwargs(body.get("chat_template_kwargs"))}
-    mt = _int(body, "max_tokens", 1, 2**31 - 1)
-    mct = _int(body, "max_completion_tokens", 1, 2**31 - 1)
+    kwargs = {**_effort(body), **template_kwargs_of(body.get("chat_template_kwargs"))}
+    mt = int_field(body, "max_tokens", 1, 2**31 - 1)
+    mct = int_field(body, "max_completion_tokens", 1, 2**31 - 1)
     if mt is not None and mct is not None and mt != mct:
         raise bad(
             f"max_tokens ({mt}) and max_completion_tokens ({mct}) disagree; send one",
             param="max_completion_tokens",
         )
-    logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    logprobs = bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
     stream, usage = _stream(body)
     _cache_hints(body)
     return Ask(
         kind="chat",
-        model=_model(body),
-        settings=_settings(body, limits, mct if mct is not None else mt),
-        policy=_policy(body),
+        model=model_of(body),
+        settings=settings_of(body, limits, mct if mct is not None else mt),
+        policy=policy_of(body),
         logprobs=(top or 0) if logprobs else None,
         n=_n(body, 1, limits),
         stream=stream,
@@ -457,7 +460,7 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
         raise bad("prompt is required: a string, a list of strings or token ids", param="prompt")
     prompts = _prompts(body["prompt"], limits)
     n = _n(body, len(prompts), limits)
-    best_of = _int(body, "best_of", 1, limits.max_rows)
+    best_of = int_field(body, "best_of", 1, limits.max_rows)
     if best_of is not None and best_of != n:
         raise bad(
             f"best_of {best_of} (ranking several answers) is not supported; send best_of = n",
@@ -466,12 +469,12 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
     stream, usage = _stream(body)
     return Ask(
         kind="completion",
-        model=_model(body),
+        model=model_of(body),
         settings=replace(
-            _settings(body, limits, _int(body, "max_tokens", 1, 2**31 - 1)), continues=True
+            settings_of(body, limits, int_field(body, "max_tokens", 1, 2**31 - 1)), continues=True
         ),
-        policy=_policy(body),
-        logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+        policy=policy_of(body),
+        logprobs=int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS),
         n=n,
         stream=stream,
         include_usage=usage,
@@ -499,7 +502,7 @@ def _message(m, where: str) -> dict:
         )
     if role not in ROLES and role != "tool":
         raise bad(
-            f"{where}.role must be one of {', '.join(ROLES)}, tool, got {_show(role)}",
+            f"{where}.role must be one of {', '.join(ROLES)}, tool, got {show(role)}",
             param=f"{where}.role",
         )
     allowed = {"role", "content"}
@@ -560,13 +563,13 @@ def _effort(body: dict) -> dict:
         return {}
     if v not in EFFORTS:
         raise bad(
-            f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {_show(v)}",
+            f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {show(v)}",
             param="reasoning_effort",
         )
     return {"reasoning_effort": v, **({"enable_thinking": False} if v == "none" else {})}
 
 
-def _template_kwargs(v) -> dict:
+def template_kwargs_of(v) -> dict:
     if v is None:
         return {}
     if not isinstance(v, dict):

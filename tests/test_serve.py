@@ -184,6 +184,44 @@ def test_chat_logprobs_stop_and_n(server, references):
     assert sampled() == sampled()  # seeded: the same answers again
 
 
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "enum": ["France", "Germany", "Italy"]},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_holds_the_answer_to_json(server):
+    """A json_schema answer parses and matches the schema (the engine's tokens are checked
+    against llguidance's reference in tests/test_grammar.py); json_object gives an object;
+    the same schema through Anthropic's output_config.format gives the same text."""
+    client = server.client()
+    form = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    r = chat(client, {}, max_tokens=64, response_format=form)
+    answer = json.loads(r.choices[0].message.content)
+    assert (
+        set(answer) == {"city", "country"}
+        and answer["country"] in CITY["properties"]["country"]["enum"]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    obj = chat(client, {}, max_tokens=64, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    body = {
+        "model": "smollm2-135m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "output_config": {"format": {"type": "json_schema", "schema": CITY}},
+    }
+    msg = server.http("POST", "/v1/messages", json=body).json()
+    assert msg["content"] == [{"type": "text", "text": r.choices[0].message.content}]
+
+
 def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
     """The openai client's presence_penalty, frequency_penalty and logit_bias: the answer
     is mlx-lm's greedy answer with OpenAI's penalties written out, and a +100 bias makes
@@ -293,8 +331,14 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools[0].function",
      "tools[0].function must be an object with a name"),
     ({"messages": MSG, "tools": {"type": "function"}}, None, 400, "tools", "must be a list"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, None, 400,
-     "response_format", "structured output"),
+    ({"messages": MSG, "response_format": {"type": "xml"}}, None, 400, "response_format",
+     "response_format.type must be 'text', 'json_object' or 'json_schema', got \"xml\""),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     None, 400, "response_format.json_schema.name", "name must be 1 to 64 letters"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(("}}}}, None, 400,
+     "response_format.json_schema.schema",
+     "the JSON schema cannot be used: regex parse error: (( ^ error: unclosed group"),
     ({"messages": MSG, "presence_penalty": 2.5}, None, 400, "presence_penalty",
      "presence_penalty must be in [-2, 2], got 2.5; 0 means none"),
     ({"messages": MSG, "frequency_penalty": "high"}, None, 400, "frequency_penalty",

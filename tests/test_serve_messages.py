@@ -237,10 +237,14 @@ BAD = [
         "max_tokens (1024) must be greater than thinking.budget_tokens (2048)",
     ),
     (
-        {"output_config": {"format": {"type": "json_schema", "schema": {}}}},
+        {"output_config": {"format": {"type": "json_object"}}},
         400,
-        "output_config.format: structured output needs constrained decoding, which the "
-        "server does not do; leave format out",
+        "output_config.format must be {type: 'json_schema', schema: {...}}",
+    ),
+    (
+        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+        400,
+        "the JSON schema cannot be used: Invalid type: nonsense",
     ),
     ({"container": "c_1"}, 400, "container: containers (code execution) are not supported"),
     ({"stream": "yes"}, 400, 'stream must be true or false, got "yes"'),

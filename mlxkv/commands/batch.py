@@ -128,6 +128,7 @@ NOT_IN_FINGERPRINT = (
     "frequency_penalty",
     "logit_bias",
     "continues",
+    "grammar",
 )
 
 

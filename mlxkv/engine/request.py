@@ -25,6 +25,8 @@ class GenerationSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     prefill_step: int = 512
+    # An llguidance grammar the answer must match (constrained decoding; engine/grammar.py)
+    grammar: str | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -57,12 +57,13 @@ def processor_history(ids: list[int]):
     return mx.array(ids[-PROMPT_TAIL:])
 
 
-def processors_for(s: GenerationSettings, prompt_len: int) -> list[Callable]:
+def processors_for(s: GenerationSettings, prompt_len: int, tokenizer=None) -> list[Callable]:
     """mlx-lm's logits processors for ``s``, each called with the tokens seen so far
     (``processor_history``, then every answer token) and the logits. The repetition
     penalty looks at the last 20 of them, as in mlx-lm; the presence and frequency
     penalties at the whole answer and nothing of the prompt, as OpenAI defines them
-    (mlx_lm.server counts the last 20 tokens, the prompt's among them)."""
+    (mlx_lm.server counts the last 20 tokens, the prompt's among them). A grammar
+    (``s.grammar``, read with ``tokenizer``) comes last: what it allows is what is left."""
     from mlx_lm.sample_utils import (
         make_frequency_penalty,
         make_logits_processors,
@@ -80,4 +81,8 @@ def processors_for(s: GenerationSettings, prompt_len: int) -> list[Callable]:
         if penalty:
             over_answer = make(penalty, s.max_tokens)
             processors.append(lambda tokens, logits, p=over_answer: p(tokens[lead:], logits))
+    if s.grammar is not None:
+        from mlxkv.engine.grammar import GrammarProcessor
+
+        processors.append(GrammarProcessor(s.grammar, tokenizer))
     return processors

@@ -510,7 +510,13 @@ class Scheduler:
                     "context_length_exceeded",
                 )
                 continue
+            try:  # a grammar is compiled here: one it cannot use fails the request alone
+                processors = processors_for(req.settings, len(req.ids), self.loaded.tokenizer)
+            except UserError as e:
+                self._fail(handle, str(e), "invalid_grammar")
+                continue
             job = _Job(handle, policy)
+            job.processors = processors
             new, _ = token_budget(limit, policy.window, job.total, req.settings.max_tokens)
             job.limit_tokens = job.total + new
             if self.memory is not None:
@@ -642,7 +648,6 @@ class Scheduler:
                 job.cached = 0  # a shared prefix counts as prefilled for this batch
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         job.sampler = sampler_for(s)
-        job.processors = processors_for(s, len(job.ids))
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )

@@ -424,6 +424,9 @@ def _raise_failed(ev, ask: Ask) -> None:
         raise APIError(400, ev.message, where, "context_length_exceeded")
     if ev.code == "invalid_request":
         raise APIError(400, ev.message, where, "invalid_request")
+    if ev.code == "invalid_grammar":
+        param = {"chat": "response_format", "messages": "output_config.format"}.get(ask.kind)
+        raise APIError(400, ev.message, param, "invalid_schema")
     if ev.code == "kv_budget":
         raise APIError(400, ev.message, "max_tokens", "kv_budget_exceeded")
     if ev.code in ("shutting_down", "cancelled"):

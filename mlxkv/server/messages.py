@@ -24,6 +24,7 @@ from mlxkv.server.params import (
     model_of,
     number_field,
     policy_of,
+    schema_grammar,
     settings_of,
     show,
     template_kwargs_of,
@@ -120,11 +121,8 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
     system = _system(body.get("system"))
     tools = _tools(body)
     thinking, shown = _thinking(body, max_tokens)
-    kwargs = {
-        **thinking,
-        **_output_config(body.get("output_config")),
-        **template_kwargs_of(body.get("chat_template_kwargs")),
-    }
+    effort, grammar = _output_config(body.get("output_config"))
+    kwargs = {**thinking, **effort, **template_kwargs_of(body.get("chat_template_kwargs"))}
     if counting:
         settings = limits.defaults
     else:
@@ -135,7 +133,7 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
         # max_tokens 0 (warming the cache): one token is decoded and not sent
         settings = settings_of(sampling, limits, max_tokens or 1)
         # an answer that continues the assistant's own text keeps its first space
-        settings = replace(settings, continues=prefill)
+        settings = replace(settings, continues=prefill, grammar=grammar)
     _check_plain(body)
     profile = _string(body, "user_profile_id")
     return Ask(
@@ -441,30 +439,34 @@ def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool]:
     return switch.get(kind, {}), display != "omitted"
 
 
-def _output_config(v) -> dict:
-    """``output_config``: its ``effort`` reaches the chat template as ``reasoning_effort``
-    (gpt-oss's templates read it); a ``format`` (structured output) needs constrained
-    decoding, which the server does not do."""
+def _output_config(v) -> tuple[dict, str | None]:
+    """``output_config``: its ``effort`` as the chat template argument ``reasoning_effort``
+    (gpt-oss's templates read it), and its ``format`` ({type: "json_schema", schema}) as
+    the grammar the answer is held to."""
     if v is None:
-        return {}
+        return {}, None
     if not isinstance(v, dict):
-        raise bad("output_config must be an object {effort}", "output_config")
+        raise bad("output_config must be an object {effort, format}", "output_config")
     _only(v, {"effort", "format"}, "output_config")
-    if v.get("format") is not None:
-        raise bad(
-            "output_config.format: structured output needs constrained decoding, which the "
-            "server does not do; leave format out",
-            "output_config.format",
-        )
+    grammar = None
+    form = v.get("format")
+    if form is not None:
+        ok = isinstance(form, dict) and form.get("type") == "json_schema"
+        if not ok or set(form) - {"type", "schema"} or not isinstance(form.get("schema"), dict):
+            raise bad(
+                "output_config.format must be {type: 'json_schema', schema: {...}}",
+                "output_config.format",
+            )
+        grammar = schema_grammar(form["schema"], "output_config.format.schema")
     effort = v.get("effort")
     if effort is None:
-        return {}
+        return {}, grammar
     if effort not in EFFORTS:
         raise bad(
             f"output_config.effort must be one of {', '.join(EFFORTS)}, got {show(effort)}",
             "output_config.effort",
         )
-    return {"reasoning_effort": effort}
+    return {"reasoning_effort": effort}, grammar
 
 
 # -- answers ------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Every parameter of the OpenAI API is either honoured or refused with a 400 naming it: a
 parameter whose only accepted value is its no-op default (``store: false``,
-``response_format: {"type": "text"}``) is accepted with that value and refused with any
+``service_tier: "auto"``) is accepted with that value and refused with any
 other. Names the API does not have are refused too.
 """
 
@@ -35,10 +35,6 @@ CHAT_NO_OPS = {
     "function_call": (
         "none",
         "'function_call' is the retired form of 'tool_choice'; send 'tool_choice'",
-    ),
-    "response_format": (
-        {"type": "text"},
-        'structured output is not supported yet; only response_format {"type": "text"}',
     ),
     "modalities": (["text"], 'only text output is supported (modalities ["text"])'),
     "audio": (NO_OP, "audio output is not supported"),
@@ -82,6 +78,7 @@ CHAT_HONOURED = _HONOURED | {
     "tool_choice",
     "parallel_tool_calls",
     "reasoning_effort",
+    "response_format",
     # prompt-caching hints agents send: the prefix cache matches requests by their tokens
     "prompt_cache_key",
     "prompt_cache_retention",
@@ -438,10 +435,11 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
     stream, usage = _stream(body)
     _cache_hints(body)
+    settings = settings_of(body, limits, mct if mct is not None else mt)
     return Ask(
         kind="chat",
         model=model_of(body),
-        settings=settings_of(body, limits, mct if mct is not None else mt),
+        settings=replace(settings, grammar=_response_format(body.get("response_format"))),
         policy=policy_of(body),
         logprobs=(top or 0) if logprobs else None,
         n=_n(body, 1, limits),
@@ -551,6 +549,56 @@ def _content(c, where: str) -> str:
             parts.append(p["text"])
         return "\n".join(parts)
     raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _response_format(v) -> str | None:
+    """``response_format`` as the grammar the answer is held to: {"type": "text"} none,
+    {"type": "json_object"} any JSON object, {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}} JSON text matching the schema."""
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad(
+            "response_format.type must be 'text', 'json_object' or 'json_schema', got "
+            f"{show(kind if kind is not None else v)}",
+            param="response_format",
+        )
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    for k in v:
+        if k not in allowed:
+            raise bad(f"response_format.{k} is not a field of a {kind} format", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return schema_grammar(None, "response_format")
+    spec = v.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad(f"{where} must be an object {{name, schema}}", where)
+    for k in spec:
+        if k not in ("name", "schema", "strict", "description"):
+            raise bad(f"{where}.{k} is not a field; use name, schema, strict, description", where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise bad(f"{where}.name must be 1 to 64 letters, digits, '_' or '-'", f"{where}.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad(f"{where}.strict must be true or false", f"{where}.strict")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad(f"{where}.schema must be a JSON Schema object", f"{where}.schema")
+    return schema_grammar(schema, f"{where}.schema")
+
+
+def schema_grammar(schema: dict | None, param: str) -> str:
+    """The grammar of a JSON schema (None: any JSON object); a schema the grammar engine
+    cannot compile is a 400 naming ``param``."""
+    from mlxkv.engine.grammar import json_grammar
+
+    try:
+        return json_grammar(schema)
+    except UserError as e:
+        raise bad(str(e), param=param, code="invalid_schema") from None
 
 
 def _effort(body: dict) -> dict:

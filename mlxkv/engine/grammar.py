@@ -1,0 +1,95 @@
+"""Constrained decoding: an answer held to a grammar (a JSON schema, or any JSON object),
+so that what the model writes parses.
+
+llguidance (the grammar engine of llama.cpp's and vLLM's structured outputs) computes, for
+each step, the set of tokens that keep the text on the grammar; the tokens outside it get
+-inf before sampling. It runs on the CPU beside any MLX backend (decode at 0.96x a free
+answer's speed alone, 0.98x in a batch of 8: docs/serve.md#structured-output). Once the
+grammar is complete only an end-of-sequence token is allowed, so the answer ends as the
+grammar does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from mlxkv.errors import UserError
+
+ANY_OBJECT = {"type": "object"}  # OpenAI's json_object: any JSON object
+_tokenizers: dict[int, object] = {}  # id(mlx-lm tokenizer) -> llguidance's view of it
+_lock = threading.Lock()
+
+
+def json_grammar(schema: dict | None) -> str:
+    """The grammar of JSON text matching ``schema`` (None: any JSON object); a schema
+    llguidance cannot compile is a one-line UserError."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(ANY_OBJECT if schema is None else schema),
+            # json.dumps' spacing: the JSON models read most; no free whitespace, which a
+            # small model may repeat until max_tokens
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+        )
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"the JSON schema cannot be used: {_one_line(e)}") from None
+    why = llguidance.LLMatcher.validate_grammar(grammar)
+    if why and not why.startswith("WARNING"):
+        raise UserError(f"the JSON schema cannot be used: {_one_line(why)}")
+    return grammar
+
+
+def _one_line(e) -> str:
+    """An error of llguidance's (a caret drawing over several lines) as one line."""
+    text = " ".join(str(e).split())
+    return text[:300] if text else type(e).__name__
+
+
+def guidance_tokenizer(tokenizer):
+    """llguidance's view of a model's tokenizer (built once per tokenizer: ~0.6 s)."""
+    with _lock:
+        found = _tokenizers.get(id(tokenizer))
+        if found is None:
+            import llguidance.hf
+
+            hf = getattr(tokenizer, "_tokenizer", tokenizer)
+            try:
+                found = llguidance.hf.from_tokenizer(hf, eos_token=sorted(tokenizer.eos_token_ids))
+            except ValueError as e:  # a slow (Python) tokenizer
+                raise UserError(
+                    f"this model's tokenizer cannot hold an answer to a grammar: {_one_line(e)}"
+                ) from None
+            _tokenizers[id(tokenizer)] = found
+        return found
+
+
+class GrammarProcessor:
+    """A logits processor (as mlx-lm's: called with the tokens seen and the logits) that
+    lets only the tokens the grammar allows next; it reads each answer token from the
+    history it is shown, the first call's history being the prompt's."""
+
+    def __init__(self, grammar: str, tokenizer):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(guidance_tokenizer(tokenizer), grammar)
+        if self.matcher.is_error():
+            raise UserError(f"the grammar cannot be used: {_one_line(self.matcher.get_error())}")
+        self.started = False
+
+    def __call__(self, history, logits):
+        import mlx.core as mx
+        import numpy as np
+
+        if self.started and not self.matcher.consume_token(int(history[-1].item())):
+            raise UserError(f"the answer left its grammar: {_one_line(self.matcher.get_error())}")
+        self.started = True
+        vocab = logits.shape[-1]
+        bits = np.unpackbits(
+            np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
+        )
+        allowed = np.zeros(vocab, dtype=bool)
+        n = min(vocab, bits.size)
+        allowed[:n] = bits[:n].astype(bool)
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))

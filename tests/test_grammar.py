@@ -1,0 +1,126 @@
+"""Constrained decoding on the default model: an answer held to a JSON schema is the
+tokens of mlx-lm's own generate_step with llguidance's mask applied by llguidance's own
+numpy helpers (the reference), alone and in a batch beside a free answer; and it parses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxkv.engine.events import Failed, Finished, TokenDelta
+from mlxkv.engine.grammar import json_grammar
+from mlxkv.engine.scheduler import Request, Scheduler
+from mlxkv.engine.session import GenerationSettings
+from mlxkv.errors import UserError
+from mlxkv.policy import KVPolicy
+from tests.mlx_lm_ref import greedy_tokens
+
+pytestmark = pytest.mark.model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "enum": ["France", "Germany", "Italy"]},
+        "is_capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "is_capital"],
+    "additionalProperties": False,
+}
+ASK = "What is the capital of France? Answer in JSON."
+
+
+def _ids(loaded, q: str) -> list[int]:
+    text = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+    )
+    return Scheduler(loaded).encode(text)
+
+
+def reference_mask(tokenizer, grammar: str):
+    """llguidance's matcher and numpy helpers as a logits processor for mlx-lm."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy as lln
+    import mlx.core as mx
+    import numpy as np
+
+    matcher = llguidance.LLMatcher(
+        llguidance.hf.from_tokenizer(
+            tokenizer._tokenizer, eos_token=sorted(tokenizer.eos_token_ids)
+        ),
+        grammar,
+    )
+    seen = []
+
+    def process(tokens, logits):
+        if seen:
+            assert matcher.consume_token(int(tokens[-1].item()))
+        seen.append(tokens.size)
+        out = np.array(logits.astype(mx.float32))
+        mask = lln.allocate_token_bitmask(1, out.shape[-1])
+        lln.fill_next_token_bitmask(matcher, mask)
+        lln.apply_token_bitmask_inplace(out, mask)
+        return mx.array(out)
+
+    return process
+
+
+def _tokens(handle) -> tuple[list[int], list]:
+    events = list(handle.events())
+    return [e.token for e in events if isinstance(e, TokenDelta) and e.token >= 0], events
+
+
+def test_a_schema_answer_is_the_reference_alone_and_in_a_batch(default_model):
+    tok = default_model.tokenizer
+    ids = _ids(default_model, ASK)
+    free_ids = _ids(default_model, "Name three colours.")
+    n = 48
+    grammar = json_grammar(SCHEMA)
+    ref = greedy_tokens(default_model, ids, n, [reference_mask(tok, grammar)])
+    free_ref = greedy_tokens(default_model, free_ids, n, [])
+
+    sched = Scheduler(default_model, KVPolicy(), max_batch=4)
+    held = sched.submit(Request(ids, GenerationSettings(max_tokens=n, grammar=grammar)))
+    free = sched.submit(Request(free_ids, GenerationSettings(max_tokens=n)))
+    while sched.step():
+        pass
+    assert sched.status()["max_rows_in_a_step"] == 2
+    got, events = _tokens(held)
+    free_got, _ = _tokens(free)
+    end = next(i for i, t in enumerate(ref) if t in tok.eos_token_ids)  # mlx-lm goes on
+    assert got == ref[:end]
+    assert free_got == free_ref[: len(free_got)] and free_got != got
+    (done,) = [e for e in events if isinstance(e, Finished)]
+    assert done.finish_reason == "stop"
+    answer = json.loads(done.text)
+    assert set(answer) == {"city", "country", "is_capital"}
+    assert answer["country"] in ("France", "Germany", "Italy")
+    assert isinstance(answer["is_capital"], bool) and len(answer["city"]) <= 24
+    assert done.text == tok.decode(got)
+
+
+def test_any_json_object_and_a_grammar_that_cannot_be_used(default_model):
+    sched = Scheduler(default_model, KVPolicy(), max_batch=4)
+    ids = _ids(default_model, ASK)
+    obj = sched.submit(Request(ids, GenerationSettings(max_tokens=64, grammar=json_grammar(None))))
+    broken = sched.submit(Request(ids, GenerationSettings(max_tokens=8, grammar="not a grammar")))
+    while sched.step():
+        pass
+    _, events = _tokens(obj)
+    text = events[-1].text
+    assert text.startswith("{")
+    if events[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    (failed,) = list(broken.events())
+    assert isinstance(failed, Failed) and failed.code == "invalid_grammar"
+    assert failed.message.startswith("the grammar cannot be used: ")
+    assert "\n" not in failed.message
+
+
+def test_a_schema_llguidance_cannot_compile_is_one_line():
+    with pytest.raises(UserError) as e:
+        json_grammar({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
+    assert str(e.value).startswith("the JSON schema cannot be used: ")
+    assert "\n" not in str(e.value)

@@ -119,8 +119,26 @@ def test_any_json_object_and_a_grammar_that_cannot_be_used(default_model):
     assert "\n" not in failed.message
 
 
-def test_a_schema_llguidance_cannot_compile_is_one_line():
-    with pytest.raises(UserError) as e:
-        json_grammar({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
-    assert str(e.value).startswith("the JSON schema cannot be used: ")
-    assert "\n" not in str(e.value)
+def test_a_schema_that_cannot_be_used_is_one_line():
+    """Unresolvable, too deep (for Python's encoder or for llguidance) or too large: a
+    one-line UserError (the server's 400), never a crash or a long compile."""
+    cases = {
+        "unresolvable": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+        "nested too deeply": _nested(900),  # a request body may hold it: json.loads takes it
+        "recursion limit exceeded": _nested(150),  # llguidance's own limit
+        "schema too large": {"anyOf": [{"pattern": f"x{i}[a-z]{{3,9}}"} for i in range(20000)]},
+    }
+    for words, schema in cases.items():
+        with pytest.raises(UserError) as e:
+            json_grammar(schema)
+        message = str(e.value)
+        assert message.startswith("the JSON schema cannot be used: ") and "\n" not in message
+        if words != "unresolvable":
+            assert words in message, message
+
+
+def _nested(depth: int) -> dict:
+    s = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}}
+    return s

@@ -33,6 +33,8 @@ def json_grammar(schema: dict | None) -> str:
             # small model may repeat until max_tokens
             defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
         )
+    except RecursionError:
+        raise UserError("the JSON schema cannot be used: it is nested too deeply") from None
     except (ValueError, RuntimeError, TypeError) as e:
         raise UserError(f"the JSON schema cannot be used: {_one_line(e)}") from None
     why = llguidance.LLMatcher.validate_grammar(grammar)

@@ -3,8 +3,8 @@ so that what the model writes parses.
 
 llguidance (the grammar engine of llama.cpp's and vLLM's structured outputs) computes, for
 each step, the set of tokens that keep the text on the grammar; the tokens outside it get
--inf before sampling. It runs on the CPU beside any MLX backend (decode at 0.96x a free
-answer's speed alone, 0.98x in a batch of 8: docs/serve.md#structured-output). Once the
+-inf before sampling. It runs on the CPU beside any MLX backend (decode at 0.96-1.00x a
+free answer's speed alone, 0.95-0.98x in a batch of 8: docs/serve.md#structured-output). Once the
 grammar is complete only an end-of-sequence token is allowed, so the answer ends as the
 grammar does.
 """

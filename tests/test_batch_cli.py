@@ -197,6 +197,39 @@ def test_raw_prompts_continue_their_text_and_chat_answers_do_not_start_with_a_sp
 
 
 @pytest.mark.model
+def test_a_line_with_a_json_schema_answers_in_it(tmp_path, preloaded):
+    """'json_schema' holds that line's answer to the schema; a schema that cannot be used
+    is that line's error record; the other lines answer as before."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}, "capital": {"type": "boolean"}},
+        "required": ["city", "capital"],
+        "additionalProperties": False,
+    }
+    ask = {"role": "user", "content": QUESTIONS[0] + " Answer in JSON."}
+    lines = [
+        {"id": "json", "messages": [ask], "max_tokens": 40, "json_schema": schema},
+        {"id": "free", "messages": [ask], "max_tokens": 40},
+        {"id": "bad", "prompt": "x", "json_schema": {"type": "nonsense"}},
+        {"id": "list", "prompt": "x", "json_schema": ["object"]},
+    ]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    recs = {r["id"]: r for r in read_records(out)}
+    assert recs["json"]["finish_reason"] == "stop"
+    answer = json.loads(recs["json"]["text"])
+    assert set(answer) == {"city", "capital"} and isinstance(answer["capital"], bool)
+    assert recs["free"]["text"] == '{"city": "Paris"}'  # free: no "capital"
+    assert recs["bad"]["error"] == (
+        "'json_schema': the JSON schema cannot be used: Invalid type: nonsense"
+    )
+    assert recs["list"]["error"] == (
+        "'json_schema' must be a JSON Schema object ({} for any JSON value)"
+    )
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_kill_9_then_resume(tmp_path, default_model_path):
     """A real ``mlxkv batch`` process killed -9 mid-run; the re-run completes the file with

@@ -1,8 +1,9 @@
 """Reading a batch input file: JSONL lines -> jobs, or per-line errors that never stop the run.
 
 A line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}`` with optional
-``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``system``. Only a file that cannot
-be a batch at all (missing, empty, not JSON on any line) raises :class:`UserError`.
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``system`` and ``json_schema``. Only a
+file that cannot be a batch at all (missing, empty, not JSON on any line) raises
+:class:`UserError`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
 from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, utf8_problem
 
-OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system")
+OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system", "json_schema")
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
 ROLES = ("system", "user", "assistant")
 INPUT_LIMIT = 1 << 30  # bytes of a whole input file (or stdin)
@@ -30,7 +32,8 @@ class Job:
     prompt: str | None = None
     messages: list[dict] | None = None
     system: str | None = None
-    overrides: dict = field(default_factory=dict)  # max_tokens / temperature / top_p / seed
+    # GenerationSettings fields: max_tokens / temperature / top_p / seed / grammar
+    overrides: dict = field(default_factory=dict)
     source: object = None  # the parsed line (what its fingerprint is taken of)
 
 
@@ -78,6 +81,8 @@ def _check_overrides(obj: dict) -> str | None:
         return f"'seed' must be an integer in [0, 2**64), got {obj['seed']!r}"
     if "system" in obj and not isinstance(obj["system"], str):
         return "'system' must be a string"
+    if "json_schema" in obj and not isinstance(obj["json_schema"], dict):
+        return "'json_schema' must be a JSON Schema object ({} for any JSON value)"
     return None
 
 
@@ -127,6 +132,11 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
     if bad_text := utf8_problem(obj):
         return bad(f"holds {bad_text}, a lone surrogate that is not valid text")
     overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in obj}
+    if "json_schema" in obj:  # the answer is held to it (constrained decoding)
+        try:
+            overrides["grammar"] = json_grammar(obj["json_schema"])
+        except UserError as e:
+            return bad(f"'json_schema': {e}")
     return Job(n, ident, obj.get("prompt"), obj.get("messages"), obj.get("system"), overrides, obj)
 
 

@@ -35,8 +35,8 @@ to OUT.jsonl as each finishes (so records are in completion order, not input ord
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]},
 optionally with "max_tokens", "temperature", "top_p", "seed", "system" (these override the
 flags for that line) and "json_schema" (a JSON Schema the line's answer is held to). Ids
-are strings or integers and must be unique: a repeated id is
-reported and only its first line runs.
+are strings or integers and must be unique: a repeated id is reported and only its first
+line runs.
 
 IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
 record for that line; the other lines run.

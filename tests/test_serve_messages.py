@@ -225,11 +225,12 @@ BAD = [
         "tools[0]: 'web_search_20250305' is a tool Anthropic's servers run; this server takes "
         "client tools only ({name, description, input_schema})",
     ),
+    ({"tool_choice": {"type": "any"}}, 400, "tool_choice {type: 'any'} needs tools to call"),
     (
-        {"tool_choice": {"type": "any"}},
+        {"tool_choice": {"type": "required"}},
         400,
-        "tool_choice 'any' (forcing a tool call) is not supported: the server does not "
-        "constrain decoding; send {type: 'auto'} or {type: 'none'}",
+        "tool_choice must be {type: 'auto'}, {type: 'any'}, {type: 'tool', name} or "
+        '{type: \'none\'}, got {"type": "required"}',
     ),
     (
         {"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 1024},
@@ -403,6 +404,32 @@ def test_the_tool_result_turn_renders_as_the_template_does(tool_server, built):
     )
     n = c.messages.count_tokens(model=tool_server.model, messages=turn, tools=[TOOL])
     assert n.input_tokens == len(rendered(folder, expected))
+
+
+def test_a_forced_tool_use(tool_server):
+    """tool_choice any (or one tool by name) holds the answer to a call: a tool_use block
+    whose input matches the tool's schema."""
+    city = {
+        "name": "get_weather",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    c = client(tool_server)
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        r = c.messages.create(
+            model=tool_server.model,
+            max_tokens=64,
+            messages=ASK,
+            tools=[city],
+            tool_choice={**choice, "disable_parallel_tool_use": True},
+        )
+        assert [b.type for b in r.content] == ["tool_use"]
+        assert (r.content[0].name, r.content[0].input) == ("get_weather", {"city": "Paris"})
+        assert r.stop_reason == "tool_use"
 
 
 def test_thinking_switches_and_display(tool_server, built):

@@ -261,6 +261,57 @@ def test_the_tool_result_turn(server, folder):
     assert second.choices[0].finish_reason == "tool_calls"
 
 
+# tools whose arguments cannot run on: a forced call of the scripted model (which knows
+# only its script) ends as the schema does
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice, name, arguments",
+    [
+        ("required", "get_weather", {"city": "Paris"}),
+        ({"type": "function", "function": {"name": "get_time"}}, "get_time", {}),
+    ],
+    ids=["required", "named"],
+)
+def test_a_forced_call_comes_whole_and_stream(server, choice, name, arguments):
+    """tool_choice "required" or a named function holds the answer to a list of calls of
+    the tools (of that one): it comes back as tool_calls, whole or streamed."""
+    kw = {"model": server.model, "messages": ASK, "tools": [CITY, CLOCK], "tool_choice": choice}
+    kw.update(parallel_tool_calls=False, max_tokens=64, temperature=0)
+    r = server.client().chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.function.name == name and json.loads(call.function.arguments) == arguments
+    assert c.message.model_extra.get("reasoning_content") is None
+    calls, texts = [], []
+    for chunk in server.client().chat.completions.create(stream=True, **kw):
+        calls += chunk.choices[0].delta.tool_calls or []
+        texts.append(chunk.choices[0].delta.content or "")
+    (streamed,) = calls
+    assert streamed.function.name == name and json.loads(streamed.function.arguments) == arguments
+    assert "".join(texts) == ""
+
+
 BAD = [
     (
         {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
@@ -279,16 +330,22 @@ BAD = [
         "'custom' tools are not supported",
     ),
     (
-        {"tools": [WEATHER], "tool_choice": "required"},
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         "tool_choice",
-        "tool_choice 'required' (forcing a tool call) is not supported: the server does not "
-        "constrain decoding; send 'auto' or 'none'",
+        "tool_choice names 'nope', which is not among the tools",
+    ),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools to call"),
+    (
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format",
+        "response_format and a forced tool call (tool_choice) each set the answer's form; send one",
     ),
     (
         {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
         "tools[0].function.strict",
-        "tools[0].function.strict: strict schemas need constrained decoding, which the server "
-        "does not do; leave strict out or false",
+        "tools[0].function.strict: a schema holds a call's arguments only when the call is "
+        "forced (tool_choice 'required' or this function); the arguments of a call the model "
+        "chooses to make are not held; leave strict out or false",
     ),
     (
         {

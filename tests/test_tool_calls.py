@@ -165,7 +165,7 @@ def test_the_request_side():
         (
             {
                 "tools": [WEATHER],
-                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
             },
             "tool_choice",
         ),

@@ -179,7 +179,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             Choice(
                 i,
                 reader_for(served.tokenizer, ask.tools),
-                think_reader(served.tokenizer, text) if kind != "completion" else None,
+                # a forced call's answer is all JSON: no reasoning comes apart from it
+                None
+                if kind == "completion" or ask.tools.forced
+                else think_reader(served.tokenizer, text),
             )
             for i in range(run.rows)
         ]

@@ -29,7 +29,7 @@ from mlxkv.server.params import (
     show,
     template_kwargs_of,
 )
-from mlxkv.server.tools import MAX_TOOLS, ToolUse
+from mlxkv.server.tools import ANY, MAX_TOOLS, ToolUse, forced_schema
 
 MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # as Anthropic's API
@@ -122,6 +122,14 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
     tools = _tools(body)
     thinking, shown = _thinking(body, max_tokens)
     effort, grammar = _output_config(body.get("output_config"))
+    if tools.forced:
+        if grammar is not None:
+            raise bad(
+                "output_config.format and a forced tool call (tool_choice) each set the "
+                "answer's form; send one",
+                "output_config.format",
+            )
+        grammar = schema_grammar(forced_schema(tools), "tools")
     kwargs = {**thinking, **effort, **template_kwargs_of(body.get("chat_template_kwargs"))}
     if counting:
         settings = limits.defaults
@@ -389,23 +397,30 @@ def _tools(body: dict) -> ToolUse:
         functions.append({"type": "function", "function": fn})
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if choice is not None and kind not in ("auto", "none"):
-        what = f"'{kind}'" if isinstance(kind, str) else show(choice)
+    if choice is not None and kind not in ("auto", "none", "any", "tool"):
         raise bad(
-            f"tool_choice {what} (forcing a tool call) is not supported: the server does not "
-            "constrain decoding; send {type: 'auto'} or {type: 'none'}",
+            "tool_choice must be {type: 'auto'}, {type: 'any'}, {type: 'tool', name} or "
+            f"{{type: 'none'}}, got {show(choice)}",
             "tool_choice",
         )
-    parallel = True
+    parallel, forced = True, None
     if choice is not None:
-        _only(choice, {"type", "disable_parallel_tool_use"}, "tool_choice")
+        _only(choice, {"type", "disable_parallel_tool_use", "name"}, "tool_choice")
         off = choice.get("disable_parallel_tool_use")
         if off is not None and not isinstance(off, bool):
             raise bad("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
         parallel = not off
+        if kind == "any" and not seen:
+            raise bad("tool_choice {type: 'any'} needs tools to call", "tool_choice")
+        name = choice.get("name")
+        if kind == "tool" and (not isinstance(name, str) or name not in seen):
+            raise bad(
+                f"tool_choice names {show(name)}, which is not among the tools", "tool_choice"
+            )
+        forced = ANY if kind == "any" else name if kind == "tool" else None
     if kind == "none":
         functions = []
-    return ToolUse(tools=functions, parallel=parallel)
+    return ToolUse(tools=functions, parallel=parallel, forced=forced)
 
 
 def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool]:

@@ -17,7 +17,7 @@ from mlxkv.engine.request import GenerationSettings
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy, PolicyError
 from mlxkv.server.errors import bad
-from mlxkv.server.tools import ToolUse, assistant_calls, check_tools
+from mlxkv.server.tools import ToolUse, assistant_calls, check_tools, forced_schema
 
 SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
 MAX_STOP = 16
@@ -436,10 +436,19 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     stream, usage = _stream(body)
     _cache_hints(body)
     settings = settings_of(body, limits, mct if mct is not None else mt)
+    grammar = _response_format(body.get("response_format"))
+    if tools.forced:
+        if grammar is not None:
+            raise bad(
+                "response_format and a forced tool call (tool_choice) each set the answer's "
+                "form; send one",
+                param="response_format",
+            )
+        grammar = schema_grammar(forced_schema(tools), "tools")
     return Ask(
         kind="chat",
         model=model_of(body),
-        settings=replace(settings, grammar=_response_format(body.get("response_format"))),
+        settings=replace(settings, grammar=grammar),
         policy=policy_of(body),
         logprobs=(top or 0) if logprobs else None,
         n=_n(body, 1, limits),

@@ -20,6 +20,7 @@ from mlxkv.server.errors import bad
 from mlxkv.server.markers import pending
 
 MAX_TOOLS = 128  # as OpenAI's API
+ANY = "*"  # ToolUse.forced: a call of any tool (no function is named "*")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
@@ -30,6 +31,7 @@ class ToolUse:
 
     tools: list[dict] = field(default_factory=list)  # handed to the chat template
     parallel: bool = True  # False: at most one call per answer
+    forced: str | None = None  # ANY: a call must come; a name: a call of that function
 
     @property
     def on(self) -> bool:
@@ -40,8 +42,8 @@ def check_tools(body: dict) -> ToolUse:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request.
 
     ``tool_choice`` "auto" (the default) lets the model decide; "none" renders the prompt
-    without the tools, so the model answers in text. Forcing a call ("required" or one
-    named function) would need constrained decoding, which the server does not do.
+    without the tools, so the model answers in text; "required" or one named function
+    forces a call (``forced_schema``): then, and only then, ``strict`` schemas hold.
     """
     tools = body.get("tools")
     if tools is None:
@@ -56,21 +58,45 @@ def check_tools(body: dict) -> ToolUse:
         if name in seen:
             raise bad(f"tools[{i}]: the name '{name}' is given twice", f"tools[{i}].function.name")
         seen.add(name)
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        what = f"'{choice}'" if isinstance(choice, str) else "a named tool"
-        raise bad(
-            f"tool_choice {what} (forcing a tool call) is not supported: the server does not "
-            "constrain decoding; send 'auto' or 'none'",
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
+    forced = _forced(body.get("tool_choice"), seen)
+    for i, tool in enumerate(tools):
+        if tool["function"].get("strict") and not forced:
+            raise bad(
+                f"tools[{i}].function.strict: a schema holds a call's arguments only when the "
+                "call is forced (tool_choice 'required' or this function); the arguments of "
+                "a call the model chooses to make are not held; leave strict out or false",
+                f"tools[{i}].function.strict",
+                code="unsupported_parameter",
+            )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls must be true or false", param="parallel_tool_calls")
-    if choice == "none":
+    if body.get("tool_choice") == "none":
         tools = []
-    return ToolUse(tools=list(tools), parallel=parallel is not False)
+    return ToolUse(tools=list(tools), parallel=parallel is not False, forced=forced)
+
+
+def _forced(choice, names: set[str]) -> str | None:
+    """``tool_choice``: "auto" and "none" force nothing; "required" forces a call of any
+    tool, ``{"type": "function", "function": {"name": N}}`` a call of N."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        if not names:
+            raise bad("tool_choice 'required' needs tools to call", param="tool_choice")
+        return ANY
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    named = isinstance(fn, dict) and choice.get("type") == "function"
+    name = fn.get("name") if named else None
+    if not isinstance(name, str):
+        raise bad(
+            "tool_choice must be 'auto', 'none', 'required' or {type: 'function', function: "
+            f"{{name}}}}, got {json.dumps(choice)[:40]}",
+            param="tool_choice",
+        )
+    if name not in names:
+        raise bad(f"tool_choice names '{name}', which is not among the tools", "tool_choice")
+    return name
 
 
 def _check_tool(tool, where: str) -> str:
@@ -108,13 +134,8 @@ def _check_tool(tool, where: str) -> str:
             f"{where}.function.parameters must be a JSON Schema object",
             f"{where}.function.parameters",
         )
-    if fn.get("strict") not in (None, False):
-        raise bad(
-            f"{where}.function.strict: strict schemas need constrained decoding, which the "
-            "server does not do; leave strict out or false",
-            f"{where}.function.strict",
-            code="unsupported_parameter",
-        )
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise bad(f"{where}.function.strict must be true or false", f"{where}.function.strict")
     return name
 
 
@@ -149,6 +170,63 @@ def assistant_calls(calls, where: str) -> list[dict]:
             entry["id"] = call_id
         out.append(entry)
     return out
+
+
+def forced_schema(use: ToolUse) -> dict:
+    """The JSON schema a forced answer is held to: a list of calls ``{"name", "arguments"}``
+    of the tools (of the named one), each's arguments its parameters' schema; one call
+    when ``parallel_tool_calls`` is false or a function is named. The model writes it as
+    JSON, not in its family's call markers, so this works for every template with tools
+    (as vLLM forces calls)."""
+    calls = []
+    for tool in use.tools:
+        fn = tool["function"]
+        if use.forced not in (ANY, fn["name"]):
+            continue
+        arguments = fn.get("parameters") or {"type": "object"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not use.parallel or use.forced != ANY:
+        schema["maxItems"] = 1
+    return schema
+
+
+class ForcedCallReader:
+    """The reader of a forced answer (``forced_schema``): the whole text is the list of
+    calls, read when the answer ends; text the grammar let through but that is no list of
+    calls (an answer cut by max_tokens) is given back as content, as CallReader does."""
+
+    def __init__(self):
+        self.buf = ""
+        self.calls: list[dict] = []
+        self.unread: list[str] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buf += text
+        return "", []
+
+    def close(self) -> tuple[str, list[dict]]:
+        text, self.buf = self.buf, ""
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not items or not all(_is_call(c) for c in items):
+            self.unread.append(text)
+            return text, []
+        for c in items:
+            args = json.dumps(c["arguments"], ensure_ascii=False)
+            call = {"index": len(self.calls), "id": new_call_id(), "type": "function"}
+            call["function"] = {"name": c["name"], "arguments": args}
+            self.calls.append(call)
+        return "", list(self.calls)
 
 
 def new_call_id() -> str:
@@ -255,10 +333,12 @@ def _is_call(c) -> bool:
     return isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
 
 
-def reader_for(tokenizer, use: ToolUse) -> CallReader | None:
-    """A CallReader for one answer of a request that offered tools (None: no tools)."""
+def reader_for(tokenizer, use: ToolUse) -> CallReader | ForcedCallReader | None:
+    """The reader of one answer of a request that offered tools (None: no tools)."""
     if not use.on:
         return None
+    if use.forced:
+        return ForcedCallReader()
     return CallReader(
         tokenizer.tool_call_start,
         tokenizer.tool_call_end or "",

@@ -46,6 +46,32 @@ def test_bad_flags(capsys, flags, words):
     assert words in refused(capsys, "generate", "-p", "hi", *flags)
 
 
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "--json-schema {path} does not exist"),
+        (b'{"type": ', "--json-schema {path} is not valid JSON"),
+        (b'["object"]', "--json-schema {path} must hold a JSON object (a JSON Schema)"),
+        (b'{"type": "nonsense"}', "--json-schema {path}: the JSON schema cannot be used: "
+                                  "Invalid type: nonsense"),
+        (b"\xff{}", "--json-schema {path} is not UTF-8 text (byte 0)"),
+        (b"[" * 100 + b"]" * 100, "--json-schema {path} nests arrays/objects deeper than 64"),
+        (b" " * (1 << 20) + b"{}", "--json-schema {path} is 1 MiB, more than the 1 MiB allowed"),
+    ],
+)  # fmt: skip
+def test_a_json_schema_file_that_cannot_be_used(capsys, tmp_path, content, words):
+    """Refused in one line before the model loads; the file is left as it was."""
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_bytes(content)
+    for command in ("generate", "batch"):
+        args = ["-p", "hi"] if command == "generate" else [str(path), "-o", str(tmp_path / "o")]
+        line = refused(capsys, command, *args, "--json-schema", str(path))
+        assert words.format(path=path) in line, line
+        assert path.read_bytes() == content if content is not None else not path.exists()
+    assert not (tmp_path / "o").exists()
+
+
 def test_closed_stdin(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", None)
     assert "stdin is closed" in refused(capsys, "generate", "-p", "-")

@@ -197,6 +197,33 @@ def test_raw_prompts_continue_their_text_and_chat_answers_do_not_start_with_a_sp
 
 
 @pytest.mark.model
+def test_json_schema_for_the_run_answers_every_line_in_it_and_is_in_the_fingerprint(
+    tmp_path, capsys, preloaded
+):
+    """--json-schema holds every line's answer to the schema; a run without it and one
+    with another schema are different runs (their lines run again), and a run with the
+    same schema resumes."""
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"type": "string",
+                                  "maxLength": 30}}, "required": ["answer"],
+                                  "additionalProperties": False}))  # fmt: skip
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": q} for i, q in enumerate(
+        QUESTIONS[:2])])  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    run = ["batch", str(inp), "-o", str(out), "--max-tokens", "40"]
+    assert main([*run, "--json-schema", str(schema)]) == 0
+    recs = read_records(out)
+    assert len(recs) == 2
+    for r in recs:
+        assert r["finish_reason"] == "stop" and set(json.loads(r["text"])) == {"answer"}
+    assert main([*run, "--json-schema", str(schema)]) == 0
+    assert len(read_records(out)) == 2  # resumed: nothing ran again
+    assert main(run) == 0
+    free = read_records(out)[2:]
+    assert len(free) == 2 and all(not r["text"].startswith("{") for r in free)
+
+
+@pytest.mark.model
 def test_a_line_with_a_json_schema_answers_in_it(tmp_path, preloaded):
     """'json_schema' holds that line's answer to the schema; a schema that cannot be used
     is that line's error record; the other lines answer as before."""

@@ -37,6 +37,36 @@ def test_streams_text_from_stdin_prompt(cli, preloaded):
     assert "tok/s" in out.stderr
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "enum": ["France", "Germany", "Italy"]},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.model
+def test_json_schema_holds_the_answer(cli, preloaded, tmp_path):
+    """--json-schema FILE: the answer is JSON matching the schema (the engine's tokens are
+    checked against llguidance's reference in tests/test_grammar.py); the file is only
+    read."""
+    path = tmp_path / "city.json"
+    path.write_text(json.dumps(SCHEMA))
+    before = path.read_bytes()
+    ask = ["generate", "-p", "What is the capital of France?", "--max-tokens", "40", "--json"]
+    out = cli(*ask, "--json-schema", str(path))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["finish_reason"] == "stop"
+    answer = json.loads(result["text"])
+    assert set(answer) == {"city", "country"} and answer["country"] == "France"
+    assert json.loads(cli(*ask).stdout)["text"] != result["text"]
+    assert path.read_bytes() == before
+
+
 @pytest.mark.slow  # bytes under sinks + window are checked per event in test_engine.py
 @pytest.mark.model
 def test_sink_window_keeps_at_most_window_plus_sinks(default_model_path):

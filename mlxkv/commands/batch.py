@@ -18,7 +18,9 @@ from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
     add_model_flags,
+    add_schema_flag,
     add_shard_flag,
+    grammar_from_args,
     join_cluster,
     policy_from_args,
     settings_from_args,
@@ -110,6 +112,7 @@ def add_arguments(p) -> None:
     add_model_flags(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
+    add_schema_flag(p)
     add_shard_flag(p, choices=("data", "auto", "tensor", "pipeline"))
 
 
@@ -133,8 +136,9 @@ NOT_IN_FINGERPRINT = (
 )
 
 
-def _run_context(args, policy, base) -> str:
-    """Everything run-wide that changes the text, for the records' fingerprints."""
+def _run_context(args, policy, base, schema: dict | None = None) -> str:
+    """Everything run-wide that changes the text, for the records' fingerprints (the
+    --json-schema only when given: records written without it resume as they were)."""
     from dataclasses import asdict
 
     from mlxkv.engine.batch_resume import run_context
@@ -152,6 +156,7 @@ def _run_context(args, policy, base) -> str:
         system=args.system,
         # a raw line's text now keeps its first space: records written before resume anew
         raw="continuation" if args.raw else False,
+        **({"json_schema": schema} if schema is not None else {}),
     )
 
 
@@ -285,7 +290,8 @@ def run(args) -> int:
     from mlxkv.engine.batch_output import ResultLog
 
     policy = policy_from_args(args)
-    base = settings_from_args(args)
+    schema, grammar = grammar_from_args(args)
+    base = replace(settings_from_args(args), grammar=grammar)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     cluster = join_cluster()
@@ -296,7 +302,7 @@ def run(args) -> int:
         if os.path.samefile(args.input, out):
             raise UserError("the output file is the input file; give another -o path")
     entries = read_input(args.input)
-    context = _run_context(args, policy, base)
+    context = _run_context(args, policy, base, schema)
     log = ResultLog(out)
     log.open()
     try:

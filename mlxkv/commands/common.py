@@ -144,6 +144,42 @@ def add_generation_flags(
     )
 
 
+SCHEMA_LIMIT = 1 << 20  # bytes of a --json-schema file
+
+
+def add_schema_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="hold the answer to this JSON Schema (a JSON file): its text parses as JSON "
+        "that matches it, unless --max-tokens cuts it (constrained decoding)",
+    )
+
+
+def grammar_from_args(args) -> tuple[dict | None, str | None]:
+    """The --json-schema file's schema and its grammar (None, None: not given); a file that
+    is missing, too large, not a JSON object or not a schema llguidance can use is one
+    line naming it."""
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None, None
+    from mlxkv.engine.grammar import json_grammar
+    from mlxkv.files import parse_json, read_bytes
+
+    data = read_bytes(path, SCHEMA_LIMIT, "--json-schema")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--json-schema {path} is not UTF-8 text (byte {e.start})") from None
+    schema = parse_json(text, f"--json-schema {path}", utf8=True)
+    if not isinstance(schema, dict):
+        raise UserError(f"--json-schema {path} must hold a JSON object (a JSON Schema)")
+    try:
+        return schema, json_grammar(schema)
+    except UserError as e:
+        raise UserError(f"--json-schema {path}: {e}") from None
+
+
 def policy_from_args(args) -> KVPolicy:
     return KVPolicy.from_flags(
         window=args.kv_window,

@@ -19,7 +19,9 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_overflow_flag,
+    add_schema_flag,
     add_shard_flag,
+    grammar_from_args,
     join_cluster,
     policy_from_args,
     settings_from_args,
@@ -63,6 +65,7 @@ def add_arguments(p) -> None:
     add_overflow_flag(p)
     add_cache_flags(p)
     add_generation_flags(p, max_tokens=256)
+    add_schema_flag(p)
     add_shard_flag(p)
 
 
@@ -190,7 +193,7 @@ def run(args) -> int:
 
     _check_input(args)
     policy = policy_from_args(args)
-    settings = settings_from_args(args)
+    settings = replace(settings_from_args(args), grammar=grammar_from_args(args)[1])
     messages = _read_messages(args.messages) if args.messages is not None else None
     prompt = _read_prompt(args.prompt) if messages is None else None
     system = check_text(args.system, "--system")

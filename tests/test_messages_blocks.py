@@ -81,15 +81,14 @@ def test_blocks_open_in_the_order_written_and_blank_text_makes_none():
 
 
 def test_stop_reasons():
-    def reason(finish: str, stop=None, warm_only=False) -> tuple:
-        whole = Message("m", warm_only=warm_only).whole(finished(finish, stop=stop))
+    def reason(finish: str, stop=None) -> tuple:
+        whole = Message("m").whole(finished(finish, stop=stop))
         return whole["stop_reason"], whole["stop_sequence"]
 
     assert reason("stop") == ("end_turn", None)
     assert reason("stop_string", stop="###") == ("stop_sequence", "###")
     assert reason("length") == ("max_tokens", None)
     assert reason("context") == ("model_context_window_exceeded", None)
-    assert reason("stop", warm_only=True) == ("max_tokens", None)
 
 
 def test_omitted_thinking_keeps_the_block_without_its_text():
@@ -115,13 +114,6 @@ def test_a_call_whose_arguments_are_no_object_is_text():
     (block,) = m.whole(finished("stop"))["content"]
     assert block["type"] == "text"
     assert json.loads(block["text"]) == {"name": "f", "arguments": '"just a string"'}
-
-
-def test_warming_sends_nothing_and_counts_no_output():
-    m = Message("m", warm_only=True)
-    assert m.add(Part(text="The")) == []
-    whole = m.whole(finished("length"))
-    assert whole["content"] == [] and whole["usage"]["output_tokens"] == 0
 
 
 def test_the_start_event_and_the_wire_format():

@@ -222,6 +222,42 @@ def test_response_format_holds_the_answer_to_json(server):
     assert msg["content"] == [{"type": "text", "text": r.choices[0].message.content}]
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, default_model):
+    """echo with logprobs and max_tokens 0 (a loglikelihood request of lm-eval and the
+    like): the prompt comes back with each token's logprob as one forward pass of the
+    model gives it; with max_tokens the answer follows it."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tok = default_model.tokenizer
+    ids = tok.encode("The capital of France is Paris.", add_special_tokens=False)
+    out = default_model.model(mx.array(ids)[None], cache=make_prompt_cache(default_model.model))
+    lps = out[0].astype(mx.float32) - mx.logsumexp(out[0].astype(mx.float32), -1, keepdims=True)
+    ref = [lps[i, t].item() for i, t in enumerate(ids[1:])]
+    best = [tok.decode([t]) for t in mx.argmax(lps[:-1], axis=-1).tolist()]
+
+    client = server.client()
+    r = client.completions.create(
+        model="smollm2-135m", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    c = r.choices[0]
+    assert c.text == tok.decode(ids) and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(ref, abs=2e-4)
+    assert [max(top, key=top.get) for top in lp.top_logprobs[1:]] == best
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+    more = client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=2, echo=True,
+        temperature=0,
+    )  # fmt: skip
+    assert more.choices[0].text == "The capital of France is Paris."
+    assert more.choices[0].logprobs is None
+
+
 def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
     """The openai client's presence_penalty, frequency_penalty and logit_bias: the answer
     is mlx-lm's greedy answer with OpenAI's penalties written out, and a +100 bias makes
@@ -386,7 +422,9 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
      "model's context is 8192"),
     ({"prompt": [1, 2, 99999999]}, "/v1/completions", 400, "prompt", "outside the vocabulary"),
     ({"prompt": ""}, "/v1/completions", 400, "prompt", "is empty"),
-    ({"prompt": "x", "echo": True}, "/v1/completions", 400, "echo", "not supported"),
+    ({"prompt": "x", "echo": True, "stream": True}, "/v1/completions", 400, "echo",
+     "echo is not supported with stream: true; ask for the whole answer"),
+    ({"prompt": "x", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "in [1,"),
     ({"prompt": "x", "best_of": 2}, "/v1/completions", 400, "best_of", "not supported"),
     ({"prompt": "x", "messages": MSG}, "/v1/completions", 400, "messages", "Unrecognized"),
 ]  # fmt: skip

@@ -48,6 +48,17 @@ class TokenDelta:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt scored by the model (a request with ``prompt_logprobs``), sent once its
+    prefill ends: each token after the first, its log-probability given those before it,
+    and the best ``prompt_logprobs`` tokens there."""
+
+    tokens: tuple[int, ...]  # the whole prompt
+    logprobs: tuple[float, ...]  # for tokens[1:]
+    top: tuple[tuple[tuple[int, float], ...], ...]  # for tokens[1:], best first
+
+
+@dataclass(frozen=True)
 class Notice:
     """Something the user should know that is not an error (e.g. the cache was rebuilt)."""
 
@@ -70,4 +81,4 @@ class Failed:
     code: str  # invalid_policy | context_length_exceeded | shutting_down | internal
 
 
-Event = PrefillProgress | TokenDelta | Notice | Finished | Failed
+Event = PrefillProgress | PromptLogprobs | TokenDelta | Notice | Finished | Failed

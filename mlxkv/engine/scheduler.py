@@ -45,7 +45,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from mlxkv.engine.events import Event, Failed, Finished, PrefillProgress, Stats, TokenDelta
+from mlxkv.engine.events import (
+    Event,
+    Failed,
+    Finished,
+    PrefillProgress,
+    PromptLogprobs,
+    Stats,
+    TokenDelta,
+)
 from mlxkv.engine.finish import FinishRule, token_budget
 from mlxkv.engine.kv_stats import KVAccounting
 from mlxkv.engine.request import GenerationSettings, common_prefix, encode_prompt
@@ -62,6 +70,9 @@ class Request:
     settings: GenerationSettings = field(default_factory=GenerationSettings)
     policy: KVPolicy | None = None  # None: the scheduler's default policy
     logprobs: int | None = None  # None: off; k: the token's logprob and k alternatives
+    # None: off; k: every prompt token scored (PromptLogprobs) with its k best alternatives;
+    # such a prompt is prefilled whole, never taken from a cache
+    prompt_logprobs: int | None = None
     sink: Callable[[Event], None] | None = None  # called on the MLX thread; must not block
     key: object = None  # the caller's handle for this request
     session: object = None  # a Session whose caches the request runs in (see session.py)
@@ -150,6 +161,7 @@ class _Job:
         self.sampler = None
         self.processors: list = []
         self.history = None  # the tokens logits processors see
+        self.scores: list = []  # prompt_logprobs: (logprob, top) per scored prompt token
         self.next_input: int | None = None  # the first token: shown, not yet fed
         self.pending_lp = None  # logprobs of the token sampled ahead (not yet shown)
         self.started = self.first_token = 0.0
@@ -633,7 +645,8 @@ class Scheduler:
                     job.session.take_checkpoint()
         else:
             held, caches = 0, None
-            if self.prefix is not None and self._batchable_policy(job.policy):
+            scored = job.req.prompt_logprobs is not None  # every token must go through
+            if self.prefix is not None and self._batchable_policy(job.policy) and not scored:
                 job.keep = True
                 job.boundary = job.total - 1  # the boundary copy, then the last token alone
                 held, caches = self.prefix.take(job.policy, job.ids)
@@ -690,6 +703,8 @@ class Scheduler:
         def new():
             return make_caches(self.loaded.model, job.policy)
 
+        if job.req.prompt_logprobs is not None:  # scored: every token goes through the model
+            return new(), 0
         if not (self.share_prefix and self._batchable_policy(job.policy)):
             return new(), 0
         prefixes = self._prefixes.setdefault(job.policy, SharedPrefixes(new))
@@ -718,7 +733,10 @@ class Scheduler:
             )
         last = job.done + n == job.total
         chunk = job.ids[job.done : job.done + n]
-        logits = feed(self.loaded.model, job.caches, mx.array(chunk), logits=last)
+        if job.req.prompt_logprobs is not None:
+            logits = self._score(job, chunk, last)
+        else:
+            logits = feed(self.loaded.model, job.caches, mx.array(chunk), logits=last)
         if job.session is not None:
             job.session.tokens.extend(chunk)
         job.done += n
@@ -738,11 +756,34 @@ class Scheduler:
         if now > job.started:
             job.prompt_tps = (job.total - job.cached) / (now - job.started)
         job.history = processor_history(job.ids) if job.processors else None
+        if job.req.prompt_logprobs is not None:
+            lps, top = zip(*job.scores, strict=True) if job.scores else ((), ())
+            job.handle._emit(PromptLogprobs(tuple(job.ids), lps, top))
         tokens, lps = self._sample([job], logits)
         token = tokens.item()
         job.next_input = token
         if not self._take_token(job, token, _resolve(lps[0])):
             self._join(job)
+
+    def _score(self, job: _Job, chunk: list[int], last: bool):
+        """Feed ``chunk`` with the logits of every position: each scores the prompt's next
+        token (kept in ``job.scores``); returns the last position's logits when ``last``."""
+        import mlx.core as mx
+
+        out = self.loaded.model(mx.array(chunk)[None], cache=job.caches)[0]
+        nxt = job.ids[job.done + 1 : job.done + len(chunk) + 1]  # the tokens they predict
+        lps = out[: len(nxt)].astype(mx.float32)
+        lps = lps - mx.logsumexp(lps, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lps, mx.array(nxt)[:, None], axis=-1)[:, 0]
+        k = job.req.prompt_logprobs
+        best = mx.argsort(-lps, axis=-1)[:, :k] if k else mx.zeros((len(nxt), 0), mx.int32)
+        best_lp = mx.take_along_axis(lps, best, axis=-1)
+        tail = out[-1:] if last else None
+        mx.eval(chosen, best, best_lp, [c.state for c in job.caches], *([tail] if last else []))
+        rows = zip(chosen.tolist(), best.tolist(), best_lp.tolist(), strict=True)
+        for lp, ids, vals in rows:
+            job.scores.append((lp, tuple(zip(ids, vals, strict=True))))
+        return tail
 
     # -- decode --------------------------------------------------------------------------------
     def _join(self, job: _Job) -> None:

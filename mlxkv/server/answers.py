@@ -58,6 +58,8 @@ class Choice:
     finish_reason: str | None = None
     stop: str | None = None  # the stop string that ended it
     stats: Stats | None = None
+    echo: str | None = None  # completions with echo: the prompt's text, before the answer
+    prompt_logprobs: list[dict] = field(default_factory=list)  # echo: the prompt's entries
 
     def read(self, text: str) -> Part:
         """New text of the answer: what may be sent now (a call inside the reasoning is
@@ -92,14 +94,28 @@ def chat_logprob(words: TokenText, ev: TokenDelta) -> dict | None:
     """A chat ``logprobs.content`` entry for the token of ``ev`` (None when it has none)."""
     if ev.logprob is None or ev.token < 0:
         return None
+    return token_entry(words, ev.token, ev.logprob, ev.top_logprobs or ())
 
-    def one(token: int, lp: float) -> dict:
+
+def token_entry(words: TokenText, token: int, lp: float | None, top) -> dict:
+    """A token's logprobs entry: its text, logprob (None: the prompt's first token, which
+    nothing scores) and its best alternatives."""
+
+    def one(token: int, lp: float | None) -> dict:
         t = words.text(token)
         return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
 
-    entry = one(ev.token, ev.logprob)
-    entry["top_logprobs"] = [one(t, lp) for t, lp in ev.top_logprobs or ()]
+    entry = one(token, lp)
+    entry["top_logprobs"] = None if lp is None else [one(t, x) for t, x in top]
     return entry
+
+
+def prompt_entries(words: TokenText, ev) -> list[dict]:
+    """A PromptLogprobs event as logprobs entries, one per prompt token."""
+    entries = [token_entry(words, ev.tokens[0], None, ())]
+    for token, lp, top in zip(ev.tokens[1:], ev.logprobs, ev.top, strict=True):
+        entries.append(token_entry(words, token, lp, top))
+    return entries
 
 
 def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
@@ -108,7 +124,8 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        top = e["top_logprobs"]
+        out["top_logprobs"].append(None if top is None else {t["token"]: t["logprob"] for t in top})
         out["text_offset"].append(offset)
         offset += len(e["token"])
     return out
@@ -180,7 +197,9 @@ class Envelope:
                     }
                 )
             else:
-                lp = completion_logprobs(c.logprobs) if c.logprobs else None
+                entries = c.prompt_logprobs + c.logprobs
+                lp = completion_logprobs(entries) if entries else None
+                text = (c.echo or "") + text
                 out.append(
                     {"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason}
                 )

@@ -8,7 +8,7 @@ import hmac
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
 from starlette.applications import Starlette
@@ -18,10 +18,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxkv.engine.events import Failed, Finished, Notice, Stats, TokenDelta
+from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
 from mlxkv.policy import KVPolicy
 from mlxkv.server import metrics
-from mlxkv.server.answers import Choice, Envelope, Part, TokenText, chat_logprob
+from mlxkv.server.answers import (
+    Choice,
+    Envelope,
+    Part,
+    TokenText,
+    chat_logprob,
+    prompt_entries,
+)
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
@@ -170,9 +177,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         check_model(ask.model)
         check_tools(ask)
         prompts, text = await run_in_threadpool(render, ask)
-        run = bridge.start(prompts, ask.n, ask.settings, ask.policy, ask.logprobs)
+        run = bridge.start(
+            prompts, ask.n, ask.settings, ask.policy, ask.logprobs, ask.prompt_logprobs
+        )
         if kind == "messages":
-            env = Message(served.id, ask.show_thinking, ask.warm_only)
+            env = Message(served.id, ask.show_thinking)
         else:
             env = Envelope(kind, served.id)
         choices = [
@@ -186,6 +195,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             )
             for i in range(run.rows)
         ]
+        for c in choices if ask.echo else ():  # the prompt as sent (token ids: their text)
+            given = ask.prompts[c.index // ask.n]
+            c.echo = given if isinstance(given, str) else served.tokenizer.decode(given)
         gone = Disconnect(request)
         streaming = False
         try:
@@ -390,7 +402,12 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
     """Record one event of row ``row``; returns the parts a stream sends for it. Raises
     APIError for a failed row."""
     c = choices[row]
+    if isinstance(ev, PromptLogprobs):
+        c.prompt_logprobs = prompt_entries(words, ev)
+        return []
     if isinstance(ev, TokenDelta):
+        if ask.warm_only:  # the one token decoded for max_tokens 0 is not the answer's
+            return []
         part = c.read(ev.text)
         part.entry = chat_logprob(words, ev) if ask.logprobs is not None else None
         if part.entry is not None:
@@ -409,6 +426,8 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
             raise APIError(499, "the request was cancelled", code="cancelled")
         held = c.close()
         c.finish_reason, c.stop = ev.finish_reason, ev.stop
+        if ask.warm_only:
+            c.finish_reason, c.stats = "length", replace(ev.stats, generation_tokens=0)
         return [p for p in (held, Part(reason=c.reason)) if p]
     if isinstance(ev, Failed):
         _raise_failed(ev, ask)

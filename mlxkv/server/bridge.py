@@ -87,6 +87,7 @@ class Bridge:
         settings: GenerationSettings,
         policy: KVPolicy | None,
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> Run:
         """Submit ``n`` rows per prompt together (row ``p * n + j``: prompt p, answer j; a
         seed s gives answer j the seed s + j, so the answers differ and repeat)."""
@@ -115,6 +116,7 @@ class Bridge:
                         settings=s,
                         policy=policy,
                         logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                         sink=run.sink(p * n + j),
                     )
                     run.handles.append(self.scheduler.submit(req))

@@ -485,7 +485,7 @@ def _output_config(v) -> tuple[dict, str | None]:
 
 
 # -- answers ------------------------------------------------------------------------------
-def usage(s: Stats | None, warm_only: bool = False) -> dict:
+def usage(s: Stats | None) -> dict:
     """Anthropic's usage (input tokens not served by the prefix cache, those it served,
     output tokens) and mlxkv's KV figures."""
     s = s or Stats()
@@ -493,7 +493,7 @@ def usage(s: Stats | None, warm_only: bool = False) -> dict:
         "input_tokens": s.prompt_tokens - s.prompt_tokens_cached,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": s.prompt_tokens_cached,
-        "output_tokens": 0 if warm_only else s.generation_tokens,
+        "output_tokens": s.generation_tokens,
         "mlxkv": {
             "kv_tokens": s.kv_tokens,
             "kv_bytes_actual": s.kv_bytes_actual,
@@ -510,11 +510,10 @@ class Message:
     A text block opens at the first text that is not whitespace (the blank lines a model
     writes after its thinking or around a tool call make no block of their own)."""
 
-    def __init__(self, model: str, show_thinking: bool = True, warm_only: bool = False):
+    def __init__(self, model: str, show_thinking: bool = True):
         self.id = new_id("msg").replace("-", "_")
         self.model = model
         self.show_thinking = show_thinking  # False: thinking blocks without their text
-        self.warm_only = warm_only  # max_tokens 0: the answer's token is not sent
         self.blocks: list[dict] = []
         self.open: str | None = None  # the type of the block still taking deltas
         self.blank = ""  # whitespace held until text follows it
@@ -528,7 +527,7 @@ class Message:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage(stats, self.warm_only),
+            "usage": usage(stats),
         }
 
     def start(self, stats: Stats) -> list[tuple[str, dict]]:
@@ -538,8 +537,6 @@ class Message:
         return [("message_start", {"type": "message_start", "message": msg})]
 
     def add(self, part: Part) -> list[tuple[str, dict]]:
-        if self.warm_only:
-            return []
         events = []
         if part.reasoning:
             events += self._write("thinking", part.reasoning if self.show_thinking else "")
@@ -556,7 +553,7 @@ class Message:
 
     def end(self, c: Choice) -> list[tuple[str, dict]]:
         delta = {"stop_reason": self.stop_reason(c), "stop_sequence": c.stop}
-        tally = usage(c.stats, self.warm_only)
+        tally = usage(c.stats)
         return [
             *self._close(),
             ("message_delta", {"type": "message_delta", "delta": delta, "usage": tally}),
@@ -575,8 +572,6 @@ class Message:
     def stop_reason(self, c: Choice) -> str | None:
         if c.finish_reason is None:
             return None
-        if self.warm_only:
-            return "max_tokens"
         if c.calls and c.finish_reason == "stop":
             return "tool_use"
         return STOP_REASONS.get(c.finish_reason, "end_turn")

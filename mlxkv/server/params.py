@@ -44,7 +44,6 @@ CHAT_NO_OPS = {
     "service_tier": ("auto", "there is one service tier; send 'auto' or leave it out"),
 }
 COMPLETION_NO_OPS = {
-    "echo": (False, "echo is not supported; leave it out"),
     "suffix": (NO_OP, "suffix (insertion) is not supported; leave it out"),
 }
 _HONOURED = {
@@ -83,7 +82,7 @@ CHAT_HONOURED = _HONOURED | {
     "prompt_cache_key",
     "prompt_cache_retention",
 }
-COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of"}
+COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of", "echo"}
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # chat_template_kwargs may not reach the arguments the server sets itself
@@ -151,7 +150,9 @@ class Ask:
     user: str | None = None
     tools: ToolUse = field(default_factory=ToolUse)  # chat: the tools offered
     continue_final: bool = False  # the last message is the answer's start, to go on from
-    warm_only: bool = False  # messages: max_tokens 0, the prompt only fills the prefix cache
+    warm_only: bool = False  # max_tokens 0: the prompt alone (cached, or scored with echo)
+    echo: bool = False  # completions: the prompt comes back before the answer
+    prompt_logprobs: int | None = None  # completions with echo: the prompt's tokens scored
     show_thinking: bool = True  # messages: thinking blocks carry their text
 
 
@@ -474,19 +475,28 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
             param="best_of",
         )
     stream, usage = _stream(body)
+    echo = bool(bool_field(body, "echo"))
+    if echo and stream:
+        raise bad("echo is not supported with stream: true; ask for the whole answer", "echo")
+    # with echo, max_tokens 0 scores the prompt alone (one token is decoded and not sent)
+    max_tokens = int_field(body, "max_tokens", 0 if echo else 1, 2**31 - 1)
+    logprobs = int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     return Ask(
         kind="completion",
         model=model_of(body),
         settings=replace(
-            settings_of(body, limits, int_field(body, "max_tokens", 1, 2**31 - 1)), continues=True
+            settings_of(body, limits, 1 if max_tokens == 0 else max_tokens), continues=True
         ),
         policy=policy_of(body),
-        logprobs=int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+        logprobs=logprobs,
         n=n,
         stream=stream,
         include_usage=usage,
         prompts=prompts,
         user=_user(body, "user"),
+        echo=echo,
+        prompt_logprobs=logprobs if echo else None,
+        warm_only=max_tokens == 0,
     )
 
 

@@ -775,8 +775,12 @@ class Scheduler:
         lps = out[: len(nxt)].astype(mx.float32)
         lps = lps - mx.logsumexp(lps, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(lps, mx.array(nxt)[:, None], axis=-1)[:, 0]
-        k = job.req.prompt_logprobs
-        best = mx.argsort(-lps, axis=-1)[:, :k] if k else mx.zeros((len(nxt), 0), mx.int32)
+        k = min(job.req.prompt_logprobs, lps.shape[-1])
+        best = mx.zeros((len(nxt), 0), mx.int32)
+        if k:  # the k best of each position (a partition, then those k sorted), best first
+            best = mx.argpartition(-lps, kth=k - 1, axis=-1)[:, :k]
+            order = mx.argsort(-mx.take_along_axis(lps, best, axis=-1), axis=-1)
+            best = mx.take_along_axis(best, order, axis=-1)
         best_lp = mx.take_along_axis(lps, best, axis=-1)
         tail = out[-1:] if last else None
         mx.eval(chosen, best, best_lp, [c.state for c in job.caches], *([tail] if last else []))

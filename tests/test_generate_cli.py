@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests.conftest import run_cli
+from tests.json_schemas import CITY
 
 
 @pytest.mark.model
@@ -37,24 +38,13 @@ def test_streams_text_from_stdin_prompt(cli, preloaded):
     assert "tok/s" in out.stderr
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "country": {"type": "string", "enum": ["France", "Germany", "Italy"]},
-    },
-    "required": ["city", "country"],
-    "additionalProperties": False,
-}
-
-
 @pytest.mark.model
 def test_json_schema_holds_the_answer(cli, preloaded, tmp_path):
     """--json-schema FILE: the answer is JSON matching the schema (the engine's tokens are
     checked against llguidance's reference in tests/test_grammar.py); the file is only
     read."""
     path = tmp_path / "city.json"
-    path.write_text(json.dumps(SCHEMA))
+    path.write_text(json.dumps(CITY))
     before = path.read_bytes()
     ask = ["generate", "-p", "What is the capital of France?", "--max-tokens", "40", "--json"]
     out = cli(*ask, "--json-schema", str(path))

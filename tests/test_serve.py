@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import preload
+from tests.json_schemas import CITY
 from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
@@ -182,17 +183,6 @@ def test_chat_logprobs_stop_and_n(server, references):
         return [c.message.content for c in r.choices]
 
     assert sampled() == sampled()  # seeded: the same answers again
-
-
-CITY = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "country": {"type": "string", "enum": ["France", "Germany", "Italy"]},
-    },
-    "required": ["city", "country"],
-    "additionalProperties": False,
-}
 
 
 def test_response_format_holds_the_answer_to_json(server):

@@ -51,3 +51,32 @@ def test_prompt_tokens_are_scored_as_one_forward_pass(default_model, step):
     assert text == [e.text for e in plain.events() if isinstance(e, TokenDelta)]
     # scored, the prompt took nothing from a cache: every token was prefilled
     assert events[-1].stats.prompt_tokens_cached == 0
+
+
+def test_admission_counts_a_scored_prompts_logits(default_model):
+    """A budget that holds the prompt's KV but not its scoring (one chunk's logits at every
+    position, beside the KV): the plain request runs, the scored one is refused at once,
+    its message giving both figures."""
+    from mlxkv.engine.admission import SCORE_BYTES, MemoryBudget
+    from mlxkv.engine.events import Failed, Finished
+
+    ids = Scheduler(default_model).encode(TEXT)
+    step = 8
+    probe = MemoryBudget(default_model, None, 4, step)
+    vocab = default_model.layout.facts.vocab_size
+    kv = probe.reservation(KVPolicy(), len(ids) + 2)
+    assert probe.scoring(len(ids), step) == step * vocab * SCORE_BYTES
+    budget = probe.base() + kv + probe.scoring(len(ids), step) // 2
+    sched = Scheduler(
+        default_model, KVPolicy(), max_batch=4, memory=MemoryBudget(default_model, budget, 4, step)
+    )
+    settings = GenerationSettings(max_tokens=2, prefill_step=step)
+    plain = sched.submit(Request(ids, settings))
+    scored = sched.submit(Request(ids, settings, prompt_logprobs=1))
+    while sched.step():
+        pass
+    assert isinstance(list(plain.events())[-1], Finished)
+    (refused,) = list(scored.events())
+    assert isinstance(refused, Failed) and refused.code == "kv_budget"
+    assert "of logits to score its prompt" in refused.message
+    assert refused.message.endswith("; raise --memory or serve with a smaller --prefill-step")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from mlxkv.memory.budget import gib, largest
 from mlxkv.policy import KVPolicy
 
+SCORE_BYTES = 12  # per position and vocabulary entry of a scored prefill chunk
+
 
 @dataclass(frozen=True)
 class Fixed:
@@ -61,24 +63,34 @@ class MemoryBudget:
                 self._memo.clear()
         return self._memo[key]
 
+    def scoring(self, prompt: int, step: int) -> int:
+        """Bytes a scored prefill (a prompt whose every token gets its logprob) holds beside
+        its KV: one chunk's logits at every position, as the model gives them (float32 on
+        the CPU) and their float32 log-softmax, and as much again for the partition."""
+        return min(prompt, step) * self.layout.facts.vocab_size * SCORE_BYTES
+
     def base(self) -> int:
         return self.fixed.weights + self.fixed.runtime
 
-    def never_fits(self, policy: KVPolicy, prompt: int, new: int) -> str | None:
-        """Why a request of ``prompt`` tokens and ``new`` answer tokens cannot fit even
-        alone (None when it can), with what would fit."""
+    def never_fits(self, policy: KVPolicy, prompt: int, new: int, scoring: int = 0) -> str | None:
+        """Why a request of ``prompt`` tokens and ``new`` answer tokens (and ``scoring``
+        bytes of logits, for a scored prompt) cannot fit even alone (None when it can),
+        with what would fit."""
         if self.budget is None:
             return None
         need = self.reservation(policy, prompt + new)
         room = self.budget - self.base()
-        if need <= room:
+        if need + scoring <= room:
             return None
+        logits = f" and {gib(scoring)} of logits to score its prompt" if scoring else ""
         head = (
             f"this request needs {gib(need)} of KV cache ({prompt} prompt + {new} answer "
-            f"tokens, {policy.describe()}) but the memory budget {gib(self.budget)} leaves "
-            f"{gib(max(room, 0))} after the weights ({gib(self.fixed.weights)}) and runtime "
-            f"({gib(self.fixed.runtime)})"
+            f"tokens, {policy.describe()}){logits} but the memory budget {gib(self.budget)} "
+            f"leaves {gib(max(room, 0))} after the weights ({gib(self.fixed.weights)}) and "
+            f"runtime ({gib(self.fixed.runtime)})"
         )
+        if scoring:  # the logits held are one prefill chunk's
+            return head + "; raise --memory or serve with a smaller --prefill-step"
         return head + "; " + self._what_fits(policy, prompt, new, room)
 
     def _what_fits(self, policy: KVPolicy, prompt: int, new: int, room: int) -> str:

@@ -468,6 +468,7 @@ class Scheduler:
             alone.append(extra)
         total = 0
         for job in alone:
+            total += self._scoring(job)  # a scored prefill holds every position's logits
             key = self._group_key(job)
             if key in groups:
                 groups[key][1].append(job.limit_tokens)
@@ -476,6 +477,11 @@ class Scheduler:
         for policy, limits in groups.values():
             total += self.memory.reservation(policy, max(limits), len(limits))
         return total
+
+    def _scoring(self, job: _Job) -> int:
+        if job.req.prompt_logprobs is None or self.memory is None:
+            return 0
+        return self.memory.scoring(job.total, job.req.settings.prefill_step)
 
     def _fits(self, job: _Job) -> bool:
         """Whether ``job`` may start now under the memory budget (kept prefixes are
@@ -533,7 +539,7 @@ class Scheduler:
             job.limit_tokens = job.total + new
             if self.memory is not None:
                 job.reserved = self.memory.reservation(policy, job.limit_tokens)
-                why = self.memory.never_fits(policy, job.total, new)
+                why = self.memory.never_fits(policy, job.total, new, self._scoring(job))
                 if why is not None:
                     self.refused_too_large += 1
                     self._fail(handle, why, "kv_budget")

@@ -175,7 +175,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         body = parse_json(await read_body(request))
         ask = PARSERS[kind](body, served.limits)
         check_model(ask.model)
-        check_tools(ask)
+        check_tool_format(ask)
         prompts, text = await run_in_threadpool(render, ask)
         run = bridge.start(
             prompts, ask.n, ask.settings, ask.policy, ask.logprobs, ask.prompt_logprobs
@@ -224,7 +224,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 bridge.finish(run)
                 _log(env, ask, choices, run)
 
-    def check_tools(ask: Ask) -> None:
+    def check_tool_format(ask: Ask) -> None:
         if ask.tools.on and not has_tool_calling(served.tokenizer):
             raise APIError(
                 400,
@@ -293,7 +293,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         check_auth(request)
         ask = parse_messages(parse_json(await read_body(request)), served.limits, counting=True)
         check_model(ask.model)
-        check_tools(ask)
+        check_tool_format(ask)
         prompts, _ = await run_in_threadpool(render, ask)
         return JSONResponse({"input_tokens": len(prompts[0])})
 

@@ -367,9 +367,10 @@ BAD = [
         "messages[1].tool_call_id must be the id of the call this message answers",
     ),
     (
-        {"reasoning_effort": "max"},
+        {"reasoning_effort": "extreme"},
         "reasoning_effort",
-        'reasoning_effort must be one of none, minimal, low, medium, high, xhigh, got "max"',
+        "reasoning_effort must be one of none, minimal, low, medium, high, xhigh, max, got "
+        '"extreme"',
     ),
 ]
 

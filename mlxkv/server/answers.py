@@ -60,11 +60,13 @@ class Choice:
     stats: Stats | None = None
     echo: str | None = None  # completions with echo: the prompt's text, before the answer
     prompt_logprobs: list[dict] = field(default_factory=list)  # echo: the prompt's entries
+    reasoning_tokens: int = 0  # tokens whose text went (even in part) to the reasoning
 
     def read(self, text: str) -> Part:
         """New text of the answer: what may be sent now (a call inside the reasoning is
         reasoning)."""
         thought, text = self.think.feed(text) if self.think else ("", text)
+        self.reasoning_tokens += bool(thought)
         return self._keep(thought, *(self.reader.feed(text) if self.reader else (text, [])))
 
     def close(self) -> Part:

@@ -1,5 +1,5 @@
-"""The HTTP API (Starlette): OpenAI's chat and text completions, Anthropic's messages,
-models, health, status, metrics."""
+"""The HTTP API (Starlette): OpenAI's chat and text completions and responses, Anthropic's
+messages, models, health, status, metrics."""
 
 from __future__ import annotations
 
@@ -34,14 +34,22 @@ from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source
 from mlxkv.server.messages import Message, error_response, event, parse_messages
-from mlxkv.server.messages import error_body as message_error
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
 from mlxkv.server.reasoning import think_reader
+from mlxkv.server.response_store import ChainBroken, ResponseStore
+from mlxkv.server.responses import (
+    Reply,
+    Turn,
+    count_body,
+    input_messages,
+    not_found,
+    parse_responses,
+)
 from mlxkv.server.tools import has_tool_calling, reader_for
 
 ENDPOINTS = (
-    "/v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, "
-    "/v1/models, /v1/status, /metrics, /health"
+    "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
+    "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health"
 )
 PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages}
 
@@ -58,6 +66,7 @@ class Served:
     max_batch: int = 16
     api_key: str | None = None
     max_body: int = 8 * 2**20
+    stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
     started: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -170,18 +179,59 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             raise bad("chat_template_kwargs made the template return no text", "messages")
         return [encode(text)], text
 
+    def with_conversation(ask: Ask, turn: Turn) -> Ask:
+        """A Responses request's messages with the stored conversation it goes on from
+        (``previous_response_id``) between its instructions and its input."""
+        if turn.previous is None:
+            return ask
+        try:
+            before = served.stored.conversation(turn.previous)
+        except ChainBroken as e:
+            gone = "" if e.missing == e.asked else f" (the response '{e.missing}' before it)"
+            raise bad(
+                f"Previous response with id '{e.asked}' not found{gone}: this server keeps "
+                "stored responses in memory until they are deleted, pushed out by newer ones, "
+                "or the server restarts; send the conversation as input instead",
+                "previous_response_id",
+                "previous_response_not_found",
+            ) from None
+        system = ask.messages[: len(ask.messages) - len(turn.messages)]
+        return replace(ask, messages=system + before + turn.messages)
+
+    def keeper(turn: Turn):
+        """What stores a finished response (None: store false)."""
+        if not turn.store:
+            return None
+
+        def keep(response: dict) -> None:
+            try:
+                answer = input_messages(response["output"])
+            except APIError:  # a call whose arguments are no object: nothing to go on from
+                return
+            served.stored.put(response, turn.items, turn.messages + answer, turn.previous)
+
+        return keep
+
     async def completions(request: Request, kind: str) -> Response:
         check_auth(request)
         body = parse_json(await read_body(request))
-        ask = PARSERS[kind](body, served.limits)
+        if kind == "responses":
+            ask, turn = parse_responses(body, served.limits)
+            ask = with_conversation(ask, turn)
+        else:
+            ask = PARSERS[kind](body, served.limits)
         check_model(ask.model)
         check_tool_format(ask)
         prompts, text = await run_in_threadpool(render, ask)
         run = bridge.start(
             prompts, ask.n, ask.settings, ask.policy, ask.logprobs, ask.prompt_logprobs
         )
+        # messages and responses answer one choice as a list of blocks or items
+        single = kind in ("messages", "responses")
         if kind == "messages":
             env = Message(served.id, ask.show_thinking)
+        elif kind == "responses":
+            env = Reply(served.id, turn, keeper(turn))
         else:
             env = Envelope(kind, served.id)
         choices = [
@@ -206,14 +256,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             if ask.stream:
                 streaming = True
                 gone.stop()
-                events = (_message_events if kind == "messages" else _sse)(
-                    run, first, env, ask, choices
-                )
+                events = (_block_events if single else _sse)(run, first, env, ask, choices)
                 return _Stream(events, lambda: bridge.finish(run))
             async for _, part in _parts(run, first, lambda: gone.next(run), ask, choices):
-                if kind == "messages":
+                if single:
                     env.add(part)
-            if kind == "messages":
+            if single:
                 return JSONResponse(env.whole(choices[0]))
             return JSONResponse(env.whole(choices, ask.n))
         except ClientGone:
@@ -263,22 +311,24 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             bridge.finish(run)
             _log(env, ask, choices, run)
 
-    async def _message_events(run: Run, first, msg: Message, ask: Ask, choices: list[Choice]):
-        """Anthropic's stream: message_start, each content block's start, deltas and stop,
-        message_delta (the stop reason and usage), message_stop."""
+    async def _block_events(run: Run, first, env, ask: Ask, choices: list[Choice]):
+        """A stream of named events, each block or item opened, written and closed:
+        Anthropic's (message_start ... message_stop) or Responses' (response.created ...
+        response.completed), as ``env`` (a Message or a Reply) makes them."""
         try:
-            for e in msg.start(getattr(first[1], "stats", None) or Stats()):
+            for e in env.start(getattr(first[1], "stats", None) or Stats()):
                 yield event(*e)
             async for _, part in _parts(run, first, run.next, ask, choices):
-                for e in msg.add(part):
+                for e in env.add(part):
                     yield event(*e)
-            for e in msg.end(choices[0]):
+            for e in env.end(choices[0]):
                 yield event(*e)
         except APIError as e:
-            yield event("error", message_error(e))
+            for name, data in env.fail(e):
+                yield event(name, data)
         finally:
             bridge.finish(run)
-            _log(msg, ask, choices, run)
+            _log(env, ask, choices, run)
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, "chat")
@@ -288,6 +338,64 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
 
     async def messages(request: Request) -> Response:
         return await completions(request, "messages")
+
+    async def responses(request: Request) -> Response:
+        return await completions(request, "responses")
+
+    async def input_tokens(request: Request) -> Response:
+        check_auth(request)
+        body = parse_json(await read_body(request))
+        ask, turn = parse_responses(body, served.limits, counting=True)
+        ask = with_conversation(ask, turn)
+        check_model(ask.model)
+        check_tool_format(ask)
+        prompts, _ = await run_in_threadpool(render, ask)
+        return JSONResponse(count_body(len(prompts[0])))
+
+    def stored(request: Request):
+        entry = served.stored.get(request.path_params["id"])
+        if entry is None:
+            raise not_found(request.path_params["id"])
+        return entry
+
+    async def one_response(request: Request) -> Response:
+        check_auth(request)
+        if request.method == "DELETE":
+            stored(request)
+            served.stored.delete(request.path_params["id"])
+            deleted = {"object": "response.deleted", "deleted": True}
+            return JSONResponse({"id": request.path_params["id"], **deleted})
+        return JSONResponse(stored(request).response)
+
+    async def input_items(request: Request) -> Response:
+        """The stored input items of a response, a page at a time (``limit``, ``order``,
+        ``after``), as OpenAI's API lists them."""
+        check_auth(request)
+        items = stored(request).items
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        limit = q.get("limit", "20")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+            raise bad(f"limit must be an integer in [1, 100], got {limit!r}", "limit")
+        items = items if order == "asc" else items[::-1]
+        after = q.get("after")
+        if after is not None:
+            ids = [i["id"] for i in items]
+            if after not in ids:
+                raise bad(f"after names no input item of this response: {after!r}", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[: int(limit)]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > len(page),
+            }
+        )
 
     async def count_tokens(request: Request) -> Response:
         check_auth(request)
@@ -353,6 +461,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", _guard(text_completions), methods=["POST"]),
+        Route("/v1/responses", _guard(responses), methods=["POST"]),
+        Route("/v1/responses/input_tokens", _guard(input_tokens), methods=["POST"]),
+        Route("/v1/responses/{id}", _guard(one_response), methods=["GET", "DELETE"]),
+        Route("/v1/responses/{id}/input_items", _guard(input_items), methods=["GET"]),
         Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
@@ -439,7 +551,7 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
 def _raise_failed(ev, ask: Ask) -> None:
     if not isinstance(ev, Failed):
         return
-    where = "prompt" if ask.kind == "completion" else "messages"
+    where = {"completion": "prompt", "responses": "input"}.get(ask.kind, "messages")
     if ev.code == "invalid_policy":
         raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
     if ev.code == "context_length_exceeded":
@@ -447,7 +559,8 @@ def _raise_failed(ev, ask: Ask) -> None:
     if ev.code == "invalid_request":
         raise APIError(400, ev.message, where, "invalid_request")
     if ev.code == "invalid_grammar":
-        param = {"chat": "response_format", "messages": "output_config.format"}.get(ask.kind)
+        formats = {"responses": "text.format", "messages": "output_config.format"}
+        param = {"chat": "response_format", **formats}.get(ask.kind)
         raise APIError(400, ev.message, param, "invalid_schema")
     if ev.code == "kv_budget":
         raise APIError(400, ev.message, "max_tokens", "kv_budget_exceeded")

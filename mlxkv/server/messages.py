@@ -560,6 +560,10 @@ class Message:
             ("message_stop", {"type": "message_stop"}),
         ]
 
+    def fail(self, e: APIError) -> list[tuple[str, dict]]:
+        """The stream's last event when the answer cannot go on."""
+        return [("error", error_body(e))]
+
     def whole(self, c: Choice) -> dict:
         self._close()
         return {
@@ -625,5 +629,6 @@ class Message:
 
 
 def event(name: str, data: dict) -> str:
-    """One server-sent event as Anthropic's streams send it: its name, then its data."""
+    """One server-sent event as Anthropic's and the Responses API's streams send it: its
+    name, then its data."""
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

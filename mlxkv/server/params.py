@@ -23,7 +23,7 @@ SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 
 # A parameter accepted only with these values (JSON null always means "not given").
@@ -389,7 +389,7 @@ def _user(body: dict, *names: str) -> str | None:
     return next((body[n] for n in names if body.get(n)), None)
 
 
-def _cache_hints(body: dict) -> None:
+def cache_hints(body: dict) -> None:
     """``prompt_cache_key`` and ``prompt_cache_retention``, checked: the prefix cache keeps
     every request's prefix whatever they say, in memory and then on disk (the server's
     --prefix-cache-* flags bound it)."""
@@ -435,7 +435,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     if top is not None and not logprobs:
         raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
     stream, usage = _stream(body)
-    _cache_hints(body)
+    cache_hints(body)
     settings = settings_of(body, limits, mct if mct is not None else mt)
     grammar = _response_format(body.get("response_format"))
     if tools.forced:

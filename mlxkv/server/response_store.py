@@ -1,0 +1,78 @@
+"""The responses a server keeps (Responses API ``store: true``), so a client can go on from
+one with ``previous_response_id`` instead of sending the conversation again, and read it
+back (``GET /v1/responses/{id}``).
+
+Each entry holds its own turn only (the input items and the answer, as the chat messages
+a template reads) and the id of the response before it: a conversation is the chain of its
+turns, read back by following the links. The store lives in memory, is bounded in bytes
+(the oldest untouched entries go first) and is empty after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+STORE_BYTES = 64 * 2**20
+
+
+@dataclass
+class Stored:
+    response: dict  # the response object as the client got it
+    items: list[dict]  # the request's input items, each with an id
+    messages: list[dict]  # this turn's input and answer as chat messages
+    previous: str | None  # the response this one went on from
+    size: int
+
+
+class ChainBroken(KeyError):
+    """A response of the chain is not held (never stored, deleted, or evicted)."""
+
+    def __init__(self, missing: str, asked: str):
+        super().__init__(missing)
+        self.missing, self.asked = missing, asked
+
+
+class ResponseStore:
+    def __init__(self, limit: int = STORE_BYTES):
+        self.limit = limit
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
+
+    def put(
+        self, response: dict, items: list[dict], messages: list[dict], previous: str | None
+    ) -> None:
+        size = len(json.dumps([response, items, messages], ensure_ascii=False))
+        if size > self.limit:
+            return  # larger than the whole store: kept nowhere, as with store false
+        self.entries[response["id"]] = Stored(response, items, messages, previous, size)
+        self.bytes += size
+        while self.bytes > self.limit:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.size
+
+    def get(self, response_id: str) -> Stored | None:
+        entry = self.entries.get(response_id)
+        if entry is not None:
+            self.entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self.entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        return entry is not None
+
+    def conversation(self, response_id: str) -> list[dict]:
+        """The messages of every turn up to and including ``response_id``'s, oldest first;
+        the whole chain counts as used. Raises ChainBroken naming the first missing link."""
+        turns, at, seen = [], response_id, set()
+        while at is not None and at not in seen:
+            seen.add(at)
+            entry = self.get(at)
+            if entry is None:
+                raise ChainBroken(at, response_id)
+            turns.append(entry.messages)
+            at = entry.previous
+        return [m for turn in reversed(turns) for m in turn]

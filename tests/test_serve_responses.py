@@ -1,0 +1,513 @@
+"""OpenAI's Responses API on ``mlxkv serve`` (``POST /v1/responses``), as the newest OpenAI
+clients and agent frameworks meet it: real server processes, driven by the official
+``openai`` client (and raw HTTP for the stream's events and what the client would refuse
+to send).
+
+Two models: the offline default one (answers checked token for token against mlx-lm and
+against the server's own chat completions), and the scripted model of
+tests/test_serve_tools.py, which thinks and then calls a tool."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from tests.json_schemas import CITY
+from tests.serve_helpers import Server
+from tests.test_serve_tools import ASK, MARKERS, SCRIPT, TEMPLATE, THOUGHT, WEATHER, rendered
+from tests.tiny_models import scripted_model
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.model
+QUESTION = "What is the capital of France?"
+TOOL = {"type": "function", **WEATHER["function"]}  # WEATHER as the Responses API writes it
+
+
+def post(server: Server, body: dict, path: str = "/v1/responses") -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=600)
+
+
+def events(server: Server, body: dict) -> list[tuple[str, dict]]:
+    """A streamed response's server-sent events as (event name, data)."""
+    out = []
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                assert data["type"] == name
+                out.append((name, data))
+    return out
+
+
+def prompt_ids(tok, chat: list[dict]) -> list[int]:
+    from mlxkv.engine.request import encode_prompt
+
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return encode_prompt(tok, text)
+
+
+# -- the default model --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve-responses"), "--shutdown-timeout", "2")
+    yield s
+    code = s.stop()
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+def test_a_response_is_mlx_lms_greedy_answer(server, default_model):
+    """The whole response, its stream and a chat completion of the same conversation are
+    mlx-lm's greedy tokens; the instructions reach the template as its system message."""
+    from tests.mlx_lm_ref import greedy_tokens
+
+    tok = default_model.tokenizer
+    chat = [
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": QUESTION},
+    ]
+    ids = prompt_ids(tok, chat)
+    ref = greedy_tokens(default_model, ids, 40, [])
+    ref = ref[: ref.index(next(t for t in ref if t in tok.eos_token_ids))]
+
+    c = server.client()
+    kw = {"model": "smollm2-135m", "max_output_tokens": 40, "instructions": chat[0]["content"]}
+    r = c.responses.create(input=QUESTION, **kw)
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output_text == tok.decode(ref)
+    assert (r.status, r.model, r.incomplete_details, r.instructions) == (
+        "completed",
+        "smollm2-135m",
+        None,
+        "Answer in one sentence.",
+    )
+    assert r.id.startswith("resp_") and r.output[0].id.startswith("msg_")
+    assert r.usage.input_tokens == len(ids)
+    assert r.usage.output_tokens == len(ref) + 1  # and the EOS
+    assert r.usage.total_tokens == len(ids) + len(ref) + 1
+    kv = r.usage.model_extra["mlxkv"]
+    assert kv["kv_bytes_actual"] == kv["kv_bytes_predicted"] > 0
+
+    with c.responses.stream(input=QUESTION, **kw) as s:
+        pieces = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert "".join(pieces) == r.output_text and len(pieces) > 1
+    assert final.output_text == r.output_text and final.status == "completed"
+    assert final.usage.output_tokens == r.usage.output_tokens
+
+    chat_answer = c.chat.completions.create(
+        model="smollm2-135m", messages=chat, max_tokens=40, temperature=0
+    )
+    assert chat_answer.choices[0].message.content == r.output_text
+
+
+def test_the_stream_is_the_responses_event_sequence(server):
+    """Every event named as its type and numbered in order; an answer cut by
+    max_output_tokens ends incomplete, its message item too."""
+    ev = events(
+        server,
+        {"model": "smollm2-135m", "max_output_tokens": 6, "input": QUESTION, "stream": True},
+    )
+    names = [n for n, _ in ev]
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[4:-4] == ["response.output_text.delta"] * 6
+    assert names[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [d["sequence_number"] for _, d in ev] == list(range(len(ev)))
+    created = ev[0][1]["response"]
+    assert (created["status"], created["output"], created["usage"]) == ("in_progress", [], None)
+    item = ev[2][1]["item"]
+    assert (item["type"], item["status"], item["content"]) == ("message", "in_progress", [])
+    text = "".join(d["delta"] for n, d in ev if n == "response.output_text.delta")
+    assert text == "The capital of France is Paris" == ev[-4][1]["text"]
+    assert ev[-2][1]["item"]["status"] == "incomplete"
+    last = ev[-1][1]["response"]
+    assert (last["status"], last["incomplete_details"]) == (
+        "incomplete",
+        {"reason": "max_output_tokens"},
+    )
+    assert last["usage"]["output_tokens"] == 6 and last["output"][0]["content"][0]["text"] == text
+
+
+def test_previous_response_id_goes_on_from_the_stored_conversation(server, default_model):
+    """A response sent with previous_response_id reads the stored turns before it (the
+    instructions are not carried), as if the conversation had been sent again, and the
+    prefix cache serves the turn before; the stored response can be read back, listed
+    and deleted, and a chain with a deleted link is refused."""
+    tok = default_model.tokenizer
+    c = server.client()
+    kw = {"model": "smollm2-135m", "max_output_tokens": 40}
+    first = c.responses.create(input=QUESTION, instructions="Be brief.", **kw)
+    second = c.responses.create(input="And of Italy?", previous_response_id=first.id, **kw)
+    chat = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    assert second.usage.input_tokens == len(prompt_ids(tok, chat))
+    assert second.previous_response_id == first.id and second.instructions is None
+
+    again = c.responses.create(
+        input=[
+            {"role": "user", "content": QUESTION},
+            *[o.model_dump(exclude_none=True) for o in first.output],
+            {"role": "user", "content": "And of Italy?"},
+        ],
+        store=False,
+        **kw,
+    )
+    assert again.output_text == second.output_text
+    assert again.usage.input_tokens == second.usage.input_tokens
+    assert again.usage.input_tokens_details.cached_tokens > first.usage.input_tokens
+
+    n = c.responses.input_tokens.count(
+        model="smollm2-135m", input="And of Italy?", previous_response_id=first.id
+    )
+    assert (n.object, n.input_tokens) == ("response.input_tokens", second.usage.input_tokens)
+
+    assert c.responses.retrieve(second.id).output_text == second.output_text
+    listed = c.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [
+        ("message", "user", "And of Italy?")
+    ]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(again.id)  # store false
+
+    assert c.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(input="And of Spain?", previous_response_id=second.id, **kw)
+    assert e.value.body["code"] == "previous_response_not_found"
+    assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["message"].startswith(
+        f"Previous response with id '{second.id}' not found (the response '{first.id}' before it)"
+    )
+
+
+def test_text_format_holds_the_answer_to_a_schema(server):
+    class City(BaseModel):  # parse() sends it as a strict json_schema format
+        city: str
+        country: str
+
+    c = server.client()
+    r = c.responses.create(
+        model="smollm2-135m",
+        input="Name a city in Italy as JSON with its country.",
+        max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+    )
+    answer = json.loads(r.output_text)
+    assert set(answer) == {"city", "country"}
+    assert answer["country"] in ("France", "Germany", "Italy")
+    assert r.text.format.type == "json_schema" and r.text.format.name == "city"
+
+    parsed = c.responses.parse(
+        model="smollm2-135m",
+        input="Name a city in Italy as JSON with its country.",
+        max_output_tokens=60,
+        text_format=City,
+    )
+    assert isinstance(parsed.output_parsed, City)
+
+
+def test_logprobs_come_with_the_output_text(server):
+    """include message.output_text.logprobs: each token of the text with its logprob and
+    alternatives, the same figures a chat completion gives."""
+    c = server.client()
+    r = c.responses.create(
+        model="smollm2-135m",
+        input=QUESTION,
+        max_output_tokens=6,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    part = r.output[0].content[0]
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    chat = c.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    want = [(e.token, e.logprob) for e in chat.choices[0].logprobs.content]
+    assert [(lp.token, lp.logprob) for lp in part.logprobs] == pytest.approx(want, abs=1e-4)
+
+
+BAD = [
+    ({"model": "gpt-5"}, 404, "model", None),
+    ({"frobnicate": 1}, 400, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
+    ({"input": None}, 400, "input", "input is required: a string or a list of input items"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        400,
+        "input[0].content[0]",
+        "input[0].content[0]: only text parts are supported (got 'input_image')",
+    ),
+    (
+        {"input": [{"type": "item_reference", "id": "msg_1"}]},
+        400,
+        "input[0].type",
+        "input[0]: item references are not supported; send the item itself, or "
+        "previous_response_id to go on from a stored response",
+    ),
+    (
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+        400,
+        "input[0].arguments",
+        "input[0].arguments must be a JSON object written as a string; send the arguments "
+        "the model's call gave",
+    ),
+    (
+        {"tools": [{"type": "web_search"}]},
+        400,
+        "tools[0].type",
+        "tools[0] must be a function tool ({type: 'function', name, parameters}); "
+        "'web_search' tools are not supported",
+    ),
+    (
+        {"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_time"}},
+        400,
+        "tool_choice",
+        "tool_choice names 'get_time', which is not among the tools",
+    ),
+    (
+        {"truncation": "auto"},
+        400,
+        "truncation",
+        'truncation "auto" is not supported: an input longer than the model\'s context is '
+        "refused; send 'disabled' or leave it out",
+    ),
+    ({"background": True}, 400, "background", None),
+    ({"conversation": "conv_1"}, 400, "conversation", None),
+    (
+        {"include": ["file_search_call.results"]},
+        400,
+        "include",
+        'include "file_search_call.results" is not supported; this server can include '
+        "message.output_text.logprobs and reasoning.encrypted_content",
+    ),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+        400,
+        "text.format.schema",
+        "the JSON schema cannot be used: Invalid type: nonsense",
+    ),
+    (
+        {"reasoning": {"effort": "extreme"}},
+        400,
+        "reasoning.effort",
+        "reasoning.effort must be one of none, minimal, low, medium, high, xhigh, max, got "
+        '"extreme"',
+    ),
+    (
+        {"temperature": 3},
+        400,
+        "temperature",
+        "temperature must be in [0, 2], got 3; 0 means greedy",
+    ),
+    ({"max_output_tokens": 0}, 400, "max_output_tokens", None),
+    (
+        {"previous_response_id": "resp_nope"},
+        400,
+        "previous_response_id",
+        None,
+    ),
+    (
+        {"kv": {"window": 4, "sinks": 8}},
+        400,
+        "kv",
+        "kv.window (4) must be larger than kv.sinks (8)",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra,status,param,message", BAD, ids=[str(b[0])[:40] for b in BAD])
+def test_bad_requests_get_a_400_naming_the_field(server, extra, status, param, message):
+    body = {"model": "smollm2-135m", "max_output_tokens": 8, "input": QUESTION, **extra}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = post(server, body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    if message is not None:
+        assert err["message"] == message
+
+
+def test_unknown_response_ids_get_404(server):
+    for method, path in (
+        ("GET", "/v1/responses/resp_nope"),
+        ("DELETE", "/v1/responses/resp_nope"),
+        ("GET", "/v1/responses/resp_nope/input_items"),
+    ):
+        r = server.http(method, path)
+        assert r.status_code == 404
+        assert r.json()["error"]["message"].startswith("No response found with id 'resp_nope'")
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):
+    """The last test of the default model's server: it stops it. A stream still running
+    when the grace time ends gets the Responses error event, and the server exits 0."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        body = {"model": "smollm2-135m", "max_output_tokens": 4000, "stream": True}
+        body["input"] = "Count to ten thousand, one by one."
+        with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    if line == "event: response.output_text.delta":
+                        started.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert started.wait(300)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert server.proc.wait(120) == 0
+    assert lines[-2] == "event: error"
+    err = json.loads(lines[-1][len("data: ") :])
+    assert (err["type"], err["code"], err["param"]) == ("error", "shutting_down", None)
+    assert err["message"].startswith("the server is shutting down; this answer was cut")
+    deltas = sum(line == "event: response.output_text.delta" for line in lines)
+    assert err["sequence_number"] == len(lines) // 2 - 1 and deltas > 0
+
+
+# -- a model that thinks and calls a tool --------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, default_model_path):
+    out = tmp_path_factory.mktemp("tool_model_responses")
+    return out, scripted_model(out, default_model_path, SCRIPT, TEMPLATE, MARKERS)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, built):
+    s = Server(tmp_path_factory.mktemp("serve_responses_tools"), str(built[0]), "--force")
+    s.model = s.http("GET", "/v1/models").json()["data"][0]["id"]
+    yield s
+    code = s.stop()
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+def test_reasoning_text_and_a_function_call_come_as_items(tool_server, built):
+    folder, script = built
+    c = tool_server.client()
+    kw = {"model": tool_server.model, "max_output_tokens": 64, "input": ASK, "tools": [TOOL]}
+    r = c.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+    thought, said, call = r.output
+    assert [p.text for p in thought.content] == [THOUGHT] and thought.summary == []
+    assert said.content[0].text == "Checking."
+    assert (call.name, json.loads(call.arguments), call.status) == (
+        "get_weather",
+        {"city": "Paris"},
+        "completed",
+    )
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert r.usage.input_tokens == len(rendered(folder, ASK))
+    assert r.usage.output_tokens == len(script) + 1
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+
+    with c.responses.stream(**kw) as s:
+        final = s.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[0].content[0].text == THOUGHT
+    assert json.loads(final.output[2].arguments) == {"city": "Paris"}
+
+    ev = events(tool_server, {**kw, "stream": True})
+    names = [n for n, _ in ev]
+    assert "response.reasoning_text.delta" in names
+    done = [d for n, d in ev if n == "response.function_call_arguments.done"]
+    assert [(d["name"], json.loads(d["arguments"])) for d in done] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_the_function_call_output_turn_renders_as_the_template_does(tool_server, built):
+    """The next turn, sent as items (the output again, then the call's output) or as
+    previous_response_id and the call's output alone: the same prompt, the messages the
+    chat template reads, the turn before served by the prefix cache."""
+    folder, _ = built
+    c = tool_server.client()
+    kw = {"model": tool_server.model, "max_output_tokens": 64, "tools": [TOOL]}
+    first = c.responses.create(input=ASK, **kw)
+    call = first.output[2]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}
+    resent = c.responses.create(
+        input=[*ASK, *[o.model_dump(exclude_none=True) for o in first.output], result], **kw
+    )
+    chained = c.responses.create(input=[result], previous_response_id=first.id, **kw)
+    expected = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": THOUGHT,
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "clear"}'},
+    ]
+    want = len(rendered(folder, expected))
+    assert resent.usage.input_tokens == chained.usage.input_tokens == want
+    assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_a_forced_function_call(tool_server):
+    """tool_choice required (or one function by name) holds the answer to a call whose
+    arguments match the tool's schema."""
+    city = {
+        **TOOL,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    c = tool_server.client()
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        r = c.responses.create(
+            model=tool_server.model,
+            max_output_tokens=64,
+            input=ASK,
+            tools=[city],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+        )
+        assert [o.type for o in r.output] == ["function_call"]
+        assert (r.output[0].name, json.loads(r.output[0].arguments)) == (
+            "get_weather",
+            {"city": "Paris"},
+        )

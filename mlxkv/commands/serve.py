@@ -208,6 +208,37 @@ def _names(loaded) -> tuple[str, set[str]]:
     return served, names
 
 
+def _facts(loaded) -> dict:
+    """What listings say of the served model (Ollama's /api/tags and /api/show): its family,
+    size, parameters, quantization, digest and shape."""
+    from mlxkv.memory.weights import from_local
+    from mlxkv.models.identity import model_identity
+
+    config = loaded.config
+    weights = from_local(loaded.path, config, loaded.dtype, not loaded.packed)
+    params = weights.params if weights is not None else 0
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M" if params else ""
+    return {
+        "family": config.get("model_type", ""),
+        "parameter_count": params,
+        "parameter_size": size,
+        # as held: a checkpoint's packed layers are dequantized unless the GPU rule keeps them
+        "quantization_level": f"Q{bits}" if bits and loaded.packed else _short(loaded.dtype),
+        "size": loaded.weights_bytes,
+        "digest": model_identity(loaded.path),
+        "context_length": loaded.context_length,
+        "embedding_length": config.get("hidden_size"),
+        "block_count": config.get("num_hidden_layers"),
+    }
+
+
+def _short(dtype: str) -> str:
+    """A dtype as model listings write it: F32, F16, BF16."""
+    return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
+
+
 def run(args) -> int:
     from mlxkv.engine.distributed import launched
     from mlxkv.engine.loading import open_model
@@ -243,8 +274,10 @@ def run(args) -> int:
             limits=Limits(
                 max_rows=args.max_batch + args.max_queue,
                 vocab_size=vocab if isinstance(vocab, int) else None,
+                context_length=loaded.context_length,
                 defaults=defaults,
             ),
+            facts=_facts(loaded),
             max_batch=args.max_batch,
             api_key=key,
             max_body=args.max_body,

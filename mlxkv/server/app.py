@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
 from mlxkv.policy import KVPolicy
-from mlxkv.server import metrics
+from mlxkv.server import metrics, ollama
 from mlxkv.server.answers import (
     Choice,
     Envelope,
@@ -49,9 +49,18 @@ from mlxkv.server.tools import has_tool_calling, reader_for
 
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health"
+    "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, and Ollama's "
+    "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
 )
-PARSERS = {"chat": parse_chat, "completion": parse_completion, "messages": parse_messages}
+PARSERS = {
+    "chat": parse_chat,
+    "completion": parse_completion,
+    "messages": parse_messages,
+    "api_chat": ollama.parse_chat,
+    "api_generate": ollama.parse_generate,
+}
+BLOCKS = ("messages", "responses")  # one answer, as a list of blocks or items
+OLLAMA = ("api_chat", "api_generate")
 
 
 @dataclass
@@ -67,6 +76,7 @@ class Served:
     api_key: str | None = None
     max_body: int = 8 * 2**20
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
+    facts: dict = field(default_factory=dict)  # size, family, context... (Ollama's listings)
     started: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -220,18 +230,23 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ask = with_conversation(ask, turn)
         else:
             ask = PARSERS[kind](body, served.limits)
+        if kind in OLLAMA:  # Ollama's clients add its default tag to a name
+            ask = replace(ask, model=ollama.served_name(ask.model, served.names) or ask.model)
         check_model(ask.model)
         check_tool_format(ask)
+        if kind in OLLAMA and not (ask.messages or ask.prompts):
+            # nothing to answer: a client making sure the model is loaded (it always is)
+            return JSONResponse(ollama.Reply(served.id, kind == "api_chat").loaded())
         prompts, text = await run_in_threadpool(render, ask)
         run = bridge.start(
             prompts, ask.n, ask.settings, ask.policy, ask.logprobs, ask.prompt_logprobs
         )
-        # messages and responses answer one choice as a list of blocks or items
-        single = kind in ("messages", "responses")
         if kind == "messages":
             env = Message(served.id, ask.show_thinking)
         elif kind == "responses":
             env = Reply(served.id, turn, keeper(turn))
+        elif kind in OLLAMA:
+            env = ollama.Reply(served.id, kind == "api_chat")
         else:
             env = Envelope(kind, served.id)
         choices = [
@@ -240,7 +255,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 reader_for(served.tokenizer, ask.tools),
                 # a forced call's answer is all JSON: no reasoning comes apart from it
                 None
-                if kind == "completion" or ask.tools.forced
+                if ask.kind == "completion" or ask.tools.forced
                 else think_reader(served.tokenizer, text),
             )
             for i in range(run.rows)
@@ -256,12 +271,15 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             if ask.stream:
                 streaming = True
                 gone.stop()
-                events = (_block_events if single else _sse)(run, first, env, ask, choices)
+                if kind in OLLAMA:
+                    lines = _ndjson(run, first, env, ask, choices)
+                    return _Stream(lines, lambda: bridge.finish(run), ollama.STREAM_MEDIA)
+                events = (_block_events if kind in BLOCKS else _sse)(run, first, env, ask, choices)
                 return _Stream(events, lambda: bridge.finish(run))
             async for _, part in _parts(run, first, lambda: gone.next(run), ask, choices):
-                if single:
+                if kind in BLOCKS:
                     env.add(part)
-            if single:
+            if kind in BLOCKS or kind in OLLAMA:
                 return JSONResponse(env.whole(choices[0]))
             return JSONResponse(env.whole(choices, ask.n))
         except ClientGone:
@@ -326,6 +344,20 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         except APIError as e:
             for name, data in env.fail(e):
                 yield event(name, data)
+        finally:
+            bridge.finish(run)
+            _log(env, ask, choices, run)
+
+    async def _ndjson(run: Run, first, env: ollama.Reply, ask: Ask, choices: list[Choice]):
+        """Ollama's stream: a line of JSON per part of the answer, then the last one (done,
+        its reason and timings)."""
+        try:
+            async for _, part in _parts(run, first, run.next, ask, choices):
+                if part.text or part.reasoning or part.calls or part.entry:
+                    yield env.line(part)
+            yield env.last(choices[0])
+        except APIError as e:
+            yield ollama.error_line(e)
         finally:
             bridge.finish(run)
             _log(env, ask, choices, run)
@@ -405,6 +437,62 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         prompts, _ = await run_in_threadpool(render, ask)
         return JSONResponse({"input_tokens": len(prompts[0])})
 
+    async def api_chat(request: Request) -> Response:
+        return await completions(request, "api_chat")
+
+    async def api_generate(request: Request) -> Response:
+        return await completions(request, "api_generate")
+
+    def modified() -> str:
+        return datetime.fromtimestamp(served.started, timezone.utc).isoformat()
+
+    async def api_tags(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"models": [ollama.listing(served.id, served.facts, modified())]})
+
+    async def api_ps(request: Request) -> Response:
+        check_auth(request)
+        loaded = ollama.listing(served.id, served.facts, modified())
+        loaded.update(
+            expires_at=None,  # loaded while the server runs
+            size_vram=served.facts.get("size", 0),  # unified memory: all of it
+            context_length=served.facts.get("context_length"),
+        )
+        return JSONResponse({"models": [loaded]})
+
+    async def api_show(request: Request) -> Response:
+        check_auth(request)
+        body = parse_json(await read_body(request))
+        for k in body:
+            if k not in ("model", "name", "verbose"):
+                raise bad(f"{k} is not a field of this request; send model", k)
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str):
+            raise bad("model is required", "model")
+        check_model(ollama.served_name(name, served.names) or name)
+        tok = served.tokenizer
+        abilities = ["completion"]
+        abilities += ["tools"] if has_tool_calling(tok) else []
+        abilities += ["thinking"] if getattr(tok, "has_thinking", False) else []
+        template = getattr(tok, "chat_template", None)
+        return JSONResponse(
+            {
+                "license": "",
+                "modelfile": "",
+                "parameters": "",
+                "template": template if isinstance(template, str) else "",
+                "details": ollama.details(served.facts),
+                "model_info": ollama.model_info(served.facts),
+                "capabilities": abilities,
+                "modified_at": modified(),
+            }
+        )
+
+    async def api_version(request: Request) -> Response:
+        from mlxkv import __version__
+
+        return JSONResponse({"version": __version__})
+
     def model_card() -> dict:
         """The served model as both APIs list one (OpenAI's fields, then Anthropic's)."""
         started = datetime.fromtimestamp(served.started, timezone.utc)
@@ -467,6 +555,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/responses/{id}/input_items", _guard(input_items), methods=["GET"]),
         Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
+        Route("/api/chat", _guard(api_chat, ollama.error_response), methods=["POST"]),
+        Route("/api/generate", _guard(api_generate, ollama.error_response), methods=["POST"]),
+        Route("/api/tags", _guard(api_tags, ollama.error_response), methods=["GET"]),
+        Route("/api/ps", _guard(api_ps, ollama.error_response), methods=["GET"]),
+        Route("/api/show", _guard(api_show, ollama.error_response), methods=["POST"]),
+        Route("/api/version", _guard(api_version, ollama.error_response), methods=["GET"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
         Route("/v1/models/{name:path}", _guard(one_model), methods=["GET"]),
         Route("/v1/status", _guard(status), methods=["GET"]),
@@ -483,10 +577,10 @@ class _Stream(StreamingResponse):
     """Server-sent events; ``on_close`` runs however the response ends (even when the
     client leaves before the first event is sent)."""
 
-    def __init__(self, events, on_close):
+    def __init__(self, events, on_close, media_type: str = "text/event-stream"):
         super().__init__(
             events,
-            media_type="text/event-stream",
+            media_type=media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self.on_close = on_close
@@ -560,6 +654,7 @@ def _raise_failed(ev, ask: Ask) -> None:
         raise APIError(400, ev.message, where, "invalid_request")
     if ev.code == "invalid_grammar":
         formats = {"responses": "text.format", "messages": "output_config.format"}
+        formats |= {"api_chat": "format", "api_generate": "format"}
         param = {"chat": "response_format", **formats}.get(ask.kind)
         raise APIError(400, ev.message, param, "invalid_schema")
     if ev.code == "kv_budget":
@@ -607,7 +702,13 @@ def _log(env: Envelope, ask: Ask, choices: list[Choice], run: Run) -> None:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    if exc.status_code == 404:
+    if exc.status_code == 404 and request.url.path.startswith("/api/"):
+        message = (
+            f"no endpoint {request.method} {request.url.path}: this server runs the one model "
+            "it started with (it does not pull, push, create, copy, delete or embed); it has "
+            f"{ENDPOINTS}"
+        )
+    elif exc.status_code == 404:
         message = f"no endpoint {request.method} {request.url.path}; this server has {ENDPOINTS}"
     elif exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}"
@@ -625,4 +726,6 @@ def _shaped(request: Request, e: APIError) -> Response:
     """An error in the shape of the API the path belongs to."""
     if request.url.path.startswith("/v1/messages"):
         return error_response(e)
+    if request.url.path.startswith("/api/"):
+        return ollama.error_response(e)
     return e.response()

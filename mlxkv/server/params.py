@@ -129,6 +129,7 @@ class Limits:
 
     max_rows: int = 16  # choices one request may ask for (prompts x n)
     vocab_size: int | None = None  # token-id prompts must be below it
+    context_length: int | None = None  # the model's trained context
     defaults: GenerationSettings = field(default_factory=GenerationSettings)
 
 

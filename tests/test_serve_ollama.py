@@ -10,6 +10,8 @@ tests/test_serve_tools.py, which thinks and then calls a tool."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 
 import httpx
 import pytest
@@ -282,6 +284,35 @@ def test_the_client_raises_the_errors(server):
     with pytest.raises(ollama.ResponseError) as e:
         c.generate(model="smollm2-135m", prompt="hi", suffix="bye")
     assert e.value.error == "suffix: suffix (fill-in-the-middle) is not supported; leave it out"
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_line(server):
+    """The last test of the default model's server: it stops it. A stream still running
+    when the grace time ends gets an error line, which the ollama client raises, and the
+    server exits 0."""
+    started = threading.Event()
+    seen: list = []
+    raised: list[Exception] = []
+
+    def read() -> None:
+        messages = [{"role": "user", "content": "Count to ten thousand, one by one."}]
+        try:
+            for part in client(server).chat(
+                model="smollm2-135m", messages=messages, stream=True, options={"num_predict": 4000}
+            ):
+                seen.append(part)
+                started.set()
+        except ollama.ResponseError as e:
+            raised.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert started.wait(300)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert server.proc.wait(120) == 0
+    assert len(raised) == 1 and seen and not seen[-1].done
+    assert raised[0].error.startswith("the server is shutting down; this answer was cut")
 
 
 # -- a model that thinks and calls a tool --------------------------------------------------

@@ -18,8 +18,8 @@ from mlxkv.commands.common import (
 from mlxkv.errors import UserError
 
 HELP = (
-    "serve one model over OpenAI's HTTP API (chat and text completions, responses) and "
-    "Anthropic's (messages)"
+    "serve one model over OpenAI's HTTP API (chat and text completions, responses), "
+    "Anthropic's (messages) and Ollama's (chat, generate)"
 )
 KEY_ENV = "MLXKV_API_KEY"
 

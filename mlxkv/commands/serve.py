@@ -1,4 +1,4 @@
-"""``mlxkv serve``: an OpenAI- and Anthropic-compatible HTTP server for one model (see
+"""``mlxkv serve``: an OpenAI-, Anthropic- and Ollama-compatible HTTP server for one model (see
 mlxkv/server/)."""
 
 from __future__ import annotations

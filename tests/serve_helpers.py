@@ -3,12 +3,14 @@ stopped with SIGTERM; shared by the serve test modules."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,3 +85,32 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serving(tmp: Path, *flags: str) -> Iterator[Server]:
+    """A module fixture's server: yielded to its tests (with ``model``, the id it serves),
+    then stopped, and it must have exited 0 without a traceback."""
+    s = Server(tmp, *flags)
+    s.model = s.http("GET", "/v1/models").json()["data"][0]["id"]
+    yield s
+    code = s.stop()
+    assert code == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
+
+
+def named_events(server: Server, path: str, body: dict) -> list[tuple[str, dict]]:
+    """A stream of named server-sent events (Anthropic's, the Responses API's) as (event
+    name, data); each data's ``type`` is its event's name."""
+    out = []
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                assert data["type"] == name
+                out.append((name, data))
+    return out

@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from tests.serve_helpers import Server
+from tests.serve_helpers import Server, named_events, serving
 from tests.test_serve_tools import (
     ASK,
     MARKERS,
@@ -49,30 +49,13 @@ def post(server: Server, body: dict, path: str = "/v1/messages") -> httpx.Respon
 
 
 def events(server: Server, body: dict) -> list[tuple[str, dict]]:
-    """A streamed answer's server-sent events as (event name, data)."""
-    out = []
-    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=600) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: ") :]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: ") :])
-                assert data["type"] == name
-                out.append((name, data))
-    return out
+    return named_events(server, "/v1/messages", body)
 
 
 # -- the default model --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-messages"), "--shutdown-timeout", "2")
-    yield s
-    code = s.stop()
-    assert code == 0, s.log()
-    assert "Traceback" not in s.log(), s.log()
+    yield from serving(tmp_path_factory.mktemp("serve-messages"), "--shutdown-timeout", "2")
 
 
 def test_an_answer_is_mlx_lms_greedy_answer(server, default_model):
@@ -321,12 +304,7 @@ def built(tmp_path_factory, default_model_path):
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory, built):
-    s = Server(tmp_path_factory.mktemp("serve_messages_tools"), str(built[0]), "--force")
-    s.model = s.http("GET", "/v1/models").json()["data"][0]["id"]
-    yield s
-    code = s.stop()
-    assert code == 0, s.log()
-    assert "Traceback" not in s.log(), s.log()
+    yield from serving(tmp_path_factory.mktemp("serve_messages_tools"), str(built[0]), "--force")
 
 
 def test_thinking_text_and_a_tool_use_come_as_blocks(tool_server, built):

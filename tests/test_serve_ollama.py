@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.json_schemas import CITY
-from tests.serve_helpers import COUNTING, Server
+from tests.serve_helpers import COUNTING, Server, serving
 from tests.test_serve_tools import ASK, MARKERS, SCRIPT, TEMPLATE, THOUGHT, WEATHER, rendered
 from tests.tiny_models import scripted_model
 
@@ -49,11 +49,7 @@ def lines(server: Server, path: str, body: dict) -> list[dict]:
 # -- the default model --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-ollama"), "--shutdown-timeout", "2")
-    yield s
-    code = s.stop()
-    assert code == 0, s.log()
-    assert "Traceback" not in s.log(), s.log()
+    yield from serving(tmp_path_factory.mktemp("serve-ollama"), "--shutdown-timeout", "2")
 
 
 def test_a_chat_is_mlx_lms_greedy_answer(server, default_model):
@@ -324,12 +320,7 @@ def built(tmp_path_factory, default_model_path):
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory, built):
-    s = Server(tmp_path_factory.mktemp("serve_ollama_tools"), str(built[0]), "--force")
-    s.model = s.http("GET", "/v1/models").json()["data"][0]["id"]
-    yield s
-    code = s.stop()
-    assert code == 0, s.log()
-    assert "Traceback" not in s.log(), s.log()
+    yield from serving(tmp_path_factory.mktemp("serve_ollama_tools"), str(built[0]), "--force")
 
 
 def test_thinking_and_a_tool_call_come_apart_from_the_answer(tool_server, built):

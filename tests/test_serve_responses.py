@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.json_schemas import CITY
-from tests.serve_helpers import Server
+from tests.serve_helpers import Server, named_events, serving
 from tests.test_serve_tools import ASK, MARKERS, SCRIPT, TEMPLATE, THOUGHT, WEATHER, rendered
 from tests.tiny_models import scripted_model
 
@@ -34,20 +34,7 @@ def post(server: Server, body: dict, path: str = "/v1/responses") -> httpx.Respo
 
 
 def events(server: Server, body: dict) -> list[tuple[str, dict]]:
-    """A streamed response's server-sent events as (event name, data)."""
-    out = []
-    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=600) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: ") :]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: ") :])
-                assert data["type"] == name
-                out.append((name, data))
-    return out
+    return named_events(server, "/v1/responses", body)
 
 
 def prompt_ids(tok, chat: list[dict]) -> list[int]:
@@ -60,11 +47,7 @@ def prompt_ids(tok, chat: list[dict]) -> list[int]:
 # -- the default model --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-responses"), "--shutdown-timeout", "2")
-    yield s
-    code = s.stop()
-    assert code == 0, s.log()
-    assert "Traceback" not in s.log(), s.log()
+    yield from serving(tmp_path_factory.mktemp("serve-responses"), "--shutdown-timeout", "2")
 
 
 def test_a_response_is_mlx_lms_greedy_answer(server, default_model):
@@ -407,12 +390,7 @@ def built(tmp_path_factory, default_model_path):
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory, built):
-    s = Server(tmp_path_factory.mktemp("serve_responses_tools"), str(built[0]), "--force")
-    s.model = s.http("GET", "/v1/models").json()["data"][0]["id"]
-    yield s
-    code = s.stop()
-    assert code == 0, s.log()
-    assert "Traceback" not in s.log(), s.log()
+    yield from serving(tmp_path_factory.mktemp("serve_responses_tools"), str(built[0]), "--force")
 
 
 def test_reasoning_text_and_a_function_call_come_as_items(tool_server, built):

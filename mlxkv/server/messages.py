@@ -9,7 +9,6 @@ As on the OpenAI side, every field is either honoured or refused with a 400 that
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import replace
 
 from starlette.responses import JSONResponse
@@ -29,11 +28,10 @@ from mlxkv.server.params import (
     show,
     template_kwargs_of,
 )
-from mlxkv.server.tools import ANY, MAX_TOOLS, ToolUse, forced_schema
+from mlxkv.server.tools import ANY, MAX_TOOLS, ToolUse, forced_schema, function_of
 
 MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # as Anthropic's API
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 SERVICE_TIERS = ("auto", "standard_only")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 THINKING = ("enabled", "disabled", "adaptive", "between_tools")
@@ -378,22 +376,9 @@ def _tools(body: dict) -> ToolUse:
                 f"{where}.type",
             )
         _only(t, {"type", "name", "description", "input_schema", "cache_control"}, where)
-        name = t.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise bad(
-                f"{where}.name must be 1 to 128 letters, digits, '_' or '-', got {show(name)}",
-                f"{where}.name",
-            )
-        if name in seen:
-            raise bad(f"{where}: the name '{name}' is given twice", f"{where}.name")
-        seen.add(name)
-        if t.get("description") is not None and not isinstance(t["description"], str):
-            raise bad(f"{where}.description must be a string", f"{where}.description")
         if not isinstance(t.get("input_schema"), dict):
             raise bad(f"{where}.input_schema must be a JSON Schema object", where)
-        fn = {"name": name, "parameters": t["input_schema"]}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
+        fn = function_of(t, where, seen, "input_schema", longest=128)
         functions.append({"type": "function", "function": fn})
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None

@@ -31,7 +31,7 @@ from mlxkv.server.params import (
     settings_of,
     show,
 )
-from mlxkv.server.tools import MAX_TOOLS, NAME, ToolUse, new_call_id
+from mlxkv.server.tools import MAX_TOOLS, ToolUse, assistant_calls, function_of
 
 STREAM_MEDIA = "application/x-ndjson"
 THINK_LEVELS = ("low", "medium", "high")
@@ -276,30 +276,10 @@ def _messages(v) -> list[dict]:
         if role == "assistant" and m.get("thinking"):
             message["reasoning_content"] = str(m["thinking"])
         if role == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = _calls(m["tool_calls"], where)
+            message["tool_calls"] = assistant_calls(m["tool_calls"], where)
         if role == "tool" and m.get("tool_name") is not None:
             message["name"] = m["tool_name"]
         out.append(message)
-    return out
-
-
-def _calls(calls, where: str) -> list[dict]:
-    """An assistant message's ``tool_calls`` ({function: {name, arguments}}) as chat
-    templates read them."""
-    if not isinstance(calls, list):
-        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
-    out = []
-    for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        args = fn.get("arguments", {}) if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name or not isinstance(args, dict):
-            raise bad(f"{at} must be {{function: {{name, arguments: {{...}}}}}}", at)
-        call_id = call.get("id") if isinstance(call.get("id"), str) else new_call_id()
-        out.append(
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-        )
     return out
 
 
@@ -312,15 +292,13 @@ def _tools(v) -> ToolUse:
         raise bad("tools must be a list of function tools", "tools")
     if len(v) > MAX_TOOLS:
         raise bad(f"tools holds {len(v)} tools; at most {MAX_TOOLS}", "tools")
-    out = []
+    out, seen = [], set()
     for i, t in enumerate(v):
         where = f"tools[{i}]"
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not fn:
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
             raise bad(f"{where} must be {{type: 'function', function: {{name, ...}}}}", where)
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise bad(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'", where)
+        fn = function_of(fn, f"{where}.function", seen, "parameters")
         out.append({"type": "function", "function": fn})
     return ToolUse(tools=out)
 

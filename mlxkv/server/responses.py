@@ -33,7 +33,7 @@ from mlxkv.server.params import (
     show,
     template_kwargs_of,
 )
-from mlxkv.server.tools import ANY, MAX_TOOLS, NAME, ToolUse, forced_schema
+from mlxkv.server.tools import ANY, MAX_TOOLS, NAME, ToolUse, forced_schema, function_of
 
 MAX_METADATA = 16  # as OpenAI's API: keys, each up to 64 characters, values up to 512
 LOGPROBS = "message.output_text.logprobs"
@@ -368,32 +368,16 @@ def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
         for k in t:
             if k not in ("type", "name", "description", "parameters", "strict"):
                 raise bad(f"{where}.{k} is not a field of a function tool", f"{where}.{k}")
-        name = t.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise bad(
-                f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got {show(name)}",
-                f"{where}.name",
-            )
-        if name in seen:
-            raise bad(f"{where}: the name '{name}' is given twice", f"{where}.name")
-        seen.add(name)
-        if t.get("description") is not None and not isinstance(t["description"], str):
-            raise bad(f"{where}.description must be a string", f"{where}.description")
-        params = t.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
         if t.get("strict") is not None and not isinstance(t["strict"], bool):
             raise bad(f"{where}.strict must be true or false", f"{where}.strict")
-        fn = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
+        fn = function_of(t, where, seen, "parameters")
         functions.append({"type": "function", "function": fn})
         echoed.append(
             {
                 "type": "function",
-                "name": name,
+                "name": fn["name"],
                 "description": t.get("description"),
-                "parameters": params,
+                "parameters": t.get("parameters"),
                 "strict": t.get("strict") is not False,
             }
         )

@@ -139,6 +139,30 @@ def _check_tool(tool, where: str) -> str:
     return name
 
 
+def function_of(tool: dict, where: str, seen: set[str], schema: str, longest: int = 64) -> dict:
+    """One tool's name (unique among ``seen``, which it joins), description and parameter
+    schema (the field ``schema``), checked, as the ``function`` a chat template reads."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not re.fullmatch(rf"[A-Za-z0-9_-]{{1,{longest}}}", name):
+        raise bad(
+            f"{where}.name must be 1 to {longest} letters, digits, '_' or '-', got "
+            f"{json.dumps(name)[:40]}",
+            f"{where}.name",
+        )
+    if name in seen:
+        raise bad(f"{where}: the name '{name}' is given twice", f"{where}.name")
+    seen.add(name)
+    if tool.get("description") is not None and not isinstance(tool["description"], str):
+        raise bad(f"{where}.description must be a string", f"{where}.description")
+    parameters = tool.get(schema)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad(f"{where}.{schema} must be a JSON Schema object", f"{where}.{schema}")
+    fn = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return fn
+
+
 def assistant_calls(calls, where: str) -> list[dict]:
     """An assistant message's ``tool_calls`` as chat templates read them: each call's
     ``arguments`` (a JSON string in the API) decoded to an object."""

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
+from mlxkv.models.fim import fim_format
 from mlxkv.policy import KVPolicy
 from mlxkv.server import metrics, ollama
 from mlxkv.server.answers import (
@@ -234,6 +235,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ask = replace(ask, model=ollama.served_name(ask.model, served.names) or ask.model)
         check_model(ask.model)
         check_tool_format(ask)
+        if ask.suffix is not None:
+            ask = fill_in(ask)
         if kind in OLLAMA and not (ask.messages or ask.prompts):
             # nothing to answer: a client making sure the model is loaded (it always is)
             return JSONResponse(ollama.Reply(served.id, kind == "api_chat").loaded())
@@ -289,6 +292,23 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 gone.stop()
                 bridge.finish(run)
                 _log(env, ask, choices, run)
+
+    def fill_in(ask: Ask) -> Ask:
+        """A completion with a suffix as the model's fill-in-the-middle prompts, which end
+        where the model writes one of the format's markers."""
+        fim = fim_format(served.tokenizer)
+        if fim is None:
+            raise APIError(
+                400,
+                f"suffix: the model '{served.id}' has no fill-in-the-middle tokens (as code "
+                "models such as Qwen2.5-Coder, StarCoder2, DeepSeek-Coder and Codestral have); "
+                "leave suffix out",
+                param="suffix",
+                code="fim_unsupported",
+            )
+        prompts = [fim.prompt(p, ask.suffix) for p in ask.prompts]
+        stop = tuple(dict.fromkeys((*ask.settings.stop, *fim.stops)))
+        return replace(ask, prompts=prompts, settings=replace(ask.settings, stop=stop))
 
     def check_tool_format(ask: Ask) -> None:
         if ask.tools.on and not has_tool_calling(served.tokenizer):
@@ -474,6 +494,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         abilities = ["completion"]
         abilities += ["tools"] if has_tool_calling(tok) else []
         abilities += ["thinking"] if getattr(tok, "has_thinking", False) else []
+        abilities += ["insert"] if fim_format(tok) is not None else []  # fill-in-the-middle
         template = getattr(tok, "chat_template", None)
         return JSONResponse(
             {

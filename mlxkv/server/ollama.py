@@ -42,7 +42,6 @@ CHAT_FIELDS = COMMON | {"messages", "tools"}
 GENERATE_FIELDS = COMMON | {"prompt", "system", "raw", "suffix", "template", "context", "images"}
 # image generation and the retired ways of passing a conversation: refused when set
 GENERATE_REFUSED = {
-    "suffix": "suffix (fill-in-the-middle) is not supported; leave it out",
     "template": "a request's own template is not supported: the model's chat template is "
     "used, or send raw: true with the prompt as the model reads it",
     "context": "context (the token list of an earlier answer) is not supported; send the "
@@ -108,6 +107,13 @@ def parse_generate(body: dict, limits: Limits) -> Ask:
     for name, v in (("prompt", prompt), ("system", system)):
         if not isinstance(v, str):
             raise bad(f"{name} must be a string, got {show(v)}", name)
+    suffix = body.get("suffix") or None
+    if suffix is not None:  # fill in the middle: the model's own format, not its template
+        if not isinstance(suffix, str):
+            raise bad(f"suffix must be a string, got {show(suffix)}", "suffix")
+        if system:
+            raise bad("system cannot go with suffix (a completion between two texts)", "system")
+        return replace(_ask(body, limits, "api_generate", prompts=[prompt]), suffix=suffix)
     if bool_field(body, "raw"):
         if system:
             raise bad(

@@ -43,9 +43,7 @@ CHAT_NO_OPS = {
     "web_search_options": (NO_OP, "web search is not supported"),
     "service_tier": ("auto", "there is one service tier; send 'auto' or leave it out"),
 }
-COMPLETION_NO_OPS = {
-    "suffix": (NO_OP, "suffix (insertion) is not supported; leave it out"),
-}
+COMPLETION_NO_OPS: dict = {}
 _HONOURED = {
     "model",
     "max_tokens",
@@ -82,7 +80,7 @@ CHAT_HONOURED = _HONOURED | {
     "prompt_cache_key",
     "prompt_cache_retention",
 }
-COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of", "echo"}
+COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of", "echo", "suffix"}
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # chat_template_kwargs may not reach the arguments the server sets itself
@@ -155,6 +153,7 @@ class Ask:
     echo: bool = False  # completions: the prompt comes back before the answer
     prompt_logprobs: int | None = None  # completions with echo: the prompt's tokens scored
     show_thinking: bool = True  # messages: thinking blocks carry their text
+    suffix: str | None = None  # completions: the text after the answer (fill-in-the-middle)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -479,6 +478,7 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
     echo = bool(bool_field(body, "echo"))
     if echo and stream:
         raise bad("echo is not supported with stream: true; ask for the whole answer", "echo")
+    suffix = _suffix(body.get("suffix"), prompts, echo)
     # with echo, max_tokens 0 scores the prompt alone (one token is decoded and not sent)
     max_tokens = int_field(body, "max_tokens", 0 if echo else 1, 2**31 - 1)
     logprobs = int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
@@ -498,7 +498,21 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
         echo=echo,
         prompt_logprobs=logprobs if echo else None,
         warm_only=max_tokens == 0,
+        suffix=suffix,
     )
+
+
+def _suffix(v, prompts: list, echo: bool) -> str | None:
+    """``suffix``: the text after the insertion; the answer fills the middle."""
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise bad(f"suffix must be a string, got {show(v)}", param="suffix")
+    if echo:
+        raise bad("suffix and echo cannot go together; send one", param="suffix")
+    if not all(isinstance(p, str) for p in prompts):
+        raise bad("suffix needs the prompt as text, not token ids", param="suffix")
+    return v
 
 
 def _messages(v) -> list[dict]:

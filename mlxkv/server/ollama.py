@@ -40,7 +40,7 @@ DONE_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cont
 COMMON = {"model", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "tools"}
 GENERATE_FIELDS = COMMON | {"prompt", "system", "raw", "suffix", "template", "context", "images"}
-# image generation and the retired ways of passing a conversation: refused when set
+# what a served text model cannot take, and the retired way of passing a conversation
 GENERATE_REFUSED = {
     "template": "a request's own template is not supported: the model's chat template is "
     "used, or send raw: true with the prompt as the model reads it",

@@ -156,6 +156,8 @@ def test_the_model_is_listed_shown_and_running(server, default_model):
         ("smollm2-135m", 8192, default_model.weights_bytes)
     ]
     assert server.http("GET", "/api/version").json() == {"version": "0.1.0"}
+    probe = httpx.head(f"{server.url}/", timeout=60)  # no key needed, as /health
+    assert (probe.status_code, httpx.get(f"{server.url}/").text) == (200, "mlxkv is running")
 
 
 def test_format_holds_the_answer_to_a_schema(server):

@@ -95,6 +95,21 @@ def test_the_key_is_required(server):
         r = server.http("POST", "/v1/chat/completions", headers=headers, json={"messages": MSG})
         assert r.status_code == 401
     assert server.http("GET", "/health", headers={"Authorization": ""}).status_code == 200
+    assert server.http("GET", "/", headers={"Authorization": ""}).status_code == 200
+    for method, path in (  # every API's endpoints, each answering in its own error shape
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/messages"),
+        ("POST", "/api/chat"),
+        ("POST", "/api/generate"),
+        ("GET", "/api/tags"),
+        ("POST", "/api/show"),
+    ):
+        r = server.http(method, path, headers={"Authorization": "Bearer wrong"}, json={})
+        assert r.status_code == 401, path
+        body = r.json()
+        message = body["error"] if path.startswith("/api/") else body["error"]["message"]
+        assert "with the key the server was started with" in message, path
     with pytest.raises(openai.AuthenticationError):
         server.client(key="sk-wrong").models.list()
     r = server.client().chat.completions.create(

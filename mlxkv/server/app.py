@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
@@ -35,7 +35,7 @@ from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source
 from mlxkv.server.messages import Message, error_response, event, parse_messages
-from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json
+from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json, show
 from mlxkv.server.reasoning import think_reader
 from mlxkv.server.response_store import ChainBroken, ResponseStore
 from mlxkv.server.responses import (
@@ -436,7 +436,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if after is not None:
             ids = [i["id"] for i in items]
             if after not in ids:
-                raise bad(f"after names no input item of this response: {after!r}", "after")
+                raise bad(f"after names no input item of this response: {show(after)}", "after")
             items = items[ids.index(after) + 1 :]
         page = items[: int(limit)]
         return JSONResponse(
@@ -539,6 +539,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         check_model(request.path_params["name"])
         return JSONResponse(model_card())
 
+    async def root(request: Request) -> Response:
+        """What Ollama's clients probe before they talk to a server (``GET``/``HEAD /``)."""
+        return PlainTextResponse("mlxkv is running")
+
     async def health(request: Request) -> Response:
         if bridge.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
@@ -587,6 +591,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/status", _guard(status), methods=["GET"]),
         Route("/metrics", _guard(metrics_text), methods=["GET"]),
         Route("/health", _guard(health), methods=["GET"]),
+        Route("/", root, methods=["GET", "HEAD"]),
     ]
     return Starlette(
         routes=routes,

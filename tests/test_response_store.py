@@ -46,7 +46,7 @@ def test_the_bound_pushes_out_what_was_used_longest_ago():
     assert list(store.entries) == ["c", "a", "d"]
     assert store.bytes == size("a", "x") * 3
     assert store.delete("c") and not store.delete("c")
-    assert store.bytes == size("a", "x") * 2
+    assert store.usage() == {"responses": 2, "bytes": size("a", "x") * 2, "limit": store.limit}
 
 
 def test_an_entry_larger_than_the_store_is_not_kept():

@@ -169,6 +169,8 @@ def test_previous_response_id_goes_on_from_the_stored_conversation(server, defau
     assert (n.object, n.input_tokens) == ("response.input_tokens", second.usage.input_tokens)
 
     assert c.responses.retrieve(second.id).output_text == second.output_text
+    held = server.status()["response_store"]
+    assert held["responses"] >= 2 and 0 < held["bytes"] <= held["limit"] == 64 * 2**20
     listed = c.responses.input_items.list(second.id)
     assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [
         ("message", "user", "And of Italy?")

@@ -558,6 +558,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             "rows_in_flight": bridge.rows_in_flight,
             "draining": bridge.draining,
             **now,
+            "response_store": served.stored.usage(),
         }
 
     async def status(request: Request) -> Response:

@@ -64,6 +64,9 @@ class ResponseStore:
             self.bytes -= entry.size
         return entry is not None
 
+    def usage(self) -> dict:
+        return {"responses": len(self.entries), "bytes": self.bytes, "limit": self.limit}
+
     def conversation(self, response_id: str) -> list[dict]:
         """The messages of every turn up to and including ``response_id``'s, oldest first;
         the whole chain counts as used. Raises ChainBroken naming the first missing link."""

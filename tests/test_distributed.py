@@ -269,12 +269,15 @@ def test_plan_hosts_uses_each_hosts_memory(cli, default_model_path):
 
 def test_data_parallel_batch_writes_the_single_process_records(cli, preloaded, tmp_path):
     """Two ranks, each a whole default model: rank 0 hands out the prompts and writes one
-    output whose texts are the single-process run's; a re-run has nothing left to do."""
+    output whose texts are the single-process run's (a line held to a JSON schema too); a
+    re-run has nothing left to do."""
+    from tests.json_schemas import CITY
+
     prompts = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of Italy?"]
+    lines = [{"id": i, "prompt": p} for i, p in enumerate(prompts)]
+    lines.append({"id": 4, "prompt": "A city in Italy, as JSON.", "json_schema": CITY})
     src = tmp_path / "in.jsonl"
-    src.write_text(
-        "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
-    )
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     flags = ["--max-tokens", "6", "--batch-size", "2", "--no-progress"]
     one = cli("batch", str(src), "-o", str(tmp_path / "one.jsonl"), *flags)
     assert one.returncode == 0, one.stderr
@@ -283,10 +286,12 @@ def test_data_parallel_batch_writes_the_single_process_records(cli, preloaded, t
     assert "error:" not in two.stderr and "Traceback" not in two.stderr, two.stderr
     stats = last_json(two)
     assert stats["ranks"] == 2 and stats["shard"] == "data"
-    assert stats["results"] == 4 and stats["results_by_rank"] == [2, 2]
+    assert stats["results"] == 5 and sum(stats["results_by_rank"]) == 5
+    assert min(stats["results_by_rank"]) >= 2
     single = {r["id"]: r["text"] for r in read_records(tmp_path / "one.jsonl")}
+    assert single[4].startswith('{"city"')  # held to the schema
     split = read_records(out)
-    assert sorted(r["id"] for r in split) == [0, 1, 2, 3]
+    assert sorted(r["id"] for r in split) == [0, 1, 2, 3, 4]
     assert {r["id"]: r["text"] for r in split} == single
     again = launch(2, "batch", str(src), "-o", str(out), *flags)
     assert "nothing left to run" in again.stderr, again.stderr

@@ -131,6 +131,30 @@ def test_a_prompt_that_opens_the_think_block(server, script_ids):
     assert r.usage.completion_tokens == len(script_ids)  # <think> was the prompt's; + EOS
 
 
+@pytest.mark.parametrize("budget", [0, 2])
+@pytest.mark.parametrize("open_think", [False, True])
+def test_a_thinking_budget_closes_the_think_block(server, folder, script_ids, budget, open_think):
+    """thinking_budget: after that many reasoning tokens the think block is closed for the
+    model (its end marker forced), which goes on to its answer; whether the model opened
+    the block or the prompt did."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    end = script_ids.index(tok.convert_tokens_to_ids("</think>"))
+    thought = script_ids[1:end]  # between <think> and </think>
+    assert len(thought) > budget
+    r = server.client().chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        temperature=1,  # the forced marker holds whatever the sampler would pick
+        seed=5,
+        extra_body={"thinking_budget": budget, "chat_template_kwargs": {"open_think": open_think}},
+    )
+    message = r.choices[0].message
+    assert message.model_extra.get("reasoning_content", "") == tok.decode(thought[:budget])
+    assert message.content == ANSWER
+    cut = len(thought) - budget
+    assert r.usage.completion_tokens == len(script_ids) + 1 - cut - open_think
+
+
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_a_tool_call_comes_back_as_tool_calls(server, temperature):
     r = server.client().chat.completions.create(

@@ -133,6 +133,7 @@ NOT_IN_FINGERPRINT = (
     "logit_bias",
     "continues",
     "grammar",
+    "think_budget",
 )
 
 

@@ -27,6 +27,9 @@ class GenerationSettings:
     prefill_step: int = 512
     # An llguidance grammar the answer must match (constrained decoding; engine/grammar.py)
     grammar: str | None = None
+    # The most reasoning tokens a thinking model writes before its think block is closed
+    # for it (engine/thinking.py); None: no limit
+    think_budget: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:

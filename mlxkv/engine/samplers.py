@@ -62,7 +62,8 @@ def processors_for(s: GenerationSettings, prompt_len: int, tokenizer=None) -> li
     (``processor_history``, then every answer token) and the logits. The repetition
     penalty looks at the last 20 of them, as in mlx-lm; the presence and frequency
     penalties at the whole answer and nothing of the prompt, as OpenAI defines them
-    (mlx_lm.server counts the last 20 tokens, the prompt's among them). A grammar
+    (mlx_lm.server counts the last 20 tokens, the prompt's among them). A thinking budget
+    closes a thinking model's think block at ``s.think_budget`` tokens. A grammar
     (``s.grammar``, read with ``tokenizer``) comes last: what it allows is what is left."""
     from mlx_lm.sample_utils import (
         make_frequency_penalty,
@@ -81,6 +82,11 @@ def processors_for(s: GenerationSettings, prompt_len: int, tokenizer=None) -> li
         if penalty:
             over_answer = make(penalty, s.max_tokens)
             processors.append(lambda tokens, logits, p=over_answer: p(tokens[lead:], logits))
+    if s.think_budget is not None:
+        from mlxkv.engine.thinking import think_budget
+
+        closer = think_budget(tokenizer, s.think_budget)
+        processors += [closer] if closer is not None else []
     if s.grammar is not None:
         from mlxkv.engine.grammar import GrammarProcessor
 

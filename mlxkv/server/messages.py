@@ -118,7 +118,7 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
     messages, prefill = _messages(body["messages"])
     system = _system(body.get("system"))
     tools = _tools(body)
-    thinking, shown = _thinking(body, max_tokens)
+    thinking, shown, budget = _thinking(body, max_tokens)
     effort, grammar = _output_config(body.get("output_config"))
     if tools.forced:
         if grammar is not None:
@@ -139,7 +139,7 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
         # max_tokens 0 (warming the cache): one token is decoded and not sent
         settings = settings_of(sampling, limits, max_tokens or 1)
         # an answer that continues the assistant's own text keeps its first space
-        settings = replace(settings, continues=prefill, grammar=grammar)
+        settings = replace(settings, continues=prefill, grammar=grammar, think_budget=budget)
     _check_plain(body)
     profile = _string(body, "user_profile_id")
     return Ask(
@@ -408,13 +408,14 @@ def _tools(body: dict) -> ToolUse:
     return ToolUse(tools=functions, parallel=parallel, forced=forced)
 
 
-def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool]:
+def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool, int | None]:
     """``thinking`` as chat template arguments, ``enable_thinking`` (the switch of Qwen3's
     and similar templates: "adaptive" and "between_tools" leave the template's default),
-    and whether the answer shows the thinking's text (``display: "omitted"`` does not)."""
+    whether the answer shows the thinking's text (``display: "omitted"`` does not), and
+    the thinking budget (``budget_tokens``: the think block is closed at it)."""
     v = body.get("thinking")
     if v is None:
-        return {}, True
+        return {}, True, None
     kind = v.get("type") if isinstance(v, dict) else None
     if kind not in THINKING:
         raise bad(f"thinking.type must be one of {', '.join(THINKING)}, got {show(v)}", "thinking")
@@ -426,6 +427,7 @@ def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool]:
             f"thinking.display must be 'summarized' or 'omitted', got {show(display)}",
             "thinking.display",
         )
+    budget = None
     if kind == "enabled":
         budget = int_field(v, "budget_tokens", MIN_THINKING_BUDGET, 2**31 - 1)
         if budget is None:
@@ -436,7 +438,7 @@ def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool]:
                 "thinking.budget_tokens",
             )
     switch = {"enabled": {"enable_thinking": True}, "disabled": {"enable_thinking": False}}
-    return switch.get(kind, {}), display != "omitted"
+    return switch.get(kind, {}), display != "omitted", budget
 
 
 def _output_config(v) -> tuple[dict, str | None]:

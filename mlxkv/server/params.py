@@ -75,6 +75,7 @@ CHAT_HONOURED = _HONOURED | {
     "tool_choice",
     "parallel_tool_calls",
     "reasoning_effort",
+    "thinking_budget",  # extension (as Qwen's API): the most reasoning tokens
     "response_format",
     # prompt-caching hints agents send: the prefix cache matches requests by their tokens
     "prompt_cache_key",
@@ -446,10 +447,11 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
                 param="response_format",
             )
         grammar = schema_grammar(forced_schema(tools), "tools")
+    budget = int_field(body, "thinking_budget", 0, 2**31 - 1, "0 closes the thinking at once")
     return Ask(
         kind="chat",
         model=model_of(body),
-        settings=replace(settings, grammar=grammar),
+        settings=replace(settings, grammar=grammar, think_budget=budget),
         policy=policy_of(body),
         logprobs=(top or 0) if logprobs else None,
         n=_n(body, 1, limits),

@@ -1,0 +1,70 @@
+"""A thinking budget: a thinking model (Qwen3, DeepSeek-R1 and the others mlx-lm finds think
+markers for) may write at most so many tokens of reasoning; at the budget its think block
+is closed for it (the end marker is forced) and it goes on to the answer.
+
+The budget counts the tokens written inside the block, whether the model opened it or the
+prompt did (DeepSeek-R1's template opens it for the model)."""
+
+from __future__ import annotations
+
+
+class ThinkBudget:
+    """A logits processor (as mlx-lm's: called with the tokens seen and the logits) that
+    closes the think block after ``budget`` tokens of reasoning; it reads each answer token
+    from the history it is shown, the first call's history being the prompt's."""
+
+    def __init__(self, budget: int, start: tuple[int, ...], end: tuple[int, ...]):
+        self.budget = budget
+        self.start, self.end = start, end
+        self.inside = False
+        self.spent = 0  # reasoning tokens since the block opened
+        self.forcing: list[int] = []  # the end marker's tokens still to write
+        self.started = False
+
+    def __call__(self, history, logits):
+        import mlx.core as mx
+
+        seen = [int(t) for t in history.tolist()] if not self.started else []
+        if not self.started:  # the prompt: does it leave a think block open?
+            self.started = True
+            self.inside = _last(seen, self.start) > _last(seen, self.end)
+        else:
+            self._read(history)
+        if self.inside and self.spent >= self.budget and not self.forcing:
+            self.forcing = list(self.end)
+        if not self.forcing:
+            return logits
+        token = self.forcing.pop(0)
+        keep = mx.arange(logits.shape[-1]) == token
+        return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _read(self, history) -> None:
+        tail = [int(t) for t in history[-max(len(self.start), len(self.end)) :].tolist()]
+        if _ends_with(tail, self.end):
+            self.inside, self.forcing = False, []
+        elif _ends_with(tail, self.start):
+            self.inside, self.spent = True, 0
+        elif self.inside:
+            self.spent += 1
+
+
+def _ends_with(tokens: list[int], marker: tuple[int, ...]) -> bool:
+    return len(tokens) >= len(marker) and tuple(tokens[-len(marker) :]) == marker
+
+
+def _last(tokens: list[int], marker: tuple[int, ...]) -> int:
+    """Where ``marker`` last ends in ``tokens`` (-1: nowhere)."""
+    for i in range(len(tokens), len(marker) - 1, -1):
+        if tuple(tokens[i - len(marker) : i]) == marker:
+            return i
+    return -1
+
+
+def think_budget(tokenizer, budget: int) -> ThinkBudget | None:
+    """The processor for ``tokenizer``'s think markers (None: the model has none)."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return None
+    encode = getattr(tokenizer, "_tokenizer", tokenizer).encode
+    start = tuple(encode(tokenizer.think_start, add_special_tokens=False))
+    end = tuple(encode(tokenizer.think_end, add_special_tokens=False))
+    return ThinkBudget(budget, start, end) if start and end else None

@@ -36,6 +36,7 @@ def _no_model(monkeypatch):
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["--prefill-step", "0"], "--prefill-step must be at least 1"),
+        (["--thinking-budget", "-1"], "--thinking-budget must be at least 0, got -1"),
         (["--kv-window", "-3"], "--kv-window"),
         (["--kv-window", "9" * 23], "is past any model's context; use at most 1073741824"),
         (["--kv-sinks", "9" * 23, "--kv-window", "64"], "--kv-sinks 99999999999999999999999"),

@@ -5,6 +5,8 @@ Qwen-style chat template and tokenizer markers), driven by the official ``openai
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -153,6 +155,23 @@ def test_a_thinking_budget_closes_the_think_block(server, folder, script_ids, bu
     assert message.content == ANSWER
     cut = len(thought) - budget
     assert r.usage.completion_tokens == len(script_ids) + 1 - cut - open_think
+
+
+def test_generate_takes_a_thinking_budget(folder, script_ids):
+    """The same budget on the command line: mlxkv generate prints the cut reasoning, then
+    the whole answer."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    end = script_ids.index(tok.convert_tokens_to_ids("</think>"))
+    run = subprocess.run(
+        [sys.executable, "-m", "mlxkv", "generate", "--model", str(folder), "--force"]
+        + ["--prompt", ASK[0]["content"], "--thinking-budget", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"<think>{tok.decode(script_ids[1:2])}</think>{ANSWER}"
+    assert end > 2  # the script thinks for more than one token
 
 
 @pytest.mark.parametrize("temperature", [0, 1])

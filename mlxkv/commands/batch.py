@@ -158,6 +158,8 @@ def _run_context(args, policy, base, schema: dict | None = None) -> str:
         # a raw line's text now keeps its first space: records written before resume anew
         raw="continuation" if args.raw else False,
         **({"json_schema": schema} if schema is not None else {}),
+        # as the schema: only when given, so records written before the flag still resume
+        **({"think_budget": base.think_budget} if base.think_budget is not None else {}),
     )
 
 

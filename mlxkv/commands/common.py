@@ -137,6 +137,14 @@ def add_generation_flags(
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
+        "--thinking-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a thinking model writes at most N tokens of reasoning, then its think block is "
+        "closed for it (default: no limit)",
+    )
+    g.add_argument(
         "--prefill-step",
         type=int,
         default=prefill_step,
@@ -223,6 +231,7 @@ def check_generation_flags(args) -> None:
     _number("--repetition-penalty", args.repetition_penalty, lo=0, lo_open=True, hint="1 = none")
     _number("--seed", args.seed, lo=0, hi=SEED_MAX)
     _number("--prefill-step", args.prefill_step, lo=1)
+    _number("--thinking-budget", args.thinking_budget, lo=0, hint="0 closes it at once")
 
 
 def settings_from_args(args):
@@ -240,6 +249,7 @@ def settings_from_args(args):
         seed=args.seed,
         stop=tuple(args.stop),
         prefill_step=args.prefill_step,
+        think_budget=args.thinking_budget,
     )
 
 

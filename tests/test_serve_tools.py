@@ -157,6 +157,32 @@ def test_a_thinking_budget_closes_the_think_block(server, folder, script_ids, bu
     assert r.usage.completion_tokens == len(script_ids) + 1 - cut - open_think
 
 
+def test_the_servers_thinking_budget_is_the_default_of_requests(tmp_path, folder, script_ids):
+    """serve --thinking-budget: requests that do not set one are cut at it; a request's own
+    thinking_budget (or Anthropic's budget_tokens) wins."""
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    flags = (str(folder), "--force", "--thinking-budget", "1", "--shutdown-timeout", "2")
+    server = Server(tmp_path, *flags)
+    try:
+        model = server.http("GET", "/v1/models").json()["data"][0]["id"]
+        c = server.client()
+        cut = c.chat.completions.create(model=model, messages=ASK)
+        assert cut.choices[0].message.model_extra["reasoning_content"] == tok.decode(
+            script_ids[1:2]
+        )
+        whole = c.chat.completions.create(
+            model=model, messages=ASK, extra_body={"thinking_budget": 100}
+        )
+        assert whole.choices[0].message.model_extra["reasoning_content"] == THOUGHT
+        body = {"model": model, "max_tokens": 2048, "messages": ASK}
+        body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
+        blocks = server.http("POST", "/v1/messages", json=body).json()["content"]
+        assert blocks[0] == {"type": "thinking", "thinking": THOUGHT, "signature": ""}
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "Traceback" not in server.log()
+
+
 def test_generate_takes_a_thinking_budget(folder, script_ids):
     """The same budget on the command line: mlxkv generate prints the cut reasoning, then
     the whole answer."""

@@ -139,7 +139,9 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
         # max_tokens 0 (warming the cache): one token is decoded and not sent
         settings = settings_of(sampling, limits, max_tokens or 1)
         # an answer that continues the assistant's own text keeps its first space
-        settings = replace(settings, continues=prefill, grammar=grammar, think_budget=budget)
+        settings = replace(settings, continues=prefill, grammar=grammar)
+        if budget is not None:  # else the server's --thinking-budget, if any
+            settings = replace(settings, think_budget=budget)
     _check_plain(body)
     profile = _string(body, "user_profile_id")
     return Ask(

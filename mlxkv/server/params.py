@@ -451,7 +451,11 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     return Ask(
         kind="chat",
         model=model_of(body),
-        settings=replace(settings, grammar=grammar, think_budget=budget),
+        settings=replace(
+            settings,
+            grammar=grammar,
+            think_budget=settings.think_budget if budget is None else budget,
+        ),
         policy=policy_of(body),
         logprobs=(top or 0) if logprobs else None,
         n=_n(body, 1, limits),

@@ -95,6 +95,17 @@ def test_a_chat_is_mlx_lms_greedy_answer(server, default_model):
     assert openai.choices[0].message.content == r.message.content
 
 
+def test_stop_strings_past_openais_count_end_the_answer(server):
+    """Editors send many stop strings for code completion; Ollama takes any count."""
+    stops = [f"never{i}" for i in range(30)] + [" Paris"]
+    r = whole(
+        server,
+        "/api/chat",
+        {"model": "smollm2-135m", "messages": QUESTION, "options": {"stop": stops}},
+    )
+    assert (r["message"]["content"], r["done_reason"]) == ("The capital of France is", "stop")
+
+
 def test_a_stream_is_lines_of_json_and_stops_at_num_predict(server):
     """Ollama streams unless told not to: a line per token, the last with done_reason
     length when num_predict cut the answer."""
@@ -242,6 +253,12 @@ BAD = [
         "messages[0].images: images are not supported: the model reads text",
     ),
     ({"format": "yaml"}, 400, 'format must be "json" or a JSON Schema object, got "yaml"'),
+    ({"options": {"stop": ["x"] * 65}}, 400, "options.stop holds 65 strings; at most 64"),
+    (
+        {"options": {"stop": [""]}},
+        400,
+        "options.stop must be a string or a list of non-empty strings",
+    ),
     ({"think": "max"}, 400, 'think must be true, false, or one of low, medium, high, got "max"'),
     (
         {"messages": [], "keep_alive": 0},

@@ -79,6 +79,7 @@ RUNTIME = {
 # samplers that only their "off" value is accepted for
 OFF = {"mirostat": 0, "tfs_z": 1, "typical_p": 1}
 REPEAT_LAST_N = 20  # the tokens repeat_penalty looks back over (mlx-lm's)
+MAX_STOPS = 64
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -200,8 +201,7 @@ def _options(v, limits: Limits) -> tuple:
                 )
         elif name not in ("num_predict", "num_ctx", "num_keep"):
             raise bad(f"{where} is not an option of this server; see docs/serve.md", where)
-    if isinstance(given.get("stop"), str):
-        given["stop"] = [given["stop"]]
+    stops = _stops(given.pop("stop", None))
     predict = int_field(v, "num_predict", -2, 2**31 - 1, "-1: until the model stops")
     if predict == 0:
         raise bad("options.num_predict 0 generates nothing; send at least 1, or -1", "options")
@@ -212,7 +212,22 @@ def _options(v, limits: Limits) -> tuple:
         settings = settings_of(given, limits, max_tokens)
     except APIError as e:
         raise bad(f"options.{e.message}", f"options.{e.param}" if e.param else "options") from None
+    if stops:
+        settings = replace(settings, stop=stops)
     return settings, _context(v, limits)
+
+
+def _stops(v) -> tuple[str, ...]:
+    """``options.stop``: Ollama sets no count (editors send a score for code completion);
+    a bound keeps each step's check small."""
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise bad("options.stop must be a string or a list of non-empty strings", "options.stop")
+    if len(stops) > MAX_STOPS:
+        raise bad(f"options.stop holds {len(stops)} strings; at most {MAX_STOPS}", "options.stop")
+    return tuple(stops)
 
 
 def _context(v: dict, limits: Limits) -> KVPolicy | None:

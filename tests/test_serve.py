@@ -395,6 +395,7 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "n": 0}, None, 400, "n", "in [1,"),
     ({"messages": MSG, "stop": [""]}, None, 400, "stop", "must not be empty"),
     ({"messages": MSG, "stop": 5}, None, 400, "stop", "string or a list"),
+    ({"messages": MSG, "stop": ["x"] * 65}, None, 400, "stop", "at most 64 strings, got 65"),
     ({"messages": MSG, "top_logprobs": 2}, None, 400, "top_logprobs", "needs logprobs"),
     ({"messages": MSG, "stream_options": {"include_usage": True}}, None, 400,
      "stream_options", "only allowed with stream"),

@@ -192,6 +192,7 @@ BAD = [
     ({"model": "claude-opus-4-6"}, 404, None),
     ({"frobnicate": 1}, 400, "frobnicate: Extra inputs are not permitted"),
     ({"temperature": 1.5}, 400, "temperature must be in [0, 1], got 1.5; 0 means greedy"),
+    ({"stop_sequences": ["x"] * 65}, 400, "stop_sequences takes at most 64, got 65"),
     (
         {"messages": [{"role": "system", "content": "x"}]},
         400,

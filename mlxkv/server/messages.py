@@ -17,6 +17,7 @@ from mlxkv.engine.events import Stats
 from mlxkv.server.answers import Choice, Part, new_id
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
+    MAX_STOP,
     Ask,
     Limits,
     int_field,
@@ -30,7 +31,6 @@ from mlxkv.server.params import (
 )
 from mlxkv.server.tools import ANY, MAX_TOOLS, ToolUse, forced_schema, function_of
 
-MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # as Anthropic's API
 SERVICE_TIERS = ("auto", "standard_only")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -204,10 +204,8 @@ def _stop_sequences(v) -> list[str] | None:
         return None
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise bad("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    if len(v) > MAX_STOP_SEQUENCES:
-        raise bad(
-            f"stop_sequences takes at most {MAX_STOP_SEQUENCES}, got {len(v)}", "stop_sequences"
-        )
+    if len(v) > MAX_STOP:
+        raise bad(f"stop_sequences takes at most {MAX_STOP}, got {len(v)}", "stop_sequences")
     return v
 
 

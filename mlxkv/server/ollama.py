@@ -22,6 +22,7 @@ from mlxkv.policy import KVPolicy, PolicyError
 from mlxkv.server.answers import Choice, Part
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
+    MAX_STOP,
     MAX_TOP_LOGPROBS,
     Ask,
     Limits,
@@ -79,7 +80,6 @@ RUNTIME = {
 # samplers that only their "off" value is accepted for
 OFF = {"mirostat": 0, "tfs_z": 1, "typical_p": 1}
 REPEAT_LAST_N = 20  # the tokens repeat_penalty looks back over (mlx-lm's)
-MAX_STOPS = 64
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -225,8 +225,8 @@ def _stops(v) -> tuple[str, ...]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         raise bad("options.stop must be a string or a list of non-empty strings", "options.stop")
-    if len(stops) > MAX_STOPS:
-        raise bad(f"options.stop holds {len(stops)} strings; at most {MAX_STOPS}", "options.stop")
+    if len(stops) > MAX_STOP:
+        raise bad(f"options.stop holds {len(stops)} strings; at most {MAX_STOP}", "options.stop")
     return tuple(stops)
 
 

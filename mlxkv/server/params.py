@@ -20,7 +20,7 @@ from mlxkv.server.errors import bad
 from mlxkv.server.tools import ToolUse, assistant_calls, check_tools, forced_schema
 
 SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
-MAX_STOP = 16
+MAX_STOP = 64  # stop strings per request, every API: editors send dozens for code completion
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")

@@ -280,11 +280,10 @@ BAD = [
         "tool_choice names 'get_time', which is not among the tools",
     ),
     (
-        {"truncation": "auto"},
+        {"truncation": "middle"},
         400,
         "truncation",
-        'truncation "auto" is not supported: an input longer than the model\'s context is '
-        "refused; send 'disabled' or leave it out",
+        "truncation must be 'auto' or 'disabled', got \"middle\"",
     ),
     ({"background": True}, 400, "background", None),
     ({"conversation": "conv_1"}, 400, "conversation", None),

@@ -47,6 +47,7 @@ from mlxkv.server.responses import (
     parse_responses,
 )
 from mlxkv.server.tools import has_tool_calling, reader_for
+from mlxkv.server.truncation import answer_room, fitted
 
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
@@ -190,6 +191,38 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             raise bad("chat_template_kwargs made the template return no text", "messages")
         return [encode(text)], text
 
+    def truncated(ask: Ask) -> Ask:
+        """A Responses request's conversation without the oldest turns that keep it from
+        fitting the model's context with room for the answer (``truncation: "auto"``);
+        runs in a worker thread."""
+        context = served.limits.context_length
+        if not context or (ask.policy or served.policy).window is not None:
+            return ask  # a window takes a prompt of any length
+
+        def count(messages: list[dict], whole: bool) -> int | None:
+            if whole:
+                return len(render(replace(ask, messages=messages))[0][0])
+            try:  # the same messages as the start of a longer prompt
+                text = served.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=False, **ask.template_kwargs
+                )
+                return len(bridge.scheduler.encode(text))
+            except Exception:  # a template that renders no conversation cut short
+                return None
+
+        room = context - answer_room(ask.settings.max_tokens, context)
+        kept = fitted(ask.messages, count, room)
+        if kept is None:
+            raise APIError(
+                400,
+                f"even the input's last turn does not fit the model's context ({context} "
+                f"tokens) with room for the answer ({context - room}): shorten it or send a "
+                "smaller max_output_tokens",
+                "input",
+                "context_length_exceeded",
+            )
+        return replace(ask, messages=kept)
+
     def with_conversation(ask: Ask, turn: Turn) -> Ask:
         """A Responses request's messages with the stored conversation it goes on from
         (``previous_response_id``) between its instructions and its input."""
@@ -229,6 +262,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if kind == "responses":
             ask, turn = parse_responses(body, served.limits)
             ask = with_conversation(ask, turn)
+            if turn.truncate:
+                ask = await run_in_threadpool(truncated, ask)
         else:
             ask = PARSERS[kind](body, served.limits)
         if kind in OLLAMA:  # Ollama's clients add its default tag to a name
@@ -401,6 +436,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         ask = with_conversation(ask, turn)
         check_model(ask.model)
         check_tool_format(ask)
+        if turn.truncate:
+            ask = await run_in_threadpool(truncated, ask)
         prompts, _ = await run_in_threadpool(render, ask)
         return JSONResponse(count_body(len(prompts[0])))
 

@@ -106,6 +106,7 @@ class Turn:
     previous: str | None = None
     store: bool = True
     logprobs: bool = False  # output_text parts carry their tokens' logprobs
+    truncate: bool = False  # truncation "auto": the oldest turns go where the input is too long
 
 
 def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple[Ask, Turn]:
@@ -141,12 +142,8 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
             )
         grammar = schema_grammar(forced_schema(tools), "tools")
     truncation = body.get("truncation")
-    if truncation not in (None, "disabled"):
-        raise bad(
-            f"truncation {show(truncation)} is not supported: an input longer than the "
-            "model's context is refused; send 'disabled' or leave it out",
-            "truncation",
-        )
+    if truncation not in (None, "disabled", "auto"):
+        raise bad(f"truncation must be 'auto' or 'disabled', got {show(truncation)}", "truncation")
     kwargs = {**effort, **template_kwargs_of(body.get("chat_template_kwargs"))}
     logprobs, top = False, 0
     settings = limits.defaults
@@ -175,7 +172,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         "tools": offered,
         "top_logprobs": top,
         "top_p": settings.top_p,
-        "truncation": "disabled",
+        "truncation": truncation or "disabled",
         "user": body.get("user"),
         "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
@@ -194,7 +191,8 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         user=user,
         tools=tools,
     )
-    turn = Turn(request, items, messages, previous, request["store"], logprobs)
+    store = request["store"]
+    turn = Turn(request, items, messages, previous, store, logprobs, truncation == "auto")
     return ask, turn
 
 

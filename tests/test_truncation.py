@@ -94,6 +94,12 @@ def test_a_function_call_keeps_its_output(count):
     assert kept == [SYSTEM] + msgs[5:]
 
 
+def test_a_long_last_turn_is_kept_when_no_turn_starts_a_grain_in(count):
+    msgs = [SYSTEM] + turn(0) + [{"role": "user", "content": "hills " * 400}]
+    room = count([SYSTEM, msgs[-1]], True) + 5  # the grain is far more than the first turn
+    assert fitted(msgs, count, room) == [SYSTEM, msgs[-1]]
+
+
 def test_nothing_fits_when_the_last_turn_alone_is_too_long(count):
     msgs = talk(4)
     assert fitted(msgs, count, count([SYSTEM, msgs[-1]], True) - 1) is None

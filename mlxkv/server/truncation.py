@@ -47,8 +47,8 @@ def fitted(
         before = count(messages[:i], False)
         return base is None or before is None or before - base >= drop
 
-    first = _first(starts, dropped_enough)
-    kept = starts[first:]
+    # no turn starts a grain's worth in: any cut that fits will do
+    kept = starts[_first(starts, dropped_enough) :] or starts
 
     def fits(i: int) -> bool:
         n = count(messages[:head] + messages[i:], True)

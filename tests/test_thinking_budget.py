@@ -40,3 +40,24 @@ def test_a_block_the_prompt_opened_counts_from_the_first_token():
 def test_a_closed_block_in_the_prompt_leaves_the_answer_free():
     wanted = [1, 2, 3, 4]
     assert run(0, [5, 6, 1, 7, 8], wanted) == wanted
+
+
+class Unread:
+    """A history whose tokens may not be read: reading one waits for the device."""
+
+    def __getitem__(self, _):
+        raise AssertionError("a token was read")
+
+    tolist = __getitem__
+
+
+def test_no_token_is_read_once_the_block_closed_or_never_opened():
+    logits = mx.zeros((VOCAB,))
+    closed = ThinkBudget(9, START, END)
+    for history in ([2, 5, 6], [2, 5, 6, 1], [2, 5, 6, 1, 7], [2, 5, 6, 1, 7, 8]):
+        closed(mx.array(history), logits)
+    never = ThinkBudget(9, START, END)
+    for history in ([2], [2, 1], [2, 1, 2], [2, 1, 2, 3], [2, 1, 2, 3, 4], [2, 1, 2, 3, 4, 1]):
+        never(mx.array(history), logits)
+    for closer in (closed, never):
+        assert closer(Unread(), logits) is logits

@@ -20,10 +20,16 @@ class ThinkBudget:
         self.spent = 0  # reasoning tokens since the block opened
         self.forcing: list[int] = []  # the end marker's tokens still to write
         self.started = False
+        self.written = 0  # answer tokens read
+        # once the block has closed, or the answer began without one, nothing is read:
+        # reading a token waits for it, which stalls the next step's overlap
+        self.done = False
 
     def __call__(self, history, logits):
         import mlx.core as mx
 
+        if self.done:
+            return logits
         seen = [int(t) for t in history.tolist()] if not self.started else []
         if not self.started:  # the prompt: does it leave a think block open?
             self.started = True
@@ -39,13 +45,18 @@ class ThinkBudget:
         return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _read(self, history) -> None:
+        self.written += 1
         tail = [int(t) for t in history[-max(len(self.start), len(self.end)) :].tolist()]
         if _ends_with(tail, self.end):
-            self.inside, self.forcing = False, []
+            self.inside, self.forcing, self.done = False, [], True
         elif _ends_with(tail, self.start):
             self.inside, self.spent = True, 0
         elif self.inside:
             self.spent += 1
+        elif (
+            self.written > len(self.start) + 2
+        ):  # a model opens its block first (a newline or two before), or never
+            self.done = True
 
 
 def _ends_with(tokens: list[int], marker: tuple[int, ...]) -> bool:

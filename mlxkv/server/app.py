@@ -167,20 +167,22 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 code="model_not_found",
             )
 
-    def render(ask: Ask) -> tuple[list[list[int]], str]:
-        """The prompts as token ids (the chat template applied), and a chat prompt's text;
-        runs in a worker thread."""
+    def render(ask: Ask, answer: bool = True) -> tuple[list[list[int]], str]:
+        """The prompts as token ids (the chat template applied), and a chat prompt's text
+        (not ``answer``: the messages as the start of a longer prompt); runs in a worker
+        thread."""
         encode = bridge.scheduler.encode
         if ask.kind == "completion":
             return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
         tools = {"tools": ask.tools.tools} if ask.tools.on else {}
         # a last assistant message is the start of the answer: the template leaves it open
-        ending = {"continue_final_message": True} if ask.continue_final else {}
+        go_on = ask.continue_final and answer
+        ending = {"continue_final_message": True} if go_on else {}
         try:
             text = served.tokenizer.apply_chat_template(
                 ask.messages,
                 tokenize=False,
-                add_generation_prompt=not ask.continue_final,
+                add_generation_prompt=answer and not go_on,
                 **ending,
                 **tools,
                 **ask.template_kwargs,
@@ -191,23 +193,22 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             raise bad("chat_template_kwargs made the template return no text", "messages")
         return [encode(text)], text
 
-    def truncated(ask: Ask) -> Ask:
-        """A Responses request's conversation without the oldest turns that keep it from
-        fitting the model's context with room for the answer (``truncation: "auto"``);
-        runs in a worker thread."""
+    def truncated(ask: Ask) -> tuple[Ask, tuple[list[list[int]], str]]:
+        """A Responses request without the oldest turns that keep its conversation from
+        fitting the model's context with room for the answer (``truncation: "auto"``), and
+        its render; runs in a worker thread."""
         context = served.limits.context_length
         if not context or (ask.policy or served.policy).window is not None:
-            return ask  # a window takes a prompt of any length
+            return ask, render(ask)  # a window takes a prompt of any length
+        renders = {}  # by length: what is kept is the instructions and a suffix
 
         def count(messages: list[dict], whole: bool) -> int | None:
             if whole:
-                return len(render(replace(ask, messages=messages))[0][0])
-            try:  # the same messages as the start of a longer prompt
-                text = served.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=False, **ask.template_kwargs
-                )
-                return len(bridge.scheduler.encode(text))
-            except Exception:  # a template that renders no conversation cut short
+                renders[len(messages)] = render(replace(ask, messages=messages))
+                return len(renders[len(messages)][0][0])
+            try:
+                return len(render(replace(ask, messages=messages), answer=False)[0][0])
+            except APIError:  # a template that renders no conversation cut short
                 return None
 
         room = context - answer_room(ask.settings.max_tokens, context)
@@ -221,7 +222,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 "input",
                 "context_length_exceeded",
             )
-        return replace(ask, messages=kept)
+        ask = replace(ask, messages=kept)
+        return ask, renders.get(len(kept)) or render(ask)
 
     def with_conversation(ask: Ask, turn: Turn) -> Ask:
         """A Responses request's messages with the stored conversation it goes on from
@@ -261,21 +263,23 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         body = parse_json(await read_body(request))
         if kind == "responses":
             ask, turn = parse_responses(body, served.limits)
-            ask = with_conversation(ask, turn)
-            if turn.truncate:
-                ask = await run_in_threadpool(truncated, ask)
         else:
             ask = PARSERS[kind](body, served.limits)
         if kind in OLLAMA:  # Ollama's clients add its default tag to a name
             ask = replace(ask, model=ollama.served_name(ask.model, served.names) or ask.model)
         check_model(ask.model)
         check_tool_format(ask)
+        rendered = None
+        if kind == "responses":
+            ask = with_conversation(ask, turn)
+            if turn.truncate:
+                ask, rendered = await run_in_threadpool(truncated, ask)
         if ask.suffix is not None:
             ask = fill_in(ask)
         if kind in OLLAMA and not (ask.messages or ask.prompts):
             # nothing to answer: a client making sure the model is loaded (it always is)
             return JSONResponse(ollama.Reply(served.id, kind == "api_chat").loaded())
-        prompts, text = await run_in_threadpool(render, ask)
+        prompts, text = rendered or await run_in_threadpool(render, ask)
         run = bridge.start(
             prompts, ask.n, ask.settings, ask.policy, ask.logprobs, ask.prompt_logprobs
         )
@@ -433,12 +437,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         check_auth(request)
         body = parse_json(await read_body(request))
         ask, turn = parse_responses(body, served.limits, counting=True)
-        ask = with_conversation(ask, turn)
         check_model(ask.model)
         check_tool_format(ask)
-        if turn.truncate:
-            ask = await run_in_threadpool(truncated, ask)
-        prompts, _ = await run_in_threadpool(render, ask)
+        ask = with_conversation(ask, turn)
+        use = truncated if turn.truncate else lambda a: (a, render(a))
+        _, (prompts, _) = await run_in_threadpool(use, ask)
         return JSONResponse(count_body(len(prompts[0])))
 
     def stored(request: Request):

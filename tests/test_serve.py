@@ -247,6 +247,14 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, default_mode
     assert more.choices[0].text == "The capital of France is Paris."
     assert more.choices[0].logprobs is None
 
+    # a prompt of one token: nothing in it is scored, the answer's token is
+    one = client.completions.create(
+        model="smollm2-135m", prompt=ids[:1], max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    lp = one.choices[0].logprobs
+    assert lp.tokens[0] == tok.decode(ids[:1]) and len(lp.tokens) == 2
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1] < 0
+
 
 def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
     """The openai client's presence_penalty, frequency_penalty and logit_bias: the answer

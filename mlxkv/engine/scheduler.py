@@ -778,6 +778,10 @@ class Scheduler:
 
         out = self.loaded.model(mx.array(chunk)[None], cache=job.caches)[0]
         nxt = job.ids[job.done + 1 : job.done + len(chunk) + 1]  # the tokens they predict
+        tail = out[-1:] if last else None
+        if not nxt:  # a last chunk of one token predicts the answer alone
+            mx.eval([c.state for c in job.caches], *([tail] if last else []))
+            return tail
         lps = out[: len(nxt)].astype(mx.float32)
         lps = lps - mx.logsumexp(lps, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(lps, mx.array(nxt)[:, None], axis=-1)[:, 0]
@@ -788,7 +792,6 @@ class Scheduler:
             order = mx.argsort(-mx.take_along_axis(lps, best, axis=-1), axis=-1)
             best = mx.take_along_axis(best, order, axis=-1)
         best_lp = mx.take_along_axis(lps, best, axis=-1)
-        tail = out[-1:] if last else None
         mx.eval(chosen, best, best_lp, [c.state for c in job.caches], *([tail] if last else []))
         rows = zip(chosen.tolist(), best.tolist(), best_lp.tolist(), strict=True)
         for lp, ids, vals in rows:

@@ -402,6 +402,8 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "seed": -1}, None, 400, "seed", "in [0,"),
     ({"messages": MSG, "n": 0}, None, 400, "n", "in [1,"),
     ({"messages": MSG, "stop": [""]}, None, 400, "stop", "must not be empty"),
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, None, 400, "messages[0].role",
+     'messages[0].role must be one of system, developer, user, assistant, tool, got ["user"]'),
     ({"messages": MSG, "stop": 5}, None, 400, "stop", "string or a list"),
     ({"messages": MSG, "stop": ["x"] * 65}, None, 400, "stop", "at most 64 strings, got 65"),
     ({"messages": MSG, "top_logprobs": 2}, None, 400, "top_logprobs", "needs logprobs"),

@@ -253,6 +253,24 @@ BAD = [
         "input[0].content[0]: only text parts are supported (got 'input_image')",
     ),
     (
+        {"input": [{"type": ["message"], "role": "user", "content": "hi"}]},
+        400,
+        "input[0].type",
+        "input[0].type must be a string, such as 'message'",
+    ),
+    (
+        {"input": [{"role": ["user"], "content": "hi"}]},
+        400,
+        "input[0].role",
+        'input[0].role must be one of user, system, developer, assistant, got ["user"]',
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]},
+        400,
+        "input[0].content[0]",
+        "input[0].content[0]: only text parts are supported",
+    ),
+    (
         {"input": [{"type": "item_reference", "id": "msg_1"}]},
         400,
         "input[0].type",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -75,8 +76,8 @@ def test_the_cut_stays_put_while_turns_are_added(count):
         starts.append(fitted(msgs, count, room)[1]["content"])
         tight.append(fitted(msgs, count, room, grains=room)[1]["content"])
     # each turn adds about 77 tokens, a grain is 150: the cut moves every other turn
-    assert sum(a == b for a, b in zip(starts, starts[1:])) >= 4, starts
-    assert sum(a == b for a, b in zip(tight, tight[1:])) == 0, tight
+    assert sum(a == b for a, b in pairwise(starts)) >= 4, starts
+    assert sum(a == b for a, b in pairwise(tight)) == 0, tight
 
 
 def test_a_function_call_keeps_its_output(count):

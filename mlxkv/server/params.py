@@ -538,7 +538,7 @@ def _message(m, where: str) -> dict:
             "as {role: 'tool', tool_call_id, content}",
             param=f"{where}.role",
         )
-    if role not in ROLES and role != "tool":
+    if not isinstance(role, str) or (role not in ROLES and role != "tool"):
         raise bad(
             f"{where}.role must be one of {', '.join(ROLES)}, tool, got {show(role)}",
             param=f"{where}.role",

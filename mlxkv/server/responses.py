@@ -420,6 +420,8 @@ def _items(v) -> list[dict]:
         if not isinstance(item, dict):
             raise bad(f"input[{i}] must be an object (an input item)", f"input[{i}]")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind is not None and not isinstance(kind, str):
+            raise bad(f"input[{i}].type must be a string, such as 'message'", f"input[{i}].type")
         item = {**item, "type": kind, "id": item.get("id") or _item_id(kind)}
         if kind == "message" and isinstance(item.get("content"), str):  # as OpenAI lists it
             text = "output_text" if item.get("role") == "assistant" else "input_text"
@@ -491,7 +493,7 @@ def _only(item: dict, keys: set[str], where: str) -> None:
 def _message(item: dict, where: str) -> tuple[str, str]:
     _only(item, {"type", "id", "role", "content", "status", "phase"}, where)
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise bad(
             f"{where}.role must be one of {', '.join(ROLES)}, got {show(role)}", f"{where}.role"
         )
@@ -504,6 +506,7 @@ def _message(item: dict, where: str) -> tuple[str, str]:
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None
         key = {"input_text": "text", "output_text": "text", "refusal": "refusal"}.get(kind)
         if key is None:
             raise bad(

@@ -79,6 +79,19 @@ def test_openai_suffix_fills_the_middle(fim_server, fim_model):
 
 
 @pytest.mark.model
+def test_a_file_start_is_an_empty_prompt_before_the_suffix(fim_server, fim_model):
+    tok = AutoTokenizer.from_pretrained(str(fim_model))
+    prompt = tok.encode(f"<|fim_prefix|><|fim_suffix|>{AFTER}<|fim_middle|>")
+    r = fim_server.client().completions.create(
+        model=fim_server.model, prompt="", suffix=AFTER, max_tokens=32
+    )
+    assert (r.choices[0].text, r.usage.prompt_tokens) == (MIDDLE, len(prompt))
+    body = {"model": fim_server.model, "prompt": "", "suffix": AFTER, "stream": False}
+    r = fim_server.http("POST", "/api/generate", json=body).json()
+    assert (r["response"], r["prompt_eval_count"]) == (MIDDLE, len(prompt))
+
+
+@pytest.mark.model
 def test_ollama_suffix_fills_the_middle(fim_server):
     body = {"model": fim_server.model, "prompt": BEFORE, "suffix": AFTER, "stream": False}
     r = fim_server.http("POST", "/api/generate", json=body).json()

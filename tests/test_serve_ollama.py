@@ -87,7 +87,7 @@ def test_a_chat_is_mlx_lms_greedy_answer(server, default_model):
     kv = again["mlxkv"]
     assert kv["kv_bytes_actual"] == kv["kv_bytes_predicted"] > 0
     assert kv["prompt_tokens"] == len(ids) and kv["prompt_tokens_cached"] > 0
-    assert again["prompt_eval_count"] == len(ids) - kv["prompt_tokens_cached"]
+    assert again["prompt_eval_count"] == len(ids)  # the whole prompt, as Ollama counts it
 
     openai = server.client().chat.completions.create(
         model="smollm2-135m", messages=chat, max_tokens=40, temperature=0
@@ -237,7 +237,7 @@ BAD = [
         "options.frob is not an option of this server; see docs/serve.md",
     ),
     (
-        {"options": {"repeat_last_n": 64}},
+        {"options": {"repeat_last_n": 64, "repeat_penalty": 1.1}},
         400,
         "options.repeat_last_n: repeat_penalty looks at the last 20 tokens here (mlx-lm's "
         "window); send 20 or leave it out",
@@ -284,6 +284,17 @@ def test_bad_requests_get_ollamas_error_shape(server, extra, status, message):
     assert list(r.json()) == ["error"]
     if message is not None:
         assert r.json()["error"] == message
+
+
+def test_ollamas_own_defaults_are_taken(server):
+    """A client that sends every option at Ollama's default (a random seed, -1; a repeat
+    window of 64 with no repeat penalty) gets the answer of one that sends none."""
+    plain = {"model": "smollm2-135m", "messages": QUESTION, "stream": False}
+    plain["options"] = {"temperature": 0, "num_predict": 6}
+    defaults = {**plain["options"], "seed": -1, "repeat_last_n": 64, "repeat_penalty": 1}
+    a = server.http("POST", "/api/chat", json=plain).json()
+    b = server.http("POST", "/api/chat", json={**plain, "options": defaults}).json()
+    assert b["message"]["content"] == a["message"]["content"] != ""
 
 
 def test_the_client_raises_the_errors(server):

@@ -187,13 +187,15 @@ def _options(v, limits: Limits) -> tuple:
         where = f"options.{name}"
         if x is None or name in RUNTIME:
             continue
+        if name == "seed" and type(x) is int and x < 0:  # Ollama's "random", its default
+            continue
         if name in SAMPLING:
             given[SAMPLING[name]] = x
         elif name in OFF:
             if isinstance(x, bool) or x != OFF[name]:
                 raise bad(f"{where}: this sampler is not supported; send {OFF[name]} (off)", where)
-        elif name == "repeat_last_n":
-            if x != REPEAT_LAST_N:
+        elif name == "repeat_last_n":  # Ollama's default (64) is sent with no penalty too
+            if v.get("repeat_penalty") not in (None, 1) and x != REPEAT_LAST_N:
                 raise bad(
                     f"{where}: repeat_penalty looks at the last {REPEAT_LAST_N} tokens here "
                     f"(mlx-lm's window); send {REPEAT_LAST_N} or leave it out",
@@ -390,8 +392,9 @@ class Reply:
             "done_reason": DONE_REASONS.get(c.finish_reason, c.finish_reason),
             "total_duration": time.perf_counter_ns() - self.started,
             "load_duration": 0,
-            # the prompt's tokens the model read (those the prefix cache served are not)
-            "prompt_eval_count": fresh,
+            # the whole prompt, as Ollama counts it (clients show it as the prompt's usage);
+            # its duration is that of the tokens the prefix cache did not serve
+            "prompt_eval_count": s.prompt_tokens,
             "prompt_eval_duration": _ns(fresh, s.prompt_tps),
             "eval_count": s.generation_tokens,
             # the engine times the tokens after the first (which the prompt's pass gives)

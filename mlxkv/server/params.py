@@ -472,7 +472,9 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
     _check_names(body, COMPLETION_HONOURED, COMPLETION_NO_OPS)
     if "prompt" not in body:
         raise bad("prompt is required: a string, a list of strings or token ids", param="prompt")
-    prompts = _prompts(body["prompt"], limits)
+    # fill in the middle at a file's start: an empty prompt before a suffix
+    at_start = isinstance(body.get("suffix"), str) and body["suffix"] != ""
+    prompts = _prompts(body["prompt"], limits, empty_ok=at_start)
     n = _n(body, len(prompts), limits)
     best_of = int_field(body, "best_of", 1, limits.max_rows)
     if best_of is not None and best_of != n:
@@ -671,8 +673,9 @@ def template_kwargs_of(v) -> dict:
     return dict(v)
 
 
-def _prompts(v, limits: Limits) -> list:
-    """Completions' prompt: a string, a list of strings, token ids, or lists of token ids."""
+def _prompts(v, limits: Limits, empty_ok: bool = False) -> list:
+    """Completions' prompt: a string, a list of strings, token ids, or lists of token ids
+    (``empty_ok``: an empty string is a prompt too)."""
     if isinstance(v, str):
         items = [v]
     elif (
@@ -688,7 +691,7 @@ def _prompts(v, limits: Limits) -> list:
     for i, p in enumerate(items):
         where = f"prompt[{i}]" if len(items) > 1 or not isinstance(v, str) else "prompt"
         if isinstance(p, str):
-            if not p:
+            if not p and not empty_ok:
                 raise bad(f"{where} is empty", param="prompt")
             continue
         ids = isinstance(p, list) and p

@@ -508,3 +508,25 @@ def test_a_forced_function_call(tool_server):
             "get_weather",
             {"city": "Paris"},
         )
+
+
+def test_a_call_the_model_wrote_with_no_json_object_is_kept_as_written():
+    """A stored answer goes on (previous_response_id) even where the model's call arguments
+    are no JSON object; a client that sends such a call is told what to send."""
+    from mlxkv.server.errors import APIError
+    from mlxkv.server.responses import input_messages
+
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "[1"}
+    kept = input_messages([call], written=True)
+    assert kept == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1"}}
+            ],
+        }
+    ]
+    with pytest.raises(APIError) as e:
+        input_messages([call])
+    assert e.value.param == "input[0].arguments"

@@ -251,8 +251,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
 
         def keep(response: dict) -> None:
             try:
-                answer = input_messages(response["output"])
-            except APIError:  # a call whose arguments are no object: nothing to go on from
+                answer = input_messages(response["output"], written=True)
+            except APIError:  # a call with no name: nothing a template could go on from
                 return
             served.stored.put(response, turn.items, turn.messages + answer, turn.previous)
 

@@ -435,11 +435,12 @@ def _item_id(kind) -> str:
     return new_id(prefix.get(kind, "msg")).replace("-", "_")
 
 
-def input_messages(items: list[dict]) -> list[dict]:
+def input_messages(items: list[dict], written: bool = False) -> list[dict]:
     """Input (or stored output) items as the chat messages a template reads: a message as
     itself, function calls as the ``tool_calls`` of the assistant message before them,
     their outputs as ``tool`` messages, and a reasoning item as the ``reasoning_content``
-    of the assistant turn after it."""
+    of the assistant turn after it. ``written``: the model's own output, whose calls keep
+    arguments that are no JSON object as the text it wrote."""
     out: list[dict] = []
     thought: list[str] = []  # reasoning waiting for the assistant turn it belongs to
 
@@ -462,7 +463,7 @@ def input_messages(items: list[dict]) -> list[dict]:
             else:
                 out.append({"role": role, "content": text})
         elif kind == "function_call":
-            call = _call(item, where)
+            call = _call(item, where, written)
             turn = assistant()
             turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
@@ -520,7 +521,7 @@ def _message(item: dict, where: str) -> tuple[str, str]:
     return ROLES[role], "\n".join(texts)
 
 
-def _call(item: dict, where: str) -> dict:
+def _call(item: dict, where: str, written: bool = False) -> dict:
     _only(item, {"type", "id", "call_id", "name", "arguments", "status"}, where)
     call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
     if not isinstance(call_id, str) or not isinstance(name, str) or not name:
@@ -529,7 +530,9 @@ def _call(item: dict, where: str) -> dict:
         parsed = json.loads(args) if isinstance(args, str) else None
     except ValueError:
         parsed = None
-    if not isinstance(parsed, dict):
+    if written and not isinstance(parsed, dict):
+        parsed = args
+    elif not isinstance(parsed, dict):
         raise bad(
             f"{where}.arguments must be a JSON object written as a string; send the "
             "arguments the model's call gave",

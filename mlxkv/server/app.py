@@ -111,6 +111,7 @@ class Disconnect:
 
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
+    fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
 
     def check_auth(request: Request) -> None:
         if served.api_key is None:
@@ -335,7 +336,6 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     def fill_in(ask: Ask) -> Ask:
         """A completion with a suffix as the model's fill-in-the-middle prompts, which end
         where the model writes one of the format's markers."""
-        fim = fim_format(served.tokenizer)
         if fim is None:
             raise APIError(
                 400,
@@ -534,7 +534,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         abilities = ["completion"]
         abilities += ["tools"] if has_tool_calling(tok) else []
         abilities += ["thinking"] if getattr(tok, "has_thinking", False) else []
-        abilities += ["insert"] if fim_format(tok) is not None else []  # fill-in-the-middle
+        abilities += ["insert"] if fim is not None else []  # fill-in-the-middle
         template = getattr(tok, "chat_template", None)
         return JSONResponse(
             {

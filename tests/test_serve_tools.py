@@ -390,7 +390,7 @@ BAD = [
     (
         {"tools": [WEATHER, WEATHER]},
         "tools[1].function.name",
-        "tools[1]: the name 'get_weather' is given twice",
+        "tools[1].function: the name 'get_weather' is given twice",
     ),
     (
         {"tools": [{"type": "custom", "custom": {"name": "x"}}]},

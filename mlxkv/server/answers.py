@@ -112,6 +112,12 @@ def token_entry(words: TokenText, token: int, lp: float | None, top) -> dict:
     return entry
 
 
+def without_bytes(entry: dict) -> dict:
+    """A logprob entry as stream events carry it (OpenAI's Responses, Ollama's): no bytes."""
+    top = [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"] or ()]
+    return {"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": top}
+
+
 def prompt_entries(words: TokenText, ev) -> list[dict]:
     """A PromptLogprobs event as logprobs entries, one per prompt token."""
     entries = [token_entry(words, ev.tokens[0], None, ())]
@@ -133,6 +139,17 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
     return out
 
 
+def kv_figures(s: Stats) -> dict:
+    """The ``mlxkv`` usage extension every API's answer carries: the KV cache it ran in,
+    as MLX holds it and as the memory model predicts it."""
+    return {
+        "kv_tokens": s.kv_tokens,
+        "kv_bytes_actual": s.kv_bytes_actual,
+        "kv_bytes_predicted": s.kv_bytes_predicted,
+        "policy": s.policy,
+    }
+
+
 def usage(choices: list[Choice], n: int) -> dict:
     """Token counts over the answers (each prompt counted once) and, as the ``mlxkv``
     extension, the KV figures of the first answer: the cache it ran in, as MLX holds it
@@ -147,13 +164,7 @@ def usage(choices: list[Choice], n: int) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
-        "mlxkv": {
-            "prompt_tokens_cached": cached,
-            "kv_tokens": first.kv_tokens,
-            "kv_bytes_actual": first.kv_bytes_actual,
-            "kv_bytes_predicted": first.kv_bytes_predicted,
-            "policy": first.policy,
-        },
+        "mlxkv": {"prompt_tokens_cached": cached, **kv_figures(first)},
     }
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from starlette.responses import JSONResponse
 
 from mlxkv.engine.events import Stats
-from mlxkv.server.answers import Choice, Part, new_id
+from mlxkv.server.answers import Choice, Part, kv_figures, new_id
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
     MAX_STOP,
@@ -481,12 +481,7 @@ def usage(s: Stats | None) -> dict:
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": s.prompt_tokens_cached,
         "output_tokens": s.generation_tokens,
-        "mlxkv": {
-            "kv_tokens": s.kv_tokens,
-            "kv_bytes_actual": s.kv_bytes_actual,
-            "kv_bytes_predicted": s.kv_bytes_predicted,
-            "policy": s.policy,
-        },
+        "mlxkv": kv_figures(s),
     }
 
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 
 from mlxkv.engine.events import Stats
 from mlxkv.policy import KVPolicy, PolicyError
-from mlxkv.server.answers import Choice, Part
+from mlxkv.server.answers import FINISH_REASONS, Choice, Part, kv_figures, without_bytes
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
     MAX_STOP,
@@ -36,7 +36,6 @@ from mlxkv.server.tools import MAX_TOOLS, ToolUse, assistant_calls, function_of
 
 STREAM_MEDIA = "application/x-ndjson"
 THINK_LEVELS = ("low", "medium", "high")
-DONE_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
 
 COMMON = {"model", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "tools"}
@@ -352,7 +351,7 @@ class Reply:
         part = Part(text="".join(c.text), reasoning="".join(c.reasoning), calls=c.calls)
         out = {**self._head(part), **self._tail(c)}
         if c.logprobs:
-            out["logprobs"] = [_logprob(e) for e in c.logprobs]
+            out["logprobs"] = [without_bytes(e) for e in c.logprobs]
         return out
 
     def _head(self, part: Part) -> dict:
@@ -380,7 +379,7 @@ class Reply:
             if part.reasoning:
                 head["thinking"] = part.reasoning
         if part.entry is not None:
-            head["logprobs"] = [_logprob(part.entry)]
+            head["logprobs"] = [without_bytes(part.entry)]
         head["done"] = False
         return head
 
@@ -389,7 +388,7 @@ class Reply:
         fresh = s.prompt_tokens - s.prompt_tokens_cached
         return {
             "done": True,
-            "done_reason": DONE_REASONS.get(c.finish_reason, c.finish_reason),
+            "done_reason": FINISH_REASONS.get(c.finish_reason, c.finish_reason),
             "total_duration": time.perf_counter_ns() - self.started,
             "load_duration": 0,
             # the whole prompt, as Ollama counts it (clients show it as the prompt's usage);
@@ -402,21 +401,13 @@ class Reply:
             "mlxkv": {
                 "prompt_tokens": s.prompt_tokens,
                 "prompt_tokens_cached": s.prompt_tokens_cached,
-                "kv_tokens": s.kv_tokens,
-                "kv_bytes_actual": s.kv_bytes_actual,
-                "kv_bytes_predicted": s.kv_bytes_predicted,
-                "policy": s.policy,
+                **kv_figures(s),
             },
         }
 
 
 def _ns(tokens: int, per_second: float) -> int:
     return int(tokens / per_second * 1e9) if per_second > 0 else 0
-
-
-def _logprob(entry: dict) -> dict:
-    top = [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"] or ()]
-    return {"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": top}
 
 
 def error_line(e: APIError) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.events import Stats
-from mlxkv.server.answers import Choice, Part, new_id
+from mlxkv.server.answers import Choice, Part, kv_figures, new_id, without_bytes
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
     EFFORTS,
@@ -584,12 +584,7 @@ def usage(s: Stats | None, reasoning_tokens: int) -> dict:
         "output_tokens": s.generation_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": s.prompt_tokens + s.generation_tokens,
-        "mlxkv": {
-            "kv_tokens": s.kv_tokens,
-            "kv_bytes_actual": s.kv_bytes_actual,
-            "kv_bytes_predicted": s.kv_bytes_predicted,
-            "policy": s.policy,
-        },
+        "mlxkv": kv_figures(s),
     }
 
 
@@ -696,7 +691,7 @@ class Reply:
             return events
         entries, self.entries = self.entries, []
         part["logprobs"] += entries
-        lp = [_delta_logprob(e) for e in entries]
+        lp = [without_bytes(e) for e in entries]
         events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=lp))
         return events
 
@@ -733,7 +728,7 @@ class Reply:
         if kind == "reasoning":
             done = self._event("response.reasoning_text.done", **where, text=part["text"])
         else:
-            lp = [_delta_logprob(e) for e in part["logprobs"]]
+            lp = [without_bytes(e) for e in part["logprobs"]]
             done = self._event("response.output_text.done", **where, text=part["text"], logprobs=lp)
         return [
             done,
@@ -778,12 +773,6 @@ class Reply:
 
 def _copy(obj: dict) -> dict:
     return json.loads(json.dumps(obj))
-
-
-def _delta_logprob(entry: dict) -> dict:
-    """A stream event's logprob entry (OpenAI's: no bytes)."""
-    top = [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"] or ()]
-    return {"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": top}
 
 
 def count_body(n: int) -> dict:

@@ -54,10 +54,7 @@ def check_tools(body: dict) -> ToolUse:
         raise bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
     seen = set()
     for i, tool in enumerate(tools):
-        name = _check_tool(tool, f"tools[{i}]")
-        if name in seen:
-            raise bad(f"tools[{i}]: the name '{name}' is given twice", f"tools[{i}].function.name")
-        seen.add(name)
+        _check_tool(tool, f"tools[{i}]", seen)
     forced = _forced(body.get("tool_choice"), seen)
     for i, tool in enumerate(tools):
         if tool["function"].get("strict") and not forced:
@@ -99,7 +96,8 @@ def _forced(choice, names: set[str]) -> str | None:
     return name
 
 
-def _check_tool(tool, where: str) -> str:
+def _check_tool(tool, where: str, seen: set[str]) -> None:
+    """A chat request's tool: ``{type: "function", function: {...}}``."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise bad(
@@ -120,23 +118,9 @@ def _check_tool(tool, where: str) -> str:
                 + ", ".join(sorted(_FUNCTION_KEYS)),
                 f"{where}.function.{k}",
             )
-    name = fn.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise bad(
-            f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got "
-            f"{json.dumps(name)[:40]}",
-            f"{where}.function.name",
-        )
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise bad(f"{where}.function.description must be a string", f"{where}.function")
-    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-        raise bad(
-            f"{where}.function.parameters must be a JSON Schema object",
-            f"{where}.function.parameters",
-        )
+    function_of(fn, f"{where}.function", seen, "parameters")
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise bad(f"{where}.function.strict must be true or false", f"{where}.function.strict")
-    return name
 
 
 def function_of(tool: dict, where: str, seen: set[str], schema: str, longest: int = 64) -> dict:

@@ -66,3 +66,9 @@ def test_a_broken_chain_names_its_missing_link():
     with pytest.raises(ChainBroken) as e:
         store.conversation("nope")
     assert (e.value.missing, e.value.asked) == ("nope", "nope")
+
+
+def test_the_bound_counts_bytes_not_characters():
+    store = ResponseStore()
+    turn(store, "a", "日本")  # two characters, three bytes each (and their upper case)
+    assert store.bytes == size("a", "xx") + 2 * 2 * 2

@@ -43,7 +43,8 @@ class ResponseStore:
     def put(
         self, response: dict, items: list[dict], messages: list[dict], previous: str | None
     ) -> None:
-        size = len(json.dumps([response, items, messages], ensure_ascii=False))
+        # bytes as UTF-8 (a character may take four)
+        size = len(json.dumps([response, items, messages], ensure_ascii=False).encode())
         if size > self.limit:
             return  # larger than the whole store: kept nowhere, as with store false
         self.entries[response["id"]] = Stored(response, items, messages, previous, size)

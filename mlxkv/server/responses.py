@@ -105,7 +105,6 @@ class Turn:
     messages: list[dict] = field(default_factory=list)  # the input as chat messages
     previous: str | None = None
     store: bool = True
-    logprobs: bool = False  # output_text parts carry their tokens' logprobs
     truncate: bool = False  # truncation "auto": the oldest turns go where the input is too long
 
 
@@ -191,8 +190,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         user=user,
         tools=tools,
     )
-    store = request["store"]
-    turn = Turn(request, items, messages, previous, store, logprobs, truncation == "auto")
+    turn = Turn(request, items, messages, previous, request["store"], truncation == "auto")
     return ask, turn
 
 

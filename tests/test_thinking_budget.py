@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxkv.engine.samplers import PROMPT_TAIL
 from mlxkv.engine.thinking import ThinkBudget
 
 VOCAB = 16
@@ -14,8 +15,8 @@ START, END = (5, 6), (7, 8)  # two-token markers, as Gemma's and others' are
 
 def run(budget: int, prompt: list[int], wanted: list[int]) -> list[int]:
     """What greedy decoding writes when the model would write ``wanted`` in turn."""
-    closer = ThinkBudget(budget, START, END)
-    history, out = list(prompt), []
+    closer = ThinkBudget(budget, START, END, prompt)
+    history, out = list(prompt[-PROMPT_TAIL:]), []  # as the engine shows it
     for want in wanted:
         logits = mx.zeros((VOCAB,)) + mx.where(mx.arange(VOCAB) == want, 1.0, 0.0)
         token = int(mx.argmax(closer(mx.array(history), logits)).item())
@@ -37,6 +38,13 @@ def test_a_block_the_prompt_opened_counts_from_the_first_token():
     assert run(0, [2, 5, 6], [1, 2])[:2] == [7, 8]
 
 
+def test_a_long_block_the_prompt_holds_is_still_open():
+    """A continued turn whose reasoning the prompt already holds, longer than the tail of
+    the prompt the processors are shown first: the budget still applies."""
+    got = run(1, [2, 5, 6] + [1] * 40, [1, 2, 3, 7, 8, 9])
+    assert got[:3] == [1, 7, 8]
+
+
 def test_a_closed_block_in_the_prompt_leaves_the_answer_free():
     wanted = [1, 2, 3, 4]
     assert run(0, [5, 6, 1, 7, 8], wanted) == wanted
@@ -53,10 +61,10 @@ class Unread:
 
 def test_no_token_is_read_once_the_block_closed_or_never_opened():
     logits = mx.zeros((VOCAB,))
-    closed = ThinkBudget(9, START, END)
+    closed = ThinkBudget(9, START, END, [2, 5, 6])
     for history in ([2, 5, 6], [2, 5, 6, 1], [2, 5, 6, 1, 7], [2, 5, 6, 1, 7, 8]):
         closed(mx.array(history), logits)
-    never = ThinkBudget(9, START, END)
+    never = ThinkBudget(9, START, END, [2])
     for history in ([2], [2, 1], [2, 1, 2], [2, 1, 2, 3], [2, 1, 2, 3, 4], [2, 1, 2, 3, 4, 1]):
         never(mx.array(history), logits)
     for closer in (closed, never):

@@ -57,7 +57,7 @@ def processor_history(ids: list[int]):
     return mx.array(ids[-PROMPT_TAIL:])
 
 
-def processors_for(s: GenerationSettings, prompt_len: int, tokenizer=None) -> list[Callable]:
+def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> list[Callable]:
     """mlx-lm's logits processors for ``s``, each called with the tokens seen so far
     (``processor_history``, then every answer token) and the logits. The repetition
     penalty looks at the last 20 of them, as in mlx-lm; the presence and frequency
@@ -74,7 +74,7 @@ def processors_for(s: GenerationSettings, prompt_len: int, tokenizer=None) -> li
     processors = make_logits_processors(
         logit_bias=dict(s.logit_bias) or None, repetition_penalty=s.repetition_penalty
     )
-    lead = min(PROMPT_TAIL, prompt_len)
+    lead = min(PROMPT_TAIL, len(prompt))
     for make, penalty in (
         (make_presence_penalty, s.presence_penalty),
         (make_frequency_penalty, s.frequency_penalty),
@@ -85,7 +85,7 @@ def processors_for(s: GenerationSettings, prompt_len: int, tokenizer=None) -> li
     if s.think_budget is not None:
         from mlxkv.engine.thinking import think_budget
 
-        closer = think_budget(tokenizer, s.think_budget)
+        closer = think_budget(tokenizer, s.think_budget, prompt)
         processors += [closer] if closer is not None else []
     if s.grammar is not None:
         from mlxkv.engine.grammar import GrammarProcessor

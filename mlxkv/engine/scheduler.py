@@ -529,7 +529,7 @@ class Scheduler:
                 )
                 continue
             try:  # a grammar is compiled here: one it cannot use fails the request alone
-                processors = processors_for(req.settings, len(req.ids), self.loaded.tokenizer)
+                processors = processors_for(req.settings, req.ids, self.loaded.tokenizer)
             except UserError as e:
                 self._fail(handle, str(e), "invalid_grammar")
                 continue

@@ -7,19 +7,24 @@ prompt did (DeepSeek-R1's template opens it for the model)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ThinkBudget:
     """A logits processor (as mlx-lm's: called with the tokens seen and the logits) that
     closes the think block after ``budget`` tokens of reasoning; it reads each answer token
-    from the history it is shown, the first call's history being the prompt's."""
+    from the history it is shown (the first call's is the prompt's tail: no answer yet)."""
 
-    def __init__(self, budget: int, start: tuple[int, ...], end: tuple[int, ...]):
+    def __init__(
+        self, budget: int, start: tuple[int, ...], end: tuple[int, ...], prompt: Sequence[int]
+    ):
         self.budget = budget
         self.start, self.end = start, end
-        self.inside = False
+        # the whole prompt decides: a continued turn may hold a long block already
+        self.inside = _last(prompt, start) > _last(prompt, end)
         self.spent = 0  # reasoning tokens since the block opened
         self.forcing: list[int] = []  # the end marker's tokens still to write
-        self.started = False
+        self.first = True
         self.written = 0  # answer tokens read
         # once the block has closed, or the answer began without one, nothing is read:
         # reading a token waits for it, which stalls the next step's overlap
@@ -30,10 +35,8 @@ class ThinkBudget:
 
         if self.done:
             return logits
-        seen = [int(t) for t in history.tolist()] if not self.started else []
-        if not self.started:  # the prompt: does it leave a think block open?
-            self.started = True
-            self.inside = _last(seen, self.start) > _last(seen, self.end)
+        if self.first:
+            self.first = False
         else:
             self._read(history)
         if self.inside and self.spent >= self.budget and not self.forcing:
@@ -63,19 +66,21 @@ def _ends_with(tokens: list[int], marker: tuple[int, ...]) -> bool:
     return len(tokens) >= len(marker) and tuple(tokens[-len(marker) :]) == marker
 
 
-def _last(tokens: list[int], marker: tuple[int, ...]) -> int:
+def _last(tokens: Sequence[int], marker: tuple[int, ...]) -> int:
     """Where ``marker`` last ends in ``tokens`` (-1: nowhere)."""
-    for i in range(len(tokens), len(marker) - 1, -1):
-        if tuple(tokens[i - len(marker) : i]) == marker:
+    n, tail = len(marker), marker[-1]
+    for i in range(len(tokens), n - 1, -1):
+        if tokens[i - 1] == tail and tuple(tokens[i - n : i]) == marker:
             return i
     return -1
 
 
-def think_budget(tokenizer, budget: int) -> ThinkBudget | None:
-    """The processor for ``tokenizer``'s think markers (None: the model has none)."""
+def think_budget(tokenizer, budget: int, prompt: Sequence[int]) -> ThinkBudget | None:
+    """The processor for ``tokenizer``'s think markers and a request's ``prompt`` (None:
+    the model has none)."""
     if not getattr(tokenizer, "has_thinking", False):
         return None
     encode = getattr(tokenizer, "_tokenizer", tokenizer).encode
     start = tuple(encode(tokenizer.think_start, add_special_tokens=False))
     end = tuple(encode(tokenizer.think_end, add_special_tokens=False))
-    return ThinkBudget(budget, start, end) if start and end else None
+    return ThinkBudget(budget, start, end, prompt) if start and end else None

@@ -61,6 +61,13 @@ PARSERS = {
     "api_chat": ollama.parse_chat,
     "api_generate": ollama.parse_generate,
 }
+FORMAT_PARAMS = {  # where each API asks for an answer's schema
+    "chat": "response_format",
+    "responses": "text.format",
+    "messages": "output_config.format",
+    "api_chat": "format",
+    "api_generate": "format",
+}
 BLOCKS = ("messages", "responses")  # one answer, as a list of blocks or items
 OLLAMA = ("api_chat", "api_generate")
 
@@ -453,8 +460,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def one_response(request: Request) -> Response:
         check_auth(request)
         if request.method == "DELETE":
-            stored(request)
-            served.stored.delete(request.path_params["id"])
+            if not served.stored.delete(request.path_params["id"]):
+                raise not_found(request.path_params["id"])
             deleted = {"object": "response.deleted", "deleted": True}
             return JSONResponse({"id": request.path_params["id"], **deleted})
         return JSONResponse(stored(request).response)
@@ -720,9 +727,7 @@ def _raise_failed(ev, ask: Ask) -> None:
     if ev.code == "invalid_request":
         raise APIError(400, ev.message, where, "invalid_request")
     if ev.code == "invalid_grammar":
-        formats = {"responses": "text.format", "messages": "output_config.format"}
-        formats |= {"api_chat": "format", "api_generate": "format"}
-        param = {"chat": "response_format", **formats}.get(ask.kind)
+        param = FORMAT_PARAMS.get(ask.kind)
         raise APIError(400, ev.message, param, "invalid_schema")
     if ev.code == "kv_budget":
         raise APIError(400, ev.message, "max_tokens", "kv_budget_exceeded")

@@ -382,7 +382,8 @@ def model_of(body: dict) -> str | None:
     return v
 
 
-def _user(body: dict, *names: str) -> str | None:
+def user_of(body: dict, *names: str) -> str | None:
+    """Who the request is for (the first of ``names`` given), for the server's log."""
     for name in names:
         v = body.get(name)
         if v is not None and not isinstance(v, str):
@@ -463,7 +464,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         include_usage=usage,
         messages=messages,
         template_kwargs=kwargs,
-        user=_user(body, "user", "safety_identifier"),
+        user=user_of(body, "user", "safety_identifier"),
         tools=tools,
     )
 
@@ -502,7 +503,7 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
         stream=stream,
         include_usage=usage,
         prompts=prompts,
-        user=_user(body, "user"),
+        user=user_of(body, "user"),
         echo=echo,
         prompt_logprobs=logprobs if echo else None,
         warm_only=max_tokens == 0,

@@ -32,6 +32,7 @@ from mlxkv.server.params import (
     settings_of,
     show,
     template_kwargs_of,
+    user_of,
 )
 from mlxkv.server.tools import ANY, MAX_TOOLS, NAME, ToolUse, forced_schema, function_of
 
@@ -156,7 +157,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         _stream_options(body, stream)
         _check_plain(body)
         cache_hints(body)
-    user = _user(body)
+    user = user_of(body, "user", "safety_identifier")
     request = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
@@ -224,14 +225,6 @@ def _stream_options(body: dict, stream: bool) -> None:
     # obfuscation pads events against length side channels on the open internet; a
     # local server sends none and accepts either value
     bool_field(opts, "include_obfuscation")
-
-
-def _user(body: dict) -> str | None:
-    for name in ("user", "safety_identifier"):
-        v = body.get(name)
-        if v is not None and not isinstance(v, str):
-            raise bad(f"{name} must be a string", name)
-    return body.get("user") or body.get("safety_identifier") or None
 
 
 def _include(v) -> list[str]:

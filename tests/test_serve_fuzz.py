@@ -1,0 +1,154 @@
+"""Every field of a full request to each API, replaced in turn by a value of the wrong
+shape, against a real server: each answer is a 2xx or 4xx in that API's error shape,
+never a 5xx, and the server logs no traceback. The quick set (a list, an object whose
+fields are lists: values that cannot be dictionary keys) runs in every suite; the slow
+one adds nulls, numbers, booleans and strings."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+
+from tests.serve_helpers import serving
+
+FN = {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}
+CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+OLLAMA_CALL = {"name": "f", "arguments": {}}
+THOUGHT = {"type": "reasoning_text", "text": "t"}
+USE = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+RESULT = {"type": "tool_result", "tool_use_id": "t", "content": "r"}
+BODIES = {
+    "/v1/chat/completions": {
+        "max_tokens": 1,
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "x", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+            {"role": "user", "content": "q"},
+        ],
+        "stop": ["a"],
+        "logit_bias": {"5": 1},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}},
+        "kv": {"window": 64, "sinks": 4},
+        "tool_choice": "none",
+        "tools": [{"type": "function", "function": FN}],
+    },
+    "/v1/completions": {"max_tokens": 1, "prompt": ["hi", "yo"], "logprobs": 1, "stop": "x"},
+    "/v1/responses": {
+        "max_output_tokens": 1,
+        "instructions": "i",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "o"},
+            {"type": "reasoning", "summary": [], "content": [THOUGHT]},
+            {"role": "user", "content": "q"},
+        ],
+        "metadata": {"k": "v"},
+        "text": {"format": {"type": "text"}},
+        "truncation": "auto",
+        "include": ["message.output_text.logprobs"],
+    },
+    "/v1/messages": {
+        "max_tokens": 1,
+        "system": [{"type": "text", "text": "s"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [USE]},
+            {"role": "user", "content": [RESULT]},
+        ],
+        "stop_sequences": ["x"],
+        "thinking": {"type": "disabled"},
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "auto"},
+    },
+    "/api/chat": {
+        "model": "smollm2-135m",
+        "stream": False,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": OLLAMA_CALL}]},
+            {"role": "tool", "content": "r"},
+        ],
+        "options": {"num_predict": 1, "stop": ["x"], "num_ctx": 128},
+        "format": {"type": "object"},
+        "tools": [{"type": "function", "function": FN}],
+    },
+    "/api/generate": {
+        "model": "smollm2-135m",
+        "stream": False,
+        "prompt": "hi",
+        "system": "s",
+        "options": {"num_predict": 1, "seed": 1},
+    },
+}  # fmt: skip
+QUICK = [[], {"type": []}]
+SLOW = [{}, [[]], None, -1, 1.5, True, "x", 2**70]
+# Ollama's num_predict -1 asks for an answer as long as the context: a valid, long request
+LONG = {("options", "num_predict"): (-1,)}
+
+
+def paths(o, at=()):
+    if isinstance(o, dict):
+        items = o.items()
+    elif isinstance(o, list):
+        items = enumerate(o)
+    else:
+        return
+    for k, v in items:
+        yield (*at, k)
+        yield from paths(v, (*at, k))
+
+
+def replaced(body: dict, at: tuple, value) -> dict:
+    out = copy.deepcopy(body)
+    node = out
+    for k in at[:-1]:
+        node = node[k]
+    node[at[-1]] = value
+    return out
+
+
+def error_shaped(url: str, body) -> bool:
+    if url.startswith("/api/"):
+        return isinstance(body, dict) and isinstance(body.get("error"), str)
+    err = body.get("error") if isinstance(body, dict) else None
+    if url == "/v1/messages" and body.get("type") != "error":
+        return False
+    return isinstance(err, dict) and isinstance(err.get("message"), str)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("serve_fuzz"), "--max-tokens", "1")
+
+
+def shake(server, values: list) -> list[str]:
+    """Every path of every body with each value; what went wrong, one line each."""
+    wrong = []
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for url, body in BODIES.items():
+            for at in paths(body):
+                for value in values:
+                    if value in LONG.get(at, ()):
+                        continue
+                    r = http.post(url, json=replaced(body, at, value))
+                    if r.status_code >= 500 or (
+                        r.status_code >= 400 and not error_shaped(url, r.json())
+                    ):
+                        wrong.append(f"{url} {at} = {value!r}: {r.status_code} {r.text[:120]}")
+    return wrong
+
+
+def test_no_field_of_the_wrong_shape_makes_a_server_error(server):
+    assert shake(server, QUICK) == []
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.slow
+def test_no_value_of_the_wrong_type_makes_a_server_error(server):
+    assert shake(server, SLOW) == []
+    assert "Traceback" not in server.log()

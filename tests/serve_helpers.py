@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,3 +115,26 @@ def named_events(server: Server, path: str, body: dict) -> list[tuple[str, dict]
                 assert data["type"] == name
                 out.append((name, data))
     return out
+
+
+def cut_by_shutdown(server: Server, path: str, body: dict, started: str) -> list[str]:
+    """The lines of a stream still running when the server is stopped (SIGTERM, once the
+    line ``started`` came); the server must exit 0."""
+    lines: list[str] = []
+    begun = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    if line == started:
+                        begun.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert begun.wait(300)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert server.proc.wait(120) == 0
+    return lines

@@ -9,13 +9,11 @@ tests/test_serve_tools.py, which thinks and then calls a tool."""
 from __future__ import annotations
 
 import json
-import signal
-import threading
 
 import httpx
 import pytest
 
-from tests.serve_helpers import Server, named_events, serving
+from tests.serve_helpers import Server, cut_by_shutdown, named_events, serving
 from tests.test_serve_tools import (
     ASK,
     MARKERS,
@@ -271,25 +269,9 @@ def test_the_anthropic_client_raises_the_errors(server):
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):
     """The last test of the default model's server: it stops it. A stream still running
     when the grace time ends gets Anthropic's error event, and the server exits 0."""
-    lines: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        body = {"model": "smollm2-135m", "max_tokens": 4000, "stream": True}
-        body["messages"] = [{"role": "user", "content": "Count to ten thousand, one by one."}]
-        with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    if line == "event: content_block_delta":
-                        started.set()
-
-    t = threading.Thread(target=read)
-    t.start()
-    assert started.wait(300)
-    server.proc.send_signal(signal.SIGTERM)
-    t.join(120)
-    assert server.proc.wait(120) == 0
+    body = {"model": "smollm2-135m", "max_tokens": 4000, "stream": True}
+    body["messages"] = [{"role": "user", "content": "Count to ten thousand, one by one."}]
+    lines = cut_by_shutdown(server, "/v1/messages", body, "event: content_block_delta")
     assert lines[-2] == "event: error"
     err = json.loads(lines[-1][len("data: ") :])
     assert err["type"] == "error" and err["error"]["type"] == "api_error"

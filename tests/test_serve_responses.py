@@ -10,15 +10,13 @@ tests/test_serve_tools.py, which thinks and then calls a tool."""
 from __future__ import annotations
 
 import json
-import signal
-import threading
 
 import httpx
 import pytest
 from pydantic import BaseModel
 
 from tests.json_schemas import CITY
-from tests.serve_helpers import Server, named_events, serving
+from tests.serve_helpers import Server, cut_by_shutdown, named_events, serving
 from tests.test_serve_tools import ASK, MARKERS, SCRIPT, TEMPLATE, THOUGHT, WEATHER, rendered
 from tests.tiny_models import scripted_model
 
@@ -373,25 +371,9 @@ def test_unknown_response_ids_get_404(server):
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):
     """The last test of the default model's server: it stops it. A stream still running
     when the grace time ends gets the Responses error event, and the server exits 0."""
-    lines: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        body = {"model": "smollm2-135m", "max_output_tokens": 4000, "stream": True}
-        body["input"] = "Count to ten thousand, one by one."
-        with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    if line == "event: response.output_text.delta":
-                        started.set()
-
-    t = threading.Thread(target=read)
-    t.start()
-    assert started.wait(300)
-    server.proc.send_signal(signal.SIGTERM)
-    t.join(120)
-    assert server.proc.wait(120) == 0
+    body = {"model": "smollm2-135m", "max_output_tokens": 4000, "stream": True}
+    body["input"] = "Count to ten thousand, one by one."
+    lines = cut_by_shutdown(server, "/v1/responses", body, "event: response.output_text.delta")
     assert lines[-2] == "event: error"
     err = json.loads(lines[-1][len("data: ") :])
     assert (err["type"], err["code"], err["param"]) == ("error", "shutting_down", None)

@@ -56,10 +56,8 @@ class ThinkBudget:
             self.inside, self.spent = True, 0
         elif self.inside:
             self.spent += 1
-        elif (
-            self.written > len(self.start) + 2
-        ):  # a model opens its block first (a newline or two before), or never
-            self.done = True
+        elif self.written > len(self.start) + 2:
+            self.done = True  # a model opens its block first (after a newline or two), or never
 
 
 def _ends_with(tokens: list[int], marker: tuple[int, ...]) -> bool:

@@ -170,8 +170,8 @@ def test_auto_truncation_answers_what_the_kept_turns_would_get(server):
 
 
 def test_a_long_chain_goes_on_with_its_prefix_cached(server):
-    """previous_response_id chains past the context: each turn is answered, and a turn
-    that keeps the last one's cut reads only what is new."""
+    """previous_response_id chains past the context: each turn is answered within it, and
+    a turn that keeps the last one's cut reads only what is new."""
     c = server.client()
     ask = {
         "model": c.models.list().data[0].id,
@@ -179,13 +179,18 @@ def test_a_long_chain_goes_on_with_its_prefix_cached(server):
         "max_output_tokens": 8,
     }
     ask |= {"temperature": 0, "truncation": "auto"}
-    previous, cached = None, []
-    for i in range(12):
-        r = c.responses.create(**ask, input=turn(i)[0]["content"], previous_response_id=previous)
+    previous, seen = None, []
+    for i in range(9):  # about 90 tokens a turn: the first cut comes at the sixth
+        said = f"Question {i}: " + "tell me about the river and the hills " * 8
+        r = c.responses.create(**ask, input=said, previous_response_id=previous)
         assert r.output_text and r.usage.input_tokens <= CONTEXT - 8
         previous = r.id
-        cached.append(r.usage.input_tokens_details.cached_tokens)
-    assert sum(n > 0 for n in cached[6:]) >= 4, cached
+        seen.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens))
+    grew = [i for i in range(1, 9) if seen[i][0] > seen[i - 1][0]]
+    cut = [i for i in range(1, 9) if seen[i][0] < seen[i - 1][0]]
+    assert cut, seen  # the chain went past the context
+    # after the first cut, a turn that kept the cut read its prompt mostly from the cache
+    assert any(i > cut[0] and seen[i][1] > seen[i][0] // 2 for i in grew), seen
 
 
 def test_a_last_turn_too_long_for_the_context_is_refused(server):

@@ -169,6 +169,7 @@ def test_auto_truncation_answers_what_the_kept_turns_would_get(server):
     assert counted.input_tokens == n
 
 
+@pytest.mark.slow  # 13 s alone, up to 45 s beside another worker on two cores
 def test_a_long_chain_goes_on_with_its_prefix_cached(server):
     """previous_response_id chains past the context: each turn is answered within it, and
     a turn that keeps the last one's cut reads only what is new."""

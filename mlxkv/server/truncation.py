@@ -12,7 +12,8 @@ turns and their prompts share its prefix (docs/serve.md has the measurement).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable
 
 GRAINS = 4  # the room is cut in this many grains: each cut frees at least a quarter of it
 
@@ -48,24 +49,11 @@ def fitted(
         return base is None or before is None or before - base >= drop
 
     # no turn starts a grain's worth in: any cut that fits will do
-    kept = starts[_first(starts, dropped_enough) :] or starts
+    kept = starts[bisect_left(starts, True, key=dropped_enough) :] or starts
 
     def fits(i: int) -> bool:
         n = count(messages[:head] + messages[i:], True)
         return n is not None and n <= room
 
-    k = _first(kept, fits)
+    k = bisect_left(kept, True, key=fits)  # both conditions hold from some turn on
     return None if k == len(kept) else messages[:head] + messages[kept[k] :]
-
-
-def _first(items: Sequence[int], holds: Callable[[int], bool]) -> int:
-    """The index of the first item ``holds`` is true of, for a ``holds`` that stays true
-    from there on (len(items) if none)."""
-    lo, hi = 0, len(items)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(items[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo

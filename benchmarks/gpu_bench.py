@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_bench.py [--quick] [--device gpu|cpu] [--contexts 4096,32768,131072]
         [--policies full,sink-window,4bit,8bit,sink-4bit] [--weights bf16,q4]
-        [--decode 32] [--rounds 2] [--out results/gpu]
+        [--decode 32] [--rounds 2] [--budget SECONDS] [--out results/gpu]
 
 bfloat16 and MLX 4-bit (group 64) weights; per context and policy, prefill and decode tok/s
 of mlxkv and of its mlx-lm counterpart, interleaved; decode against the bandwidth bound;
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", help="comma-separated, of bf16,q4 (default both)")
     ap.add_argument("--decode", type=int, help="decode tokens per run (default 32; quick 4)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 2; quick 1)")
-    ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    ap.add_argument("--budget", type=float, help="seconds after which no row starts")
+    ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json (after every row)")
     args = ap.parse_args(argv)
     try:
         contexts = _list(args.contexts, int)
@@ -57,18 +58,30 @@ def main(argv=None) -> int:
             args.device,
             args.decode,
             args.rounds,
+            args.budget,
         )
-        result = gpu.run(s, log=lambda line: print(line, file=sys.stderr, flush=True))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = gpu.run(
+            s,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+            progress=(lambda r: write(r, args.out)) if args.out else None,
+        )
     except UserError as e:
         print(f"gpu_bench: {e}", file=sys.stderr)
         return 2
-    table = gpu.markdown(result)
-    print(table, end="")
+    print(gpu.markdown(result), end="")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(table)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        write(result, args.out)
     return 0
+
+
+def write(result: dict, out: Path) -> None:
+    """OUT.md and OUT.json: the files this benchmark creates, rewritten as rows finish."""
+    from mlxkv.bench import gpu
+
+    out.with_suffix(".md").write_text(gpu.markdown(result))
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

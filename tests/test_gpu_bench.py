@@ -29,8 +29,8 @@ def _check(result: dict, contexts, policies, weights) -> None:
 
     rows = result["rows"]
     assert [(r["weights"], r["context"], r["policy"]) for r in rows] == [
-        (w, c, p) for w in weights for c in contexts for p in policies
-    ]
+        (w, c, p) for c in contexts for w in weights for p in policies
+    ]  # each context for every weight format before the next context
     configs = all_configs(QUICK_KEPT, SINKS)
     layers, kv_heads = QUICK["num_hidden_layers"], QUICK["num_key_value_heads"]
     for r in rows:
@@ -69,12 +69,28 @@ def test_quick_mode_runs_every_policy_weight_and_context(tmp_path):
     _check(result, [256, 1024], list(POLICIES), ["bf16", "q4"])
 
 
+def test_a_spent_budget_skips_the_rows_left_and_says_so(tmp_path):
+    out = tmp_path / "gpu"
+    done = _bench("--quick", "--contexts", "256", "--weights", "bf16", "--budget", "1e-9", out=out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["rows"] == []
+    assert result["skipped"][:2] == [
+        {"weights": "bf16", "context": 256, "policy": "full"},
+        {"weights": "bf16", "context": 256, "policy": "sink-window"},
+    ]
+    assert len(result["skipped"]) == 5 and "5 row(s) skipped" in done.stderr
+    table = out.with_suffix(".md").read_text()
+    assert "Not run (the --budget was spent): bf16 256 full, bf16 256 sink-window, " in table
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
         (["--policies", "full,paged"], "--policies: unknown paged"),
         (["--weights", "fp8"], "--weights: unknown fp8"),
         (["--contexts", "4k"], "--contexts takes token counts"),
+        (["--budget", "0"], "--budget must be a positive number of seconds"),
         (["--device", "gpu"], "--device gpu: MLX sees no GPU here"),
     ],
 )

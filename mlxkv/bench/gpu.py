@@ -17,10 +17,18 @@ run a fresh cache:
   token over a measured device copy bandwidth (:func:`copy_bandwidth`);
 * MLX's peak memory in mlxkv's first run against what ``plan`` predicts for the same
   model, context and policy (weights + KV + activations + logits: the parts MLX
-  allocates; ``plan``'s fixed runtime overhead is outside MLX's counter);
+  allocates; ``plan``'s fixed runtime overhead is outside MLX's counter). Both weight
+  formats stay loaded (so each context runs for both before the next, longer one), so the
+  peak counts what the run allocated above what was held before it, plus its model's
+  weights;
 * batch: 16 rows prefilled alone at the shortest context (if at most 4,096), merged,
   decoded together (mlxkv's batched caches), against one row at a time (the single
   decode above).
+
+Before its first timed run, each cache of each side runs once untimed over the window
+and two chunks more (a GPU backend compiles its kernels at their first use). With a
+``budget`` in seconds, no row starts after it is spent: the rows left are listed as
+skipped, and ``progress`` gets the report after every row (a run cut short keeps them).
 
 ``quick`` is a tiny model of the same family (2 layers, hidden 128, head_dim 64) at contexts
 256 and 1,024, 4 decode tokens, 2 rows in the batch: small enough for a CPU run in seconds
@@ -92,6 +100,8 @@ class Settings:
     batch: int = BATCH
     device: str = "gpu"
     label: str = "Llama-3.1-8B shape"
+    warmup: int = KEPT + 2 * CHUNK  # tokens of the untimed first run of each cache
+    budget: float | None = None  # seconds after which no row starts
 
 
 @dataclass
@@ -117,6 +127,7 @@ def settings(
     device: str = "gpu",
     decode=None,
     rounds=None,
+    budget=None,
 ) -> Settings:
     bad = [p for p in policies or () if p not in POLICIES]
     if bad:
@@ -137,9 +148,13 @@ def settings(
         batch=2 if quick else BATCH,
         device=device,
         label="tiny llama (quick)" if quick else "Llama-3.1-8B shape",
+        warmup=0 if quick else KEPT + 2 * CHUNK,  # a CPU compiles nothing worth warming
+        budget=budget,
     )
     if any(c <= 0 for c in s.contexts):
         raise UserError("--contexts must be positive token counts")
+    if budget is not None and budget <= 0:
+        raise UserError("--budget must be a positive number of seconds")
     return s
 
 
@@ -281,34 +296,58 @@ def _batch_tps(model, factory, ids, decode: int, rows: int) -> float:
     return tps
 
 
-def run(s: Settings, log=print) -> dict:
+def run(s: Settings, log=print, progress=None) -> dict:
     import random
 
     import mlx.core as mx
 
     from mlxkv.bench.configs import all_configs
 
+    start = time.perf_counter()
     on = use_device(s.device)
     load_before = _loadavg()
     configs = all_configs(s.kept, SINKS)
     bandwidth = copy_bandwidth((1 << 30) if s.device == "gpu" else (256 << 20))
     log(f"device copy bandwidth {bandwidth / 1e9:.1f} GB/s ({on})")
-    rows: list[Row] = []
-    weight_sizes = {}
+    models, weight_sizes = {}, {}
     for w in s.weights:
-        model = build(s.config, w)
-        weight_sizes[w] = weight_bytes(model)
+        models[w] = build(s.config, w)
+        weight_sizes[w] = weight_bytes(models[w])
         log(f"{s.label}, {w}: {weight_sizes[w] / 2**30:.2f} GiB of weights")
-        for context in s.contexts:
-            rng = random.Random(context)
-            ids = [rng.randrange(s.config["vocab_size"]) for _ in range(context)]
+    warm_ids = random.Random(0).choices(range(s.config["vocab_size"]), k=s.warmup)
+    warmed: set = set()
+    rows: list[Row] = []
+    skipped: list[dict] = []
+
+    def finish() -> dict:
+        result = report(s, rows, bandwidth, weight_sizes, on)
+        info = mx.device_info()
+        result["device_info"] = {k: v for k, v in info.items() if isinstance(v, str | int)}
+        result["mlx_version"] = mx.__version__
+        result["loadavg"] = [load_before, _loadavg()]
+        result["skipped"] = skipped
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        return result
+
+    for context in s.contexts:
+        rng = random.Random(context)
+        ids = [rng.randrange(s.config["vocab_size"]) for _ in range(context)]
+        for w in s.weights:
+            model = models[w]
             for key in s.policies:
+                if s.budget is not None and time.perf_counter() - start > s.budget:
+                    skipped.append({"weights": w, "context": context, "policy": key})
+                    continue
                 ours = configs[key]
                 peer = configs[ours.peer]
                 row = Row(w, context, key, ours.label, peer.label)
                 row.plan = plan_parts(s.config, w, ours.policy, context, on)
                 for side in ("mlxkv", "mlx-lm"):
                     row.prefill[side], row.decode[side] = [], []
+                for cfg in (ours, peer):
+                    if s.warmup and (w, cfg.label) not in warmed:
+                        _run(model, cfg.factory(model), warm_ids, 2)
+                        warmed.add((w, cfg.label))
                 for r in range(s.rounds):
                     sides = [("mlxkv", ours), ("mlx-lm", peer)]
                     for side, cfg in sides if r % 2 == 0 else sides[::-1]:
@@ -316,9 +355,10 @@ def run(s: Settings, log=print) -> dict:
                         if first:
                             mx.clear_cache()
                             mx.reset_peak_memory()
+                            held = mx.get_active_memory()
                         p, d, nbytes = _run(model, cfg.factory(model), ids, s.decode)
-                        if first:
-                            row.peak = mx.get_peak_memory()
+                        if first:  # above what was held, plus this run's own weights
+                            row.peak = mx.get_peak_memory() - held + weight_sizes[w]
                         row.prefill[side].append(p)
                         row.decode[side].append(d)
                         row.kv_bytes[side] = nbytes
@@ -326,14 +366,11 @@ def run(s: Settings, log=print) -> dict:
                     row.batch_tps = _batch_tps(model, ours.factory(model), ids, s.decode, s.batch)
                 log(_line(row))
                 rows.append(row)
-        del model
-        mx.clear_cache()
-    result = report(s, rows, bandwidth, weight_sizes, on)
-    info = mx.device_info()
-    result["device_info"] = {k: v for k, v in info.items() if isinstance(v, str | int)}
-    result["mlx_version"] = mx.__version__
-    result["loadavg"] = [load_before, _loadavg()]
-    return result
+                if progress is not None:
+                    progress(finish())
+    if skipped:
+        log(f"budget of {s.budget:g} s spent: {len(skipped)} row(s) skipped")
+    return finish()
 
 
 def _loadavg() -> str | None:
@@ -396,6 +433,7 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
         "contexts": list(s.contexts),
         "decode_tokens": s.decode,
         "rounds": s.rounds,
+        "warmup_tokens": s.warmup,
         "kept": s.kept,
         "sinks": SINKS,
         "rows": out,
@@ -411,6 +449,7 @@ def markdown(result: dict) -> str:
     bw = result["bandwidth_bytes_per_s"] / 1e9
     name = result.get("device_info", {}).get("device_name", "")
     load = result.get("loadavg") or [None, None]
+    batch_rows = max((r["batch"] or 0 for r in result["rows"]), default=0)
     lines = [
         f"{result['model']} on {result['device']} ({name}, mlx {result.get('mlx_version')}), "
         f"device copy {bw:.1f} GB/s, {result['decode_tokens']} decode tokens, "
@@ -437,8 +476,14 @@ def markdown(result: dict) -> str:
         "",
         "prefill and decode: mlxkv / mlx-lm. decode ratio: mlxkv / mlx-lm. of bound: mlxkv's "
         "decode over (device copy bandwidth / (weight bytes + KV bytes) per token). batch x: "
-        f"{result['rows'][0]['batch'] or ''} rows decoded together over one row, tokens/s. "
-        "peak / plan: MLX's peak memory in mlxkv's first run over plan's weights + KV + "
-        "activations + logits.",
+        f"{batch_rows or ''} rows decoded together over one row, tokens/s. peak / plan: "
+        "MLX's peak memory in mlxkv's first run (above what "
+        "was held before it, plus its weights) over plan's weights + KV + activations + "
+        "logits.",
     ]
+    if result.get("skipped"):
+        left = ", ".join(
+            f"{x['weights']} {x['context']:,} {x['policy']}" for x in result["skipped"]
+        )
+        lines += ["", f"Not run (the --budget was spent): {left}."]
     return "\n".join(lines) + "\n"

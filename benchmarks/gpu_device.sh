@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
+# device time in all): install the carried wheels, run the GPU-rule tests on mx.gpu, then
+# the benchmark at 4k and 32k (both weight formats) and at 128k (bfloat16, full and 4-bit),
+# each within a time budget so that one call ends inside its 10-minute limit.
+#
+#   bash benchmarks/gpu_device.sh WHEEL_DIR OUT_DIR
+#
+# Every log and result lands in OUT_DIR; a benchmark cut short keeps the rows it finished.
+set -u
+wheels=$1
+out=$2
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$wheels"/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. MLXKV_BLAS=reference PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+    --format=csv | tee "$out/device.txt"
+python3 -c "import mlx.core as mx; from mlxkv.memory.dtypes import backend; \
+print(mx.__version__, mx.default_device(), mx.device_info(), backend())" \
+    | tee -a "$out/device.txt" || exit 1
+
+# The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
+timeout 100 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --timeout 90 \
+    tests/test_gpu_rule.py tests/test_gpu_bench.py tests/test_memory_exact.py \
+    tests/test_caches_trim_persist.py tests/test_caches_mlx_lm_protocol.py \
+    >"$out/pytest.log" 2>&1
+echo "pytest exit $?"
+grep -E "passed|failed|^FAILED|^ERROR" "$out/pytest.log" | tail -n 30
+
+timeout 270 python3 benchmarks/gpu_bench.py --contexts 4096,32768 --rounds 1 --budget 200 \
+    --out "$out/gpu-4k-32k" 2>"$out/gpu-4k-32k.log" >/dev/null
+echo "4k/32k exit $?"
+cat "$out/gpu-4k-32k.log" | tail -n 25
+timeout 150 python3 benchmarks/gpu_bench.py --contexts 131072 --weights bf16 \
+    --policies full,4bit --rounds 1 --budget 80 \
+    --out "$out/gpu-128k" 2>"$out/gpu-128k.log" >/dev/null
+echo "128k exit $?"
+tail -n 8 "$out/gpu-128k.log"

@@ -117,6 +117,7 @@ class Row:
     peak: int | None = None  # MLX peak in mlxkv's first run
     plan: dict | None = None  # plan's parts for the same setting
     batch_tps: float | None = None  # 16 rows decoded together, tokens/s over all rows
+    errors: dict = field(default_factory=dict)  # side -> what MLX raised (no kernel, say)
 
 
 def settings(
@@ -315,7 +316,7 @@ def run(s: Settings, log=print, progress=None) -> dict:
         weight_sizes[w] = weight_bytes(models[w])
         log(f"{s.label}, {w}: {weight_sizes[w] / 2**30:.2f} GiB of weights")
     warm_ids = random.Random(0).choices(range(s.config["vocab_size"]), k=s.warmup)
-    warmed: set = set()
+    warmed: dict = {}  # (weights, cache label) -> what its first run raised, or None
     rows: list[Row] = []
     skipped: list[dict] = []
 
@@ -346,24 +347,37 @@ def run(s: Settings, log=print, progress=None) -> dict:
                     row.prefill[side], row.decode[side] = [], []
                 for cfg in (ours, peer):
                     if s.warmup and (w, cfg.label) not in warmed:
-                        _run(model, cfg.factory(model), warm_ids, 2)
-                        warmed.add((w, cfg.label))
+                        _, warmed[w, cfg.label] = _attempt(
+                            _run, model, cfg.factory(model), warm_ids, 2
+                        )
                 for r in range(s.rounds):
                     sides = [("mlxkv", ours), ("mlx-lm", peer)]
                     for side, cfg in sides if r % 2 == 0 else sides[::-1]:
+                        if warmed.get((w, cfg.label)) or side in row.errors:
+                            row.errors.setdefault(side, warmed.get((w, cfg.label)))
+                            continue
                         first = side == "mlxkv" and row.peak is None
                         if first:
                             mx.clear_cache()
                             mx.reset_peak_memory()
                             held = mx.get_active_memory()
-                        p, d, nbytes = _run(model, cfg.factory(model), ids, s.decode)
+                        got, error = _attempt(_run, model, cfg.factory(model), ids, s.decode)
+                        if error:
+                            row.errors[side] = error
+                            continue
+                        p, d, nbytes = got
                         if first:  # above what was held, plus this run's own weights
                             row.peak = mx.get_peak_memory() - held + weight_sizes[w]
                         row.prefill[side].append(p)
                         row.decode[side].append(d)
                         row.kv_bytes[side] = nbytes
-                if context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1:
-                    row.batch_tps = _batch_tps(model, ours.factory(model), ids, s.decode, s.batch)
+                batch_here = context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1
+                if batch_here and "mlxkv" not in row.errors:
+                    row.batch_tps, error = _attempt(
+                        _batch_tps, model, ours.factory(model), ids, s.decode, s.batch
+                    )
+                    if error:
+                        row.errors["batch"] = error
                 log(_line(row))
                 rows.append(row)
                 if progress is not None:
@@ -371,6 +385,22 @@ def run(s: Settings, log=print, progress=None) -> dict:
     if skipped:
         log(f"budget of {s.budget:g} s spent: {len(skipped)} row(s) skipped")
     return finish()
+
+
+SIDES = ("mlxkv", "mlx-lm")
+
+
+def _attempt(step, *args):
+    """``(step(*args), None)``, or ``(None, what MLX raised)`` (its first line). A backend
+    may lack a kernel for one cache's shapes (MLX's CUDA ``quantized_matmul``, say): the
+    row says so and the benchmark goes on."""
+    import mlx.core as mx
+
+    try:
+        return step(*args), None
+    except (RuntimeError, ValueError) as e:
+        mx.clear_cache()
+        return None, (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _loadavg() -> str | None:
@@ -388,19 +418,27 @@ def _med(xs) -> float:
 
 def _line(r: Row) -> str:
     d = {k: _med(v) for k, v in r.decode.items()}
-    return (
+    p = {k: _med(v) for k, v in r.prefill.items()}
+    line = (
         f"{r.weights} {r.context:>7} {r.policy:<12} decode {d['mlxkv']:.1f} vs "
-        f"{d['mlx-lm']:.1f} tok/s, prefill {_med(r.prefill['mlxkv']):.0f} vs "
-        f"{_med(r.prefill['mlx-lm']):.0f} tok/s"
+        f"{d['mlx-lm']:.1f} tok/s, prefill {p['mlxkv']:.0f} vs {p['mlx-lm']:.0f} tok/s"
     )
+    return line + "".join(f"; {side} failed: {e}" for side, e in r.errors.items())
+
+
+def _cell(values: dict, fmt: str) -> str:
+    """``mlxkv / mlx-lm``, a side that failed shown as ``fails``."""
+    return " / ".join(format(values[k], fmt) if k in values else "fails" for k in SIDES)
 
 
 def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, on: str) -> dict:
     out = []
     for r in rows:
         w = weight_sizes[r.weights]
-        dec = {k: _med(v) for k, v in r.decode.items()}
-        bound = bandwidth / (w + r.kv_bytes["mlxkv"])
+        dec = {k: _med(v) for k, v in r.decode.items() if v}
+        pre = {k: _med(v) for k, v in r.prefill.items() if v}
+        both = len(dec) == 2
+        bound = bandwidth / (w + r.kv_bytes["mlxkv"]) if "mlxkv" in dec else None
         out.append(
             {
                 "weights": r.weights,
@@ -408,14 +446,15 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
                 "policy": r.policy,
                 "label": r.label,
                 "mlx_lm": r.peer_label,
-                "prefill_tps": {k: _med(v) for k, v in r.prefill.items()},
+                "prefill_tps": pre,
                 "decode_tps": dec,
-                "decode_ratio": dec["mlxkv"] / dec["mlx-lm"],
-                "prefill_ratio": _med(r.prefill["mlxkv"]) / _med(r.prefill["mlx-lm"]),
+                "decode_ratio": dec["mlxkv"] / dec["mlx-lm"] if both else None,
+                "prefill_ratio": pre["mlxkv"] / pre["mlx-lm"] if both else None,
                 "kv_bytes": r.kv_bytes,
                 "weight_bytes": w,
                 "bound_tps": bound,
-                "bound_fraction": dec["mlxkv"] / bound,
+                "bound_fraction": dec["mlxkv"] / bound if bound else None,
+                "errors": r.errors,
                 "peak_bytes": r.peak,
                 "plan": r.plan,
                 "peak_over_plan": r.peak / r.plan["mlx"] if r.peak and r.plan else None,
@@ -459,9 +498,11 @@ def markdown(result: dict) -> str:
         "decode ratio | of bound | batch x | peak / plan |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    failed = []
     for r in result["rows"]:
-        p, d = r["prefill_tps"], r["decode_tps"]
         batch = f"{r['batch_speedup']:.1f}" if r["batch_speedup"] else ""
+        ratio = f"{r['decode_ratio']:.2f}" if r["decode_ratio"] else ""
+        bound = f"{r['bound_fraction']:.0%}" if r["bound_fraction"] else ""
         peak = (
             f"{_size(r['peak_bytes'])} / {_size(r['plan']['mlx'])} ({r['peak_over_plan']:.3f})"
             if r["peak_over_plan"]
@@ -469,9 +510,14 @@ def markdown(result: dict) -> str:
         )
         lines.append(
             f"| {r['weights']} | {r['context']:,} | {r['label']} ({r['mlx_lm']}) | "
-            f"{p['mlxkv']:.0f} / {p['mlx-lm']:.0f} | {d['mlxkv']:.1f} / {d['mlx-lm']:.1f} | "
-            f"{r['decode_ratio']:.2f} | {r['bound_fraction']:.0%} | {batch} | {peak} |"
+            f"{_cell(r['prefill_tps'], '.0f')} | {_cell(r['decode_tps'], '.1f')} | "
+            f"{ratio} | {bound} | {batch} | {peak} |"
         )
+        failed += [
+            f"{r['weights']} {r['context']:,} {r['label'] if side == 'mlxkv' else r['mlx_lm']}"
+            f" ({side}): {e}"
+            for side, e in r.get("errors", {}).items()
+        ]
     lines += [
         "",
         "prefill and decode: mlxkv / mlx-lm. decode ratio: mlxkv / mlx-lm. of bound: mlxkv's "
@@ -481,6 +527,8 @@ def markdown(result: dict) -> str:
         "was held before it, plus its weights) over plan's weights + KV + activations + "
         "logits.",
     ]
+    if failed:
+        lines += ["", "Failed runs (what MLX raised):", ""] + [f"- {x}" for x in failed]
     if result.get("skipped"):
         left = ", ".join(
             f"{x['weights']} {x['context']:,} {x['policy']}" for x in result["skipped"]

@@ -130,3 +130,33 @@ def test_the_8b_model_is_what_plan_predicts(weights):
     plan = plan_parts(LLAMA31_8B, weights, KVPolicy(), 32768, "cuda")
     assert plan["weights"] == lazy
     assert plan["kv"] == 32768 * 131072 and plan["fused_attention"]
+
+
+def test_a_run_that_mlx_refuses_is_reported_in_its_row_and_the_rest_runs(monkeypatch):
+    """As MLX's CUDA backend refuses mlx-lm's QuantizedKVCache decode (no kernel for its
+    shape): the row keeps mlxkv's numbers, shows ``fails`` for the other side, and names
+    what MLX raised; the next row runs."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlxkv.bench import gpu
+
+    real_run = gpu._run
+
+    def run_refusing_mlx_lm_quantized(model, factory, ids, decode):
+        if isinstance(factory()[0], QuantizedKVCache):  # MLX's own refusal of a bad shape
+            mx.eval(mx.quantized_matmul(mx.zeros((1, 24)), mx.zeros((8, 3), mx.uint32),
+                                        mx.zeros((8, 1)), mx.zeros((8, 1))))  # fmt: skip
+        return real_run(model, factory, ids, decode)
+
+    monkeypatch.setattr(gpu, "_run", run_refusing_mlx_lm_quantized)
+    s = gpu.settings(True, [256], ["4bit", "full"], ["bf16"], "cpu")
+    result = gpu.run(s, log=lambda line: None)
+    q4, full = result["rows"]
+    assert set(q4["decode_tps"]) == {"mlxkv"} and q4["decode_ratio"] is None
+    assert list(q4["errors"]) == ["mlx-lm"] and "quantized_matmul" in q4["errors"]["mlx-lm"]
+    assert full["errors"] == {} and set(full["decode_tps"]) == {"mlxkv", "mlx-lm"}
+    table = gpu.markdown(result)
+    row = next(line for line in table.splitlines() if "4-bit (QuantizedKVCache(4))" in line)
+    assert row.count("fails") == 2 and "| bf16 | 256 |" in row
+    assert f"- bf16 256 QuantizedKVCache(4) (mlx-lm): {q4['errors']['mlx-lm']}" in table

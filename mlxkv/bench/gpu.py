@@ -86,6 +86,7 @@ CHUNK = 512
 BATCH = 16
 BATCH_MAX_CONTEXT = 4096  # 16 full rows of 128k would not fit a GPU: batch at short contexts
 GROUP_SIZE = 64  # weights, as mlx_lm.convert -q
+SIDES = ("mlxkv", "mlx-lm")
 
 
 @dataclass
@@ -343,7 +344,7 @@ def run(s: Settings, log=print, progress=None) -> dict:
                 peer = configs[ours.peer]
                 row = Row(w, context, key, ours.label, peer.label)
                 row.plan = plan_parts(s.config, w, ours.policy, context, on)
-                for side in ("mlxkv", "mlx-lm"):
+                for side in SIDES:
                     row.prefill[side], row.decode[side] = [], []
                 for cfg in (ours, peer):
                     if s.warmup and (w, cfg.label) not in warmed:
@@ -385,9 +386,6 @@ def run(s: Settings, log=print, progress=None) -> dict:
     if skipped:
         log(f"budget of {s.budget:g} s spent: {len(skipped)} row(s) skipped")
     return finish()
-
-
-SIDES = ("mlxkv", "mlx-lm")
 
 
 def _attempt(step, *args):

@@ -131,10 +131,16 @@ def cut_by_shutdown(server: Server, path: str, body: dict, started: str) -> list
                     if line == started:
                         begun.set()
 
+    stop_during(server, read, begun)
+    return lines
+
+
+def stop_during(server: Server, read, begun: threading.Event) -> None:
+    """Run ``read`` in a thread and stop the server (SIGTERM) once ``begun`` is set; the
+    reader must end and the server exit 0."""
     t = threading.Thread(target=read)
     t.start()
     assert begun.wait(300)
     server.proc.send_signal(signal.SIGTERM)
     t.join(120)
     assert server.proc.wait(120) == 0
-    return lines

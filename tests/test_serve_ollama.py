@@ -10,14 +10,13 @@ tests/test_serve_tools.py, which thinks and then calls a tool."""
 from __future__ import annotations
 
 import json
-import signal
 import threading
 
 import httpx
 import pytest
 
 from tests.json_schemas import CITY
-from tests.serve_helpers import COUNTING, Server, serving
+from tests.serve_helpers import COUNTING, Server, serving, stop_during
 from tests.test_serve_tools import ASK, MARKERS, SCRIPT, TEMPLATE, THOUGHT, WEATHER, rendered
 from tests.tiny_models import scripted_model
 
@@ -333,12 +332,7 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_line(server):
         except ollama.ResponseError as e:
             raised.append(e)
 
-    t = threading.Thread(target=read)
-    t.start()
-    assert started.wait(300)
-    server.proc.send_signal(signal.SIGTERM)
-    t.join(120)
-    assert server.proc.wait(120) == 0
+    stop_during(server, read, started)
     assert len(raised) == 1 and seen and not seen[-1].done
     assert raised[0].error.startswith("the server is shutting down; this answer was cut")
 

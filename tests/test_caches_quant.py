@@ -9,6 +9,7 @@ import pytest
 from mlx.utils import tree_map
 
 from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
+from mlxkv.caches.batched import merge_rows
 from mlxkv.caches.storage import RotatedKeyStore
 from mlxkv.caches.streaming import StreamingKVCache
 from mlxkv.policy import KVPolicy
@@ -75,6 +76,41 @@ def test_attention_on_the_packed_store_matches_dequantized_reference(model, poli
     for out, ref in seen:
         assert out.shape == ref.shape
         assert mx.abs(out - ref).max().item() < 1e-4
+
+
+PACKED = [
+    KVPolicy(bits=4, group_size=32),  # KIVI keys
+    KVPolicy(window=36, sinks=4, bits=4, group_size=32),
+    KVPolicy(bits=4, group_size=32, key_scheme="plain"),
+    KVPolicy(window=20, sinks=4, bits=4, group_size=32, **ROT),
+    KVPolicy(value_bits=4, group_size=32),
+]
+
+
+@pytest.mark.parametrize("policy", PACKED, ids=[p.describe() for p in PACKED])
+def test_packed_products_take_the_stored_heads_as_they_are(model, policy, monkeypatch):
+    """With 4 query heads over 2 KV heads, every product on packed keys or values (one row
+    and a batch of two, prefill and decode) gets the operand with the batch dims of the
+    queries, not broadcast over query heads: MLX's GPU kernels have read such a broadcast
+    wrong (docs/gpu.md)."""
+    calls = []
+    qmm = mx.quantized_matmul
+
+    def spy(x, w, *args, **kwargs):
+        calls.append((x.shape, w.shape))
+        return qmm(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    rows = [make_caches(model, policy) for _ in range(2)]
+    feed(model, TOKENS[:40], rows[0], [37, 1, 1, 1])
+    feed(model, TOKENS[:33], rows[1], [33])
+    batched = merge_rows(rows)
+    mx.eval(model(mx.array([[5], [6]]), cache=batched))
+    batch_sizes = {x[0] for x, w in calls}
+    assert batch_sizes == {1, 2}, calls
+    for x, w in calls:
+        assert w[:-2] == x[:-2], (x, w)
+        assert x[1] == 2  # the KV heads, each with its query heads as rows
 
 
 def test_rotated_keys_are_centred_on_the_first_token(model):

@@ -20,31 +20,31 @@ _MLX_LM = base.scaled_dot_product_attention
 
 
 def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.array, int]:
-    """Scaled queries shaped (B, n_kv, rep, L, D) for grouped-query attention (as they are
-    when every query head has its own key head), and ``rep``."""
+    """Scaled queries shaped (B, n_kv, rep * L, D): the ``rep`` query heads that share a key
+    head become rows of one matrix, and ``rep``.
+
+    Keys and values are then multiplied as they are stored, never broadcast over query heads:
+    MLX's quantized kernels have read a broadcast packed operand wrong (Metal's ``qvm_split_k``
+    before ml-explore/mlx#3497; the CUDA backend's ``qmm_naive`` reads batch 0 for every batch
+    of a partly broadcast operand) or found no kernel for it, and a dense product on the stored
+    heads reads each key once."""
     B, n_q, L, D = queries.shape
     rep = n_q // n_kv
     q = queries * scale
-    return (q.reshape(B, n_kv, rep, L, D) if rep > 1 else q), rep
-
-
-def expand_heads(s, rep: int):
-    """Keys or values (arrays or quantized triples) with an axis for the ``rep`` query
-    heads that share each key head."""
-    if rep == 1:
-        return s
-    if isinstance(s, (tuple, list)):
-        return tuple(mx.expand_dims(x, -3) for x in s)
-    return mx.expand_dims(s, -3)
+    return (q.reshape(B, n_kv, rep * L, D) if rep > 1 else q), rep
 
 
 def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.array:
-    """Softmax over ``scores`` (masked: boolean, additive or "causal"), times the values
-    (packed when the value store is quantized); heads back to (B, n_q, L, D)."""
+    """Softmax over ``scores`` (B, n_kv, rep * L, T) (masked: boolean, additive or
+    "causal"), times the values (packed when the value store is quantized); heads back to
+    (B, n_q, L, D)."""
+    B, H, rows, T = scores.shape
+    L = rows // rep
+    if rep > 1:
+        scores = scores.reshape(B, H, rep, L, T)  # a mask broadcasts over the rep heads
     if mask is not None:
         if isinstance(mask, str):  # "causal"
-            q_len, k_len = scores.shape[-2:]
-            mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
+            mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
         if rep > 1 and mask.ndim > 3:
             mask = mx.expand_dims(mask, -3)
         if mask.dtype == mx.bool_:
@@ -52,11 +52,10 @@ def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.arra
         else:
             scores = scores + mask
     p = mx.softmax(scores, axis=-1, precise=True)
-    out = vstore.weigh(p, expand_heads(values, rep))
     if rep > 1:
-        B, _, _, L, D = out.shape
-        out = out.reshape(B, n_q, L, D)
-    return out
+        p = p.reshape(B, H, rows, T)
+    out = vstore.weigh(p, values)
+    return out.reshape(B, n_q, L, out.shape[-1]) if rep > 1 else out
 
 
 def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.array:
@@ -67,7 +66,7 @@ def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.a
     """
     first = keys[0] if isinstance(keys, (tuple, list)) else keys
     q, rep = grouped_queries(queries, scale, first.shape[1])
-    scores = kstore.scores(q, expand_heads(keys, rep))
+    scores = kstore.scores(q, keys)
     return weighted_values(scores, mask, rep, vstore, values, queries.shape[1])
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
-from mlxkv.caches.attention import expand_heads, grouped_queries, weighted_values
+from mlxkv.caches.attention import grouped_queries, weighted_values
 from mlxkv.caches.kivi import PIPELINE_KEYS, KiviKVCache
 from mlxkv.caches.rows import (
     BatchRowCounters,
@@ -247,10 +247,10 @@ class BatchedKiviKVCache(BatchRowCounters):
         q, rep = grouped_queries(queries, scale, residual.shape[1])
         parts = []
         if S:
-            parts.append(q @ expand_heads(sink_keys, rep).swapaxes(-1, -2))
+            parts.append(q @ sink_keys.swapaxes(-1, -2))
         C = self.kstore.held(keys)
         if C:
-            s_ring, s_res = self.kstore.scores(q, rep, keys, residual)
+            s_ring, s_res = self.kstore.scores(q, keys, residual)
             # each row's group being filled: columns [j, j + i] take the residual's scores
             j = [self.kstore.pos(t - S) // G * G if t >= S else -G for t in ts]
             i = [(t - S) % G if t >= S else -1 for t in ts]

@@ -40,7 +40,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
-from mlxkv.caches.attention import expand_heads, grouped_queries, weighted_values
+from mlxkv.caches.attention import grouped_queries, weighted_values
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.kivi_keys import KiviKeyStore
 from mlxkv.caches.rotation import ShiftsAhead
@@ -339,9 +339,9 @@ class KiviKVCache(SinkWindowCounters):
         q, rep = grouped_queries(queries, scale, n_kv)
         parts = []
         if S:
-            parts.append(q @ expand_heads(sink_keys, rep).swapaxes(-1, -2))
+            parts.append(q @ sink_keys.swapaxes(-1, -2))
         if t >= S:
-            s_ring, s_res = self.kstore.scores(q, rep, keys, residual)
+            s_ring, s_res = self.kstore.scores(q, keys, residual)
             u = t - S
             j = self.kstore.pos(u) // G * G
             blk = mx.where(mx.arange(G) <= u % G, s_res, s_ring[..., j : j + G])

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxkv.caches.attention import expand_heads
 from mlxkv.caches.rows import pad_axis, where_rows
 from mlxkv.memory.policy_bytes import kivi_ring_limit, kivi_ring_slots
 
@@ -148,14 +147,10 @@ class KiviKeyStore:
         rows = [s != 0 for s in shifts]
         return where_rows(rows, new_ring, ring), where_rows(rows, new_res, residual)
 
-    def scores(self, q: mx.array, rep: int, ring, residual):
-        """Scores of grouped queries against the packed ring (``q @ K^T`` without a
-        dequantized copy) and against the residual group."""
+    def scores(self, q: mx.array, ring, residual):
+        """Scores of grouped queries (B, H, rows, D) against the packed ring (``q @ K^T``
+        without a dequantized copy) and against the residual group."""
         s_ring = mx.quantized_matmul(
-            q,
-            *expand_heads(ring, rep),
-            transpose=False,
-            group_size=self.group_size,
-            bits=self.bits,
+            q, *ring, transpose=False, group_size=self.group_size, bits=self.bits
         )
-        return s_ring, q @ expand_heads(residual, rep).swapaxes(-1, -2)
+        return s_ring, q @ residual.swapaxes(-1, -2)

@@ -29,10 +29,11 @@ timeout 100 python3 benchmarks/gpu_bench.py --contexts 131072 --weights bf16 --p
 echo "128k exit $?"
 tail -n 8 "$out/gpu-128k.log"
 
-# The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
+# The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there),
+# the packed-attention check against dense attention first: it checks MLX's GPU kernels.
 # -v prints each test's result as it ends, so a run stopped at its limit still names them.
 timeout 70 python3 -m pytest -v --tb=no -m "not slow" -n 8 -p no:cacheprovider --timeout 60 \
-    tests/test_gpu_rule.py tests/test_gpu_bench.py tests/test_memory_exact.py \
+    tests/test_packed_attention.py tests/test_gpu_rule.py tests/test_gpu_bench.py tests/test_memory_exact.py \
     tests/test_caches_trim_persist.py tests/test_caches_mlx_lm_protocol.py \
     >"$out/pytest.log" 2>&1
 echo "pytest exit $?"

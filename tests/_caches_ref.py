@@ -23,7 +23,7 @@ def kept_indices(t: int, sinks: int, window: int | None) -> list[int]:
     return list(range(sinks)) + list(range(t - window + 1, t + 1))
 
 
-def _qdq(x, bits, group_size):
+def quantize_dequantize(x, bits, group_size):
     if bits is None:
         return x
     return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size, bits)
@@ -47,8 +47,8 @@ def quantized_frame(kk, qq, vv, offset, policy):
         return kk, qq, vv
     if policy.key_bits is not None and policy.key_scheme == "rotated":
         kk, qq = _hadamard(kk - offset), _hadamard(qq)
-    kk = _qdq(kk, policy.key_bits, policy.group_size)
-    return kk, qq, _qdq(vv, policy.value_bits, policy.value_group_size)
+    kk = quantize_dequantize(kk, policy.key_bits, policy.group_size)
+    return kk, qq, quantize_dequantize(vv, policy.value_bits, policy.value_group_size)
 
 
 def kivi_groups(k: mx.array, sinks: int, group_size: int, bits: int) -> mx.array:
@@ -60,7 +60,7 @@ def kivi_groups(k: mx.array, sinks: int, group_size: int, bits: int) -> mx.array
     if not done:
         return k
     ring = k[:, :, sinks : sinks + done, :].swapaxes(-1, -2)
-    ring = _qdq(ring, bits, group_size).swapaxes(-1, -2)
+    ring = quantize_dequantize(ring, bits, group_size).swapaxes(-1, -2)
     return mx.concatenate([k[:, :, :sinks, :], ring, k[:, :, sinks + done :, :]], axis=2)
 
 
@@ -142,12 +142,14 @@ def reference_logits(
                 kk = mx.concatenate(parts, axis=2)
                 qq = attn.rope(q[:, :, t : t + 1, :], offset=t)
             if kivi:
-                vv = _qdq(v[:, :, idx, :], policy.value_bits, policy.value_group_size)
+                vv = quantize_dequantize(
+                    v[:, :, idx, :], policy.value_bits, policy.value_group_size
+                )
             elif policy is not None:
                 kk, qq, vv = quantized_frame(kk, qq, v[:, :, idx, :], k_abs[:, :, :1, :], policy)
             else:
-                kk = _qdq(kk, bits, group_size)
-                vv = _qdq(v[:, :, idx, :], bits, group_size)
+                kk = quantize_dequantize(kk, bits, group_size)
+                vv = quantize_dequantize(v[:, :, idx, :], bits, group_size)
             if rep > 1:
                 kk = mx.repeat(kk, rep, axis=1)
                 vv = mx.repeat(vv, rep, axis=1)

@@ -17,7 +17,7 @@ import pytest
 from mlxkv.caches import cache_for
 from mlxkv.caches.rotation import Rotation
 from mlxkv.policy import KVPolicy
-from tests._caches_ref import _qdq, kivi_groups
+from tests._caches_ref import kivi_groups, quantize_dequantize
 
 KV_HEADS, REP, D, T = 8, 4, 128, 1100
 SCALE = D**-0.5
@@ -44,8 +44,8 @@ def _as_cached(policy: KVPolicy, k, v):
         if policy.key_scheme == "kivi":
             k = kivi_groups(k, 0, policy.group_size, policy.key_bits)
         else:
-            k = _qdq(k, policy.key_bits, policy.group_size)
-    return k, _qdq(v, policy.value_bits, policy.value_group_size)
+            k = quantize_dequantize(k, policy.key_bits, policy.group_size)
+    return k, quantize_dequantize(v, policy.value_bits, policy.value_group_size)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())

@@ -91,6 +91,7 @@ def test_a_spent_budget_skips_the_rows_left_and_says_so(tmp_path):
         (["--weights", "fp8"], "--weights: unknown fp8"),
         (["--contexts", "4k"], "--contexts takes token counts"),
         (["--budget", "0"], "--budget must be a positive number of seconds"),
+        (["--decode", "256"], "--decode must be 1 to 255 tokens, within one allocation step"),
         (["--device", "gpu"], "--device gpu: MLX sees no GPU here"),
     ],
 )

@@ -12,7 +12,8 @@ run a fresh cache:
   smaller chunks once evicting), the caches evaluated after each chunk and the logits not
   (as mlx-lm's ``generate_step`` prefills);
 * decode: ``decode`` greedy tokens, one model call each, the next step queued before the
-  last is read (``mx.async_eval``, as ``generate_step``);
+  last is read (``mx.async_eval``, as ``generate_step``), after one untimed step (which
+  takes the cache's next allocation step, and on CUDA a new cuDNN graph, out of the timing);
 * decode as a fraction of the bandwidth bound: (weight bytes + the cache's bytes) per
   token over a measured device copy bandwidth (:func:`copy_bandwidth`);
 * MLX's peak memory in mlxkv's first run against what ``plan`` predicts for the same
@@ -42,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlxkv.errors import UserError
+from mlxkv.memory.policy_bytes import STEP
 
 LLAMA31_8B = {
     "model_type": "llama",
@@ -157,6 +159,8 @@ def settings(
         raise UserError("--contexts must be positive token counts")
     if budget is not None and budget <= 0:
         raise UserError("--budget must be a positive number of seconds")
+    if not 0 < s.decode < STEP:
+        raise UserError(f"--decode must be 1 to {STEP - 1} tokens, within one allocation step")
     return s
 
 
@@ -225,10 +229,14 @@ def _prefill(model, caches, ids) -> float:
 
 
 def _decode(model, caches, first: int, n: int, rows: int = 1) -> float:
-    """Greedy decode tok/s (over all rows), each step queued before the last is read."""
+    """Greedy decode tok/s (over all rows), each step queued before the last is read, after
+    one untimed step: the first step past a prefill (contexts of whole allocation steps)
+    takes the cache's next step (a new buffer size, for which MLX's CUDA backend builds a
+    new cuDNN graph), which the ``n`` timed steps (fewer than ``STEP``) then do not cross."""
     import mlx.core as mx
 
-    y = mx.array([[first]] * rows)
+    y = mx.argmax(model(mx.array([[first]] * rows), cache=caches)[:, -1], axis=-1, keepdims=True)
+    mx.eval(y, [c.state for c in caches])
     tic = time.perf_counter()
     for _ in range(n):
         logits = model(y, cache=caches)[:, -1]

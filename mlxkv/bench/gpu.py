@@ -235,12 +235,14 @@ def _decode(model, caches, first: int, n: int, rows: int = 1) -> float:
     new cuDNN graph), which the ``n`` timed steps (fewer than ``STEP``) then do not cross."""
     import mlx.core as mx
 
-    y = mx.argmax(model(mx.array([[first]] * rows), cache=caches)[:, -1], axis=-1, keepdims=True)
+    def step(y):
+        return mx.argmax(model(y, cache=caches)[:, -1], axis=-1, keepdims=True)
+
+    y = step(mx.array([[first]] * rows))
     mx.eval(y, [c.state for c in caches])
     tic = time.perf_counter()
     for _ in range(n):
-        logits = model(y, cache=caches)[:, -1]
-        y = mx.argmax(logits, axis=-1, keepdims=True)
+        y = step(y)
         mx.async_eval(y)
     mx.eval(y, [c.state for c in caches])
     return rows * n / (time.perf_counter() - tic)

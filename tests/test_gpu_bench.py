@@ -84,6 +84,46 @@ def test_a_spent_budget_skips_the_rows_left_and_says_so(tmp_path):
     assert "Not run (the --budget was spent): bf16 256 full, bf16 256 sink-window, " in table
 
 
+PEAK = SCRIPT.with_name("gpu_peak.py")
+
+
+def _peak(*args: str, env=None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(PEAK), "--quick", "--device", "cpu", "--context", "300", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("side", ["mlxkv", "mlx-lm"])
+def test_the_peak_probe_reports_one_run_and_the_settings_it_ran_under(side):
+    import os
+
+    from mlxkv.bench.gpu import QUICK
+
+    env = dict(os.environ, MLX_MAX_OPS_PER_BUFFER="20")
+    env.pop("MLX_USE_CUDA_GRAPHS", None)
+    plain, presized = _peak("--side", side, env=env), _peak("--side", side, "--presize")
+    assert plain.returncode == 0 and presized.returncode == 0, plain.stderr + presized.stderr
+    plain, presized = json.loads(plain.stdout), json.loads(presized.stdout)
+    assert plain["env"] == {"MLX_MAX_OPS_PER_BUFFER": "20"} and presized["env"] == {}
+    assert (plain["side"], plain["presize"], presized["presize"]) == (side, False, True)
+    layers, kv_heads = QUICK["num_hidden_layers"], QUICK["num_key_value_heads"]
+    per_slot = layers * kv_heads * 64 * 2 * 2  # keys and values, bfloat16
+    # 300 + 4 decoded tokens: grown, the cache holds 512 slots (mlx-lm's steps as mlxkv's);
+    # presized, the 512 slots given before the prefill, which it never outgrows
+    assert plain["kv_bytes"] == presized["kv_bytes"] == 512 * per_slot
+    assert plain["plan"]["kv"] == 512 * per_slot
+    assert plain["peak_bytes"] >= plain["peak_after_prefill"] > plain["plan"]["weights"]
+    assert plain["excess_over_kv"] == pytest.approx(
+        (plain["peak_bytes"] - plain["plan"]["mlx"]) / plain["kv_bytes"]
+    )
+
+
+def test_the_peak_probe_sizes_only_the_full_cache():
+    done = _peak("--policy", "4bit", "--presize")
+    assert done.returncode == 2 and done.stdout == ""
+    want = "gpu_peak: --presize: only the full cache can be sized before its prefill\n"
+    assert done.stderr == want
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

@@ -398,6 +398,77 @@ def run(s: Settings, log=print, progress=None) -> dict:
     return finish()
 
 
+PEAK_ENV = (  # MLX's settings that decide how long a GPU backend holds freed buffers
+    "MLX_MAX_OPS_PER_BUFFER",
+    "MLX_MAX_MB_PER_BUFFER",
+    "MLX_USE_CUDA_GRAPHS",
+    "MLX_CUDA_USE_CUDNN_SDPA",
+)
+
+
+def peak(s: Settings, weights: str, context: int, policy: str, side: str, presize: bool) -> dict:
+    """MLX's peak while one cache prefills ``context`` tokens and decodes ``s.decode``, over
+    what ``plan`` predicts: one setting per process, so that MLX's environment settings
+    (``PEAK_ENV``, read once at start) can differ between runs. The peak counts what the run
+    allocated above what was held before it, plus the weights, as :func:`run` counts it.
+    ``presize``: a full cache (either side) gets buffers for the whole run before the
+    prefill, so the excess that remains is not the cache's growth."""
+    import os
+    import random
+
+    import mlx.core as mx
+
+    from mlxkv.bench.configs import all_configs
+    from mlxkv.memory.policy_bytes import round_up
+
+    if presize and policy != "full":
+        raise UserError("--presize: only the full cache can be sized before its prefill")
+    on = use_device(s.device)
+    configs = all_configs(s.kept, SINKS)
+    ours = configs[policy]
+    cfg = ours if side == "mlxkv" else configs[ours.peer]
+    model = build(s.config, weights)
+    nbytes = weight_bytes(model)
+    if s.warmup:  # the kernels' first use, outside the measured run
+        warm = random.Random(0).choices(range(s.config["vocab_size"]), k=s.warmup)
+        _run(model, cfg.factory(model), warm, 2)
+    ids = random.Random(context).choices(range(s.config["vocab_size"]), k=context)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    caches = cfg.factory(model)()
+    if presize:
+        shape = (1, s.config["num_key_value_heads"], round_up(context + s.decode + 1))
+        for c in caches:
+            c.keys = mx.zeros((*shape, s.config["head_dim"]), mx.bfloat16)
+            c.values = mx.zeros((*shape, s.config["head_dim"]), mx.bfloat16)
+        mx.eval([(c.keys, c.values) for c in caches])
+    _prefill(model, caches, ids)
+    after_prefill = mx.get_peak_memory() - held + nbytes
+    _decode(model, caches, ids[-1], s.decode)
+    top = mx.get_peak_memory() - held + nbytes
+    kv = sum(c.nbytes for c in caches)
+    plan = plan_parts(s.config, weights, ours.policy, context, on)
+    return {
+        "device": on,
+        "device_name": mx.device_info().get("device_name"),
+        "mlx_version": mx.__version__,
+        "env": {k: os.environ[k] for k in PEAK_ENV if k in os.environ},
+        "weights": weights,
+        "context": context,
+        "policy": policy,
+        "side": side,
+        "cache": cfg.label,
+        "presize": presize,
+        "kv_bytes": kv,
+        "peak_after_prefill": after_prefill,
+        "peak_bytes": top,
+        "plan": plan,
+        "peak_over_plan": top / plan["mlx"],
+        "excess_over_kv": (top - plan["mlx"]) / kv,
+    }
+
+
 def _attempt(step, *args):
     """``(step(*args), None)``, or ``(None, what MLX raised)`` (its first line). A backend
     may lack a kernel for one cache's shapes (MLX's CUDA ``quantized_matmul``, say): the

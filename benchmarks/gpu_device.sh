@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
 # The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
-# device time in all): install the carried wheels (once per machine); check decode on
-# packed tokens against dense attention on mx.gpu (MLX's quantized kernels); benchmark the
-# quantized KV rows and the 4,096 rows again; probe MLX's peak memory under its settings;
-# the 4-bit-weight rows; the GPU-rule tests. Steps run in that order while the deadline
-# leaves each its limit, so that the call ends before DEADLINE seconds.
+# device time in all). Steps, in this order, each run while the deadline leaves it its
+# limit, so that the call ends before DEADLINE seconds:
 #
-#   bash benchmarks/gpu_device.sh WHEEL_DIR OUT_DIR [DEADLINE] [STEP...]
+#   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
+#   peak     MLX's peak at 32,768 for the full and 4-bit caches, under MLX's settings
+#   bench    8-bit and sink + 4-bit KV at 32,768 and 4,096 against mlx-lm, bfloat16 weights
+#   bench4k  full and sink + window at 4,096 again (decode timed after an untimed step)
+#   q4       4-bit KV with 4-bit weights at 4,096
+#   tests    the GPU-rule tests on mx.gpu
 #
-# STEP names the steps to run (default all): packed bench4k bench32k peak q4 tests. Every
-# log and result lands in OUT_DIR; a benchmark cut short keeps the rows it finished.
+#   bash benchmarks/gpu_device.sh WHEEL_DIR|- OUT_DIR [DEADLINE] [STEP...]
+#
+# WHEEL_DIR: the carried wheels, installed once per machine ("-": use the MLX at hand).
+# The device tool brings back at most 8 files from OUT_DIR, so every log and result goes
+# into one archive, OUT_DIR/results.tgz, rewritten after each step; the console names each
+# step's outcome and its key numbers.
 set -u
 wheels=$1
 out=$2
 deadline=${3:-540}
 shift $(($# < 3 ? $# : 3))
-steps=${*:-packed bench4k bench32k peak q4 tests}
+steps=${*:-packed peak bench bench4k q4 tests}
 mkdir -p "$out"
-if [ ! -d /tmp/site/mlx ]; then
+work=$(mktemp -d /tmp/gpu-device.XXXXXX)
+keep() { tar -czf "$out/results.tgz" -C "$work" .; }
+if [ "$wheels" != - ] && [ ! -d /tmp/site/mlx ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site "$wheels"/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:. MLXKV_BLAS=reference PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
-    --format=csv | tee "$out/device.txt"
-python3 -c "import mlx.core as mx; from mlxkv.memory.dtypes import backend; \
-print(mx.__version__, mx.default_device(), mx.device_info(), backend())" \
-    | tee -a "$out/device.txt" || exit 1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+        --format=csv 2>&1
+    python3 -c "import mlx.core as mx; from mlxkv.memory.dtypes import backend; \
+print(mx.__version__, mx.default_device(), mx.device_info(), backend())" 2>&1
+} | tee "$work/device.txt"
+keep
 
 wanted() {  # STEP LIMIT: whether STEP was asked for and its limit fits before the deadline
     case " $steps " in *" $1 "*) ;; *) return 1 ;; esac
@@ -37,33 +47,21 @@ wanted() {  # STEP LIMIT: whether STEP was asked for and its limit fits before t
 }
 
 # -v prints each test's result as it ends, so a run stopped at its limit still names them.
-pytest=(python3 -m pytest -v -m "not slow" -p no:cacheprovider --timeout 60)
-if wanted packed 60; then
-    timeout 60 "${pytest[@]}" --tb=short tests/test_packed_attention.py >"$out/packed.log" 2>&1
-    echo "packed attention exit $? at ${SECONDS} s"
-    grep -E "PASSED|FAILED|ERROR|assert" "$out/packed.log" | head -n 12
+pytest=(python3 -m pytest -v -m "not slow" -p no:cacheprovider --timeout 100)
+if wanted packed 150; then
+    timeout 150 "${pytest[@]}" --tb=short tests/test_packed_attention.py >"$work/packed.log" 2>&1
+    echo "packed exit $? at ${SECONDS} s"
+    grep -E "PASSED|FAILED|ERROR|^E " "$work/packed.log" | sed 's/^tests.*\[//' | head -n 12
+    keep
 fi
 
-bench() {  # NAME TIMEOUT ARGS...
-    local name=$1 limit=$2
-    shift 2
-    wanted "$name" "$limit" || return
-    timeout "$limit" python3 benchmarks/gpu_bench.py "$@" --out "$out/$name" \
-        2>"$out/$name.log" >/dev/null
-    echo "$name exit $? at ${SECONDS} s"
-    tail -n 8 "$out/$name.log"
-}
-bench bench4k 170 --contexts 4096 --weights bf16 --policies 4bit,8bit,sink-4bit,full,sink-window \
-    --rounds 2 --budget 110
-bench bench32k 100 --contexts 32768 --weights bf16 --policies 4bit,8bit,sink-4bit \
-    --rounds 2 --budget 45
-
-# One process per setting: MLX reads these when it starts. All at 32,768 in bfloat16.
+# One process per setting (MLX reads them when it starts), all at 32,768 in bfloat16.
 peak() {  # ARGS... (MLX's settings in the environment)
     wanted peak 45 || return
-    timeout 45 python3 benchmarks/gpu_peak.py --context 32768 "$@" >>"$out/peak.jsonl" \
-        2>>"$out/peak.log"
-    echo "peak $* ${MLX_MAX_OPS_PER_BUFFER:+(smaller graphs) }exit $? at ${SECONDS} s"
+    timeout 45 python3 benchmarks/gpu_peak.py --context 32768 "$@" >>"$work/peak.jsonl" \
+        2>>"$work/peak.log"
+    echo "peak exit $? at ${SECONDS} s: $(tail -n 1 "$work/peak.log")"
+    keep
 }
 peak --policy full
 peak --policy full --side mlx-lm
@@ -72,15 +70,29 @@ MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy full
 peak --policy 4bit
 MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy 4bit
 
-bench q4 90 --contexts 4096 --weights q4 --policies full,4bit --rounds 2 --budget 40
+bench() {  # NAME TIMEOUT ARGS...
+    local name=$1 limit=$2
+    shift 2
+    wanted "$name" "$limit" || return
+    timeout "$limit" python3 benchmarks/gpu_bench.py "$@" --out "$work/$name" \
+        2>"$work/$name.log" >/dev/null
+    echo "$name exit $? at ${SECONDS} s"
+    grep -vE "^(device copy|Llama)" "$work/$name.log" | cut -c1-240 | tail -n 8
+    keep
+}
+bench bench 200 --contexts 32768,4096 --weights bf16 --policies 8bit,sink-4bit --rounds 2 \
+    --budget 140
+bench bench4k 120 --contexts 4096 --weights bf16 --policies full,sink-window --rounds 2 \
+    --budget 60
+bench q4 90 --contexts 4096 --weights q4 --policies 4bit --rounds 2 --budget 40
 
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
 if wanted tests 60; then
     timeout 60 "${pytest[@]}" --tb=no -n 8 tests/test_gpu_rule.py tests/test_gpu_bench.py \
         tests/test_memory_exact.py tests/test_caches_trim_persist.py \
-        tests/test_caches_mlx_lm_protocol.py >"$out/pytest.log" 2>&1
-    echo "pytest exit $? at ${SECONDS} s"
-    grep -cE " PASSED " "$out/pytest.log"
-    grep -E " FAILED | ERROR " "$out/pytest.log" | sed 's/.*\(FAILED\|ERROR\) //' | head -n 40
+        tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
+    echo "tests exit $? at ${SECONDS} s, $(grep -cE " PASSED " "$work/pytest.log") passed"
+    grep -E " FAILED | ERROR " "$work/pytest.log" | sed 's/.*\(FAILED\|ERROR\) //' | head -n 40
+    keep
 fi
 echo "done at ${SECONDS} s"

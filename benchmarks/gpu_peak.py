@@ -6,8 +6,9 @@
 One run per process, so that MLX's settings read at start (MLX_MAX_OPS_PER_BUFFER,
 MLX_MAX_MB_PER_BUFFER, MLX_USE_CUDA_GRAPHS, MLX_CUDA_USE_CUDNN_SDPA) can be compared: run
 it once per setting. Prints one JSON line: the peak after the prefill and after decoding,
-the plan's parts, and the excess over the plan as a multiple of the cache's bytes. What it
-measures: ``peak`` in mlxkv/bench/gpu.py; why: docs/gpu.md.
+the plan's parts, and the excess over the plan as a multiple of the cache's bytes; and the
+same in one line of words on stderr. What it measures: ``peak`` in mlxkv/bench/gpu.py;
+why: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,22 @@ def main(argv=None) -> int:
         print(f"gpu_peak: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result))
+    print(summary(result), file=sys.stderr)
     return 0
+
+
+def summary(r: dict) -> str:
+    """One line: the run, the settings it ran under, its peak against the plan."""
+    from mlxkv.bench.gpu import size_text
+
+    settings = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "MLX's defaults"
+    return (
+        f"{r['cache']} ({r['side']}{', presized' if r['presize'] else ''}), "
+        f"{r['context']:,} tokens, {settings}: peak {size_text(r['peak_bytes'])} "
+        f"({size_text(r['peak_after_prefill'])} after the prefill), plan "
+        f"{size_text(r['plan']['mlx'])} ({r['peak_over_plan']:.3f}); excess "
+        f"{r['excess_over_kv']:.2f}x the cache's {size_text(r['kv_bytes'])}"
+    )
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def _peak(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
-@pytest.mark.parametrize("side", ["mlxkv", "mlx-lm"])
+@pytest.mark.parametrize("side", ["mlxkv", pytest.param("mlx-lm", marks=pytest.mark.slow)])
 def test_the_peak_probe_reports_one_run_and_the_settings_it_ran_under(side):
     import os
 
@@ -122,6 +122,38 @@ def test_the_peak_probe_sizes_only_the_full_cache():
     assert done.returncode == 2 and done.stdout == ""
     want = "gpu_peak: --presize: only the full cache can be sized before its prefill\n"
     assert done.stderr == want
+
+
+def test_the_device_script_brings_back_one_archive_and_names_each_step(tmp_path):
+    """The device tool returns at most 8 files from $OUT: the script leaves one archive
+    there, and its console names each step's outcome. Here (no GPU) each probe and
+    benchmark stops at its one-line refusal, which the console shows."""
+    import os
+    import tarfile
+
+    script = SCRIPT.with_name("gpu_device.sh")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    out = tmp_path / "out"
+    argv = ["bash", str(script), "-", str(out), "130", "packed", "peak", "bench4k"]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, env=env, cwd=SCRIPT.parent.parent
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["results.tgz"]
+    with tarfile.open(out / "results.tgz") as tar:
+        names = sorted(n.removeprefix("./") for n in tar.getnames() if n != ".")
+    assert names == ["bench4k.log", "device.txt", "peak.jsonl", "peak.log"]
+    lines = done.stdout.splitlines()
+    assert "packed skipped at 0 s: its 150 s would pass the deadline of 130 s" in lines
+    refusal = (
+        "gpu_peak: --device gpu: MLX sees no GPU here (install mlx-cuda-13, or use --device cpu)"
+    )
+    peaks = [x for x in lines if x.startswith("peak exit")]
+    assert len(peaks) == 6 and all(x.startswith("peak exit 2 at ") for x in peaks)
+    assert all(x.endswith(refusal) for x in peaks)
+    assert any(x.startswith("bench4k exit 2 at ") for x in lines)
+    assert "gpu_bench: --device gpu: MLX sees no GPU here" in done.stdout
+    assert lines[-1].startswith("done at ")
 
 
 @pytest.mark.parametrize(

@@ -558,7 +558,7 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
     }
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -582,11 +582,10 @@ def markdown(result: dict) -> str:
         batch = f"{r['batch_speedup']:.1f}" if r["batch_speedup"] else ""
         ratio = f"{r['decode_ratio']:.2f}" if r["decode_ratio"] else ""
         bound = f"{r['bound_fraction']:.0%}" if r["bound_fraction"] else ""
-        peak = (
-            f"{_size(r['peak_bytes'])} / {_size(r['plan']['mlx'])} ({r['peak_over_plan']:.3f})"
-            if r["peak_over_plan"]
-            else ""
-        )
+        peak = ""
+        if r["peak_over_plan"]:
+            peak = f"{size_text(r['peak_bytes'])} / {size_text(r['plan']['mlx'])}"
+            peak += f" ({r['peak_over_plan']:.3f})"
         lines.append(
             f"| {r['weights']} | {r['context']:,} | {r['label']} ({r['mlx_lm']}) | "
             f"{_cell(r['prefill_tps'], '.0f')} | {_cell(r['decode_tps'], '.1f')} | "

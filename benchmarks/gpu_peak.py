@@ -7,7 +7,7 @@ One run per process, so that MLX's settings read at start (MLX_MAX_OPS_PER_BUFFE
 MLX_MAX_MB_PER_BUFFER, MLX_USE_CUDA_GRAPHS, MLX_CUDA_USE_CUDNN_SDPA) can be compared: run
 it once per setting. Prints one JSON line: the peak after the prefill and after decoding,
 the plan's parts, and the excess over the plan as a multiple of the cache's bytes; and the
-same in one line of words on stderr. What it measures: ``peak`` in mlxkv/bench/gpu.py;
+same in one line of words on stderr. What it measures: ``measure_peak`` in mlxkv/bench/gpu.py;
 why: docs/gpu.md.
 """
 
@@ -41,7 +41,9 @@ def main(argv=None) -> int:
         s = gpu.settings(
             args.quick, [args.context], [args.policy], [args.weights], args.device, args.decode
         )
-        result = gpu.peak(s, args.weights, args.context, args.policy, args.side, args.presize)
+        result = gpu.measure_peak(
+            s, args.weights, args.context, args.policy, args.side, args.presize
+        )
     except UserError as e:
         print(f"gpu_peak: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,9 @@ and two chunks more (a GPU backend compiles its kernels at their first use). Wit
 ``budget`` in seconds, no row starts after it is spent: the rows left are listed as
 skipped, and ``progress`` gets the report after every row (a run cut short keeps them).
 
+:func:`measure_peak` runs one cache alone and reports its peak after the prefill and after
+decoding (``benchmarks/gpu_peak.py``: one process per MLX setting).
+
 ``quick`` is a tiny model of the same family (2 layers, hidden 128, head_dim 64) at contexts
 256 and 1,024, 4 decode tokens, 2 rows in the batch: small enough for a CPU run in seconds
 (bfloat16 and quantized matmuls have no CPU fast path), a smoke run of this very code.
@@ -406,7 +409,9 @@ PEAK_ENV = (  # MLX's settings that decide how long a GPU backend holds freed bu
 )
 
 
-def peak(s: Settings, weights: str, context: int, policy: str, side: str, presize: bool) -> dict:
+def measure_peak(
+    s: Settings, weights: str, context: int, policy: str, side: str, presize: bool
+) -> dict:
     """MLX's peak while one cache prefills ``context`` tokens and decodes ``s.decode``, over
     what ``plan`` predicts: one setting per process, so that MLX's environment settings
     (``PEAK_ENV``, read once at start) can differ between runs. The peak counts what the run
@@ -582,14 +587,14 @@ def markdown(result: dict) -> str:
         batch = f"{r['batch_speedup']:.1f}" if r["batch_speedup"] else ""
         ratio = f"{r['decode_ratio']:.2f}" if r["decode_ratio"] else ""
         bound = f"{r['bound_fraction']:.0%}" if r["bound_fraction"] else ""
-        peak = ""
+        peak_cell = ""
         if r["peak_over_plan"]:
-            peak = f"{size_text(r['peak_bytes'])} / {size_text(r['plan']['mlx'])}"
-            peak += f" ({r['peak_over_plan']:.3f})"
+            peak_cell = f"{size_text(r['peak_bytes'])} / {size_text(r['plan']['mlx'])}"
+            peak_cell += f" ({r['peak_over_plan']:.3f})"
         lines.append(
             f"| {r['weights']} | {r['context']:,} | {r['label']} ({r['mlx_lm']}) | "
             f"{_cell(r['prefill_tps'], '.0f')} | {_cell(r['decode_tps'], '.1f')} | "
-            f"{ratio} | {bound} | {batch} | {peak} |"
+            f"{ratio} | {bound} | {batch} | {peak_cell} |"
         )
         failed += [
             f"{r['weights']} {r['context']:,} {r['label'] if side == 'mlxkv' else r['mlx_lm']}"

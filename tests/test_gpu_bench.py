@@ -134,6 +134,7 @@ def test_the_device_script_brings_back_one_archive_and_names_each_step(tmp_path)
     script = SCRIPT.with_name("gpu_device.sh")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     out = tmp_path / "out"
+    # a deadline of 145 s: packed's 150 s never fits, the probes' 45 s and bench4k's 120 s do
     argv = ["bash", str(script), "-", str(out), "145", "packed", "peak", "bench4k"]
     done = subprocess.run(
         argv, capture_output=True, text=True, timeout=300, env=env, cwd=SCRIPT.parent.parent

@@ -215,7 +215,12 @@ QUESTIONS = ["When was it built?", "What did the lamp burn?", "When did the last
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("policy", [KVPolicy(), KVPolicy(window=48, sinks=4)], ids=str)
+@pytest.mark.parametrize(
+    "policy",
+    # the full cache's shared prefix also runs in CI through the server (test_serve_prefix)
+    [pytest.param(KVPolicy(), marks=pytest.mark.slow), KVPolicy(window=48, sinks=4)],
+    ids=str,
+)
 def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, policy):
     """Three questions about one document, batch size 2 (the third joins later): the
     document is prefilled once, and every answer is the Session's."""

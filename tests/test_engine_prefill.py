@@ -40,7 +40,7 @@ def test_last_logits_are_the_models_last_position(default_model):
     assert mx.argmax(last).item() == mx.argmax(whole).item()
 
 
-@pytest.mark.parametrize("step", [512, 16])
+@pytest.mark.parametrize("step", [pytest.param(512, marks=pytest.mark.slow), 16])  # 16: more chunks
 def test_greedy_tokens_are_mlx_lms(default_model, step):
     """Whole prompt in one chunk (512) or many (16): the tokens of mlx-lm's stream_generate,
     which feeds the prompt's last token in a call of its own."""

@@ -92,7 +92,8 @@ def _peak(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
-@pytest.mark.parametrize("side", ["mlxkv", pytest.param("mlx-lm", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a run each way on the tiny model; the script's own test below is quick
+@pytest.mark.parametrize("side", ["mlxkv", "mlx-lm"])
 def test_the_peak_probe_reports_one_run_and_the_settings_it_ran_under(side):
     import os
 

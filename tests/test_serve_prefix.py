@@ -50,7 +50,11 @@ def server(tmp_path_factory):
     assert "Traceback" not in s.log(), s.log()
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize(
+    "name",
+    # 4-bit prefix reuse across turns also runs in CI in tests/test_prefix_cache.py
+    [n if n != "4-bit" else pytest.param(n, marks=pytest.mark.slow) for n in POLICIES],
+)
 def test_a_second_turn_prefills_only_the_new_tokens(server, name):
     kv = POLICIES[name]
     messages = [

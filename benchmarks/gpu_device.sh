@@ -23,7 +23,7 @@ deadline=${3:-540}
 shift $(($# < 3 ? $# : 3))
 steps=${*:-packed peak bench bench4k q4 tests}
 mkdir -p "$out"
-work=$(mktemp -d /tmp/gpu-device.XXXXXX)
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-device.XXXXXX")
 keep() { tar -czf "$out/results.tgz" -C "$work" .; }
 if [ "$wheels" != - ] && [ ! -d /tmp/site/mlx ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

@@ -312,8 +312,6 @@ def _batch_tps(model, factory, ids, decode: int, rows: int) -> float:
 
 
 def run(s: Settings, log=print, progress=None) -> dict:
-    import random
-
     import mlx.core as mx
 
     from mlxkv.bench.configs import all_configs
@@ -329,7 +327,7 @@ def run(s: Settings, log=print, progress=None) -> dict:
         models[w] = build(s.config, w)
         weight_sizes[w] = weight_bytes(models[w])
         log(f"{s.label}, {w}: {weight_sizes[w] / 2**30:.2f} GiB of weights")
-    warm_ids = random.Random(0).choices(range(s.config["vocab_size"]), k=s.warmup)
+    warm_ids = _tokens(0, s.warmup, s.config)
     warmed: dict = {}  # (weights, cache label) -> what its first run raised, or None
     rows: list[Row] = []
     skipped: list[dict] = []
@@ -345,8 +343,7 @@ def run(s: Settings, log=print, progress=None) -> dict:
         return result
 
     for context in s.contexts:
-        rng = random.Random(context)
-        ids = [rng.randrange(s.config["vocab_size"]) for _ in range(context)]
+        ids = _tokens(context, context, s.config)
         for w in s.weights:
             model = models[w]
             for key in s.policies:
@@ -419,7 +416,6 @@ def measure_peak(
     ``presize``: a full cache (either side) gets buffers for the whole run before the
     prefill, so the excess that remains is not the cache's growth."""
     import os
-    import random
 
     import mlx.core as mx
 
@@ -435,9 +431,8 @@ def measure_peak(
     model = build(s.config, weights)
     nbytes = weight_bytes(model)
     if s.warmup:  # the kernels' first use, outside the measured run
-        warm = random.Random(0).choices(range(s.config["vocab_size"]), k=s.warmup)
-        _run(model, cfg.factory(model), warm, 2)
-    ids = random.Random(context).choices(range(s.config["vocab_size"]), k=context)
+        _run(model, cfg.factory(model), _tokens(0, s.warmup, s.config), 2)
+    ids = _tokens(context, context, s.config)  # the benchmark's prompt at this context
     mx.clear_cache()
     mx.reset_peak_memory()
     held = mx.get_active_memory()
@@ -472,6 +467,13 @@ def measure_peak(
         "peak_over_plan": top / plan["mlx"],
         "excess_over_kv": (top - plan["mlx"]) / kv,
     }
+
+
+def _tokens(seed: int, n: int, config: dict) -> list[int]:
+    """``n`` random token ids, the same for the same seed (the warm-up run's, a context's)."""
+    import random
+
+    return random.Random(seed).choices(range(config["vocab_size"]), k=n)
 
 
 def _attempt(step, *args):

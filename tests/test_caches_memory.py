@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.caches import make_caches
+from mlxkv.caches import make_caches, prefill_chunk
 from mlxkv.memory import policy_bytes as pb
 from mlxkv.policy import KVPolicy
 from tests.tiny_models import tiny_llama
@@ -112,36 +112,39 @@ def test_memory_flat_20k_steps(policy):
     _assert_flat(cache, nbytes, active, policy)
 
 
-def _prefill_peak(policy, tokens, chunk):
-    model = tiny_llama(layers=2, hidden=128, heads=2, kv_heads=2, vocab=32)
+def _prefill_peak(policy, tokens, step):
+    """MLX's peak over a chunked prefill, in the engine's chunks, and the cache's bytes.
+    Eight layers: with two, one layer's dense transient is as big as the whole float cache
+    and noise decides which peak is higher; real models have 24 or more."""
+    model = tiny_llama(layers=8, hidden=128, heads=2, kv_heads=2, vocab=32)
     prompt = mx.random.randint(0, 32, (1, tokens))
     mx.eval(prompt)
     caches = make_caches(model, policy)
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    for p in range(0, tokens, chunk):
-        mx.eval(model(prompt[:, p : p + chunk], cache=caches), [c.state for c in caches])
+    p = 0
+    while p < tokens:
+        n = min(prefill_chunk(caches, step), tokens - p)
+        mx.eval(model(prompt[:, p : p + n], cache=caches), [c.state for c in caches])
         mx.clear_cache()
-    return mx.get_peak_memory() - base
+        p += n
+    return mx.get_peak_memory() - base, sum(c.nbytes for c in caches)
 
 
 @pytest.mark.parametrize("window", [None, 300])
-def test_quantized_prefill_peak_not_above_unquantized(window):
+def test_quantized_prefill_peak_is_below_unquantized(window):
     sinks = 4 if window else 0
-    # each the lower of two runs, alternated: what earlier tests left in MLX's allocator
-    # can move one run's peak by a few tens of KB
-    runs = [
-        _prefill_peak(KVPolicy(window, sinks, bits=b), 1024, 256)
-        for _ in range(2)
-        for b in (None, 4)
-    ]
-    fp, q4 = min(runs[0::2]), min(runs[1::2])
-    assert q4 <= fp
+    fp, fp_bytes = _prefill_peak(KVPolicy(window, sinks), 512, 256)
+    q4, q4_bytes = _prefill_peak(KVPolicy(window, sinks, bits=4), 512, 256)
+    # part of what the smaller cache saves shows in the peak (measured: 0.8 of it for the
+    # full cache, 0.3 for the window, whose chunk transients are the bulk); an eighth
+    # stands well clear of the allocator's run-to-run noise (up to ~130 KB here)
+    assert q4 + (fp_bytes - q4_bytes) // 8 <= fp
 
 
 @pytest.mark.slow
 def test_quantized_prefill_peak_8k():
-    fp = _prefill_peak(KVPolicy(), 8192, 2048)
-    q4 = _prefill_peak(KVPolicy(bits=4), 8192, 2048)
+    fp, _ = _prefill_peak(KVPolicy(), 8192, 2048)
+    q4, _ = _prefill_peak(KVPolicy(bits=4), 8192, 2048)
     assert q4 <= fp

@@ -80,6 +80,18 @@ def test_the_gpu_rule_keeps_q4_packed_and_everything_else_bfloat16(gpu_model, de
     assert planned.bytes == gpu_model.weights_bytes
 
 
+def test_the_cpu_rule_dequantizes_to_the_checkpoints_exact_values(default_model):
+    """Each packed weight computed in float32 from the file's float16 scales and biases,
+    not rounded to float16 on the way (MLX's dequantize on the file's own dtype)."""
+    file = mx.load(str(default_model.path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    w, s, b = (file[f"{name}.{k}"] for k in ("weight", "scales", "biases"))
+    exact = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), 32, 4)
+    held = default_model.model.model.layers[0].self_attn.q_proj.weight
+    assert held.dtype == mx.float32 and mx.array_equal(held, exact)
+    assert not mx.array_equal(held, mx.dequantize(w, s, b, 32, 4).astype(mx.float32))
+
+
 def test_greedy_tokens_are_mlx_lms_under_the_gpu_rule(gpu_model):
     """Full depth, the same packed bfloat16 weights for both: identical tokens."""
     prompt = "The capital of France is"

@@ -49,24 +49,33 @@ def ids(default_model):
 
 
 def test_default_model_exact_bytes(model):
-    """The issue's done criterion and more: nbytes == policy_bytes, all 30 layers."""
+    """nbytes == policy_bytes at every step of a schedule that crosses an allocation step,
+    evicts and fills quantization groups. Every layer's cache has the same shape, so the
+    model runs cut to its first 3 layers (the whole model ran the same check in 19 s)."""
     tokens = [(37 * i) % 40000 + 100 for i in range(304)]
     schedule = [260, 1, 1, 41, 1]
-    for policy in (
-        KVPolicy(),
-        KVPolicy(bits=4, group_size=32),
-        KVPolicy(window=96, sinks=4),
-        KVPolicy(window=96, sinks=4, bits=8),
-        KVPolicy(window=64, bits=4),
-    ):
-        caches = make_caches(model, policy)
-        seen = 0
-        for n in schedule:
-            mx.eval(model(mx.array(tokens[seen : seen + n])[None], cache=caches))
-            seen += n
-            predicted = pb.allocated_bytes(policy, 3, 64, 64, 4, seen, 1)
-            assert sum(c.nbytes for c in caches) == 30 * predicted, (policy, seen)
-            assert caches[0].kept == pb.kept_tokens(policy, seen) <= (policy.kept_tokens or seen)
+    layers = model.model.layers
+    model.model.layers = layers[:3]
+    try:
+        for policy in (
+            KVPolicy(),
+            KVPolicy(bits=4, group_size=32),
+            KVPolicy(window=96, sinks=4),
+            KVPolicy(window=96, sinks=4, bits=8),
+            KVPolicy(window=64, bits=4),
+        ):
+            caches = make_caches(model, policy)
+            assert len(caches) == 3
+            seen = 0
+            for n in schedule:
+                mx.eval(model(mx.array(tokens[seen : seen + n])[None], cache=caches))
+                seen += n
+                predicted = pb.allocated_bytes(policy, 3, 64, 64, 4, seen, 1)
+                assert sum(c.nbytes for c in caches) == 3 * predicted, (policy, seen)
+                kept = pb.kept_tokens(policy, seen)
+                assert caches[0].kept == kept <= (policy.kept_tokens or seen)
+    finally:
+        model.model.layers = layers
 
 
 def test_default_model_greedy_matches_literal_streamingllm(model, ids):

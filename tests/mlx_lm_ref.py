@@ -4,8 +4,9 @@ sampling rules written out in numpy."""
 from __future__ import annotations
 
 
-def greedy_tokens(loaded, ids, n, processors) -> list[int]:
-    """Greedy tokens of mlx-lm's own generate_step with ``processors`` (the reference)."""
+def greedy_tokens(loaded, ids, n, processors, until=()) -> list[int]:
+    """Greedy tokens of mlx-lm's own generate_step with ``processors`` (the reference), up to
+    ``n`` or the first token in ``until`` (kept: mlx-lm itself goes on)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -18,7 +19,12 @@ def greedy_tokens(loaded, ids, n, processors) -> list[int]:
         logits_processors=processors,
         prompt_cache=make_prompt_cache(loaded.model),
     )
-    return [int(t) for t, _ in steps]
+    out = []
+    for t, _ in steps:
+        out.append(int(t))
+        if out[-1] in until:
+            break
+    return out
 
 
 def answer_penalties(prompt_len: int, presence: float, frequency: float, bias: dict):

@@ -33,7 +33,7 @@ def generate(cli, tmp_path, messages, policy_args, cache="c.safetensors") -> dic
     conv.write_text(json.dumps(messages))
     out = cli(
         "generate", "--messages", str(conv), "--prompt-cache", str(tmp_path / cache),
-        "--max-tokens", "16", "--temp", "0", "--json", *policy_args,
+        "--max-tokens", "8", "--temp", "0", "--json", *policy_args,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

@@ -93,9 +93,10 @@ def test_the_cpu_rule_dequantizes_to_the_checkpoints_exact_values(default_model)
 
 
 def test_greedy_tokens_are_mlx_lms_under_the_gpu_rule(gpu_model):
-    """Full depth, the same packed bfloat16 weights for both: identical tokens."""
-    prompt = "The capital of France is"
-    settings = GenerationSettings(max_tokens=3, prefill_step=3)
+    """Full depth, the same packed bfloat16 weights for both: identical tokens. (MLX's
+    bfloat16 quantized matmul on the CPU costs about 1.5 s a token: a short prompt.)"""
+    prompt = "The capital of"
+    settings = GenerationSettings(max_tokens=2, prefill_step=2)
     ours = [
         ev.token
         for ev in Session(gpu_model).run(prompt, settings)
@@ -105,10 +106,10 @@ def test_greedy_tokens_are_mlx_lms_under_the_gpu_rule(gpu_model):
     ref = [
         r.token
         for r in stream_generate(
-            gpu_model.model, gpu_model.tokenizer, mx.array(ids), max_tokens=3, prefill_step_size=3
+            gpu_model.model, gpu_model.tokenizer, mx.array(ids), max_tokens=2, prefill_step_size=2
         )
     ]
-    assert ours == ref[: len(ours)] and len(ours) == 3
+    assert ours == ref[: len(ours)] and len(ours) == 2
 
 
 def _body(shallow):

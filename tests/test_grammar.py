@@ -76,14 +76,14 @@ def test_a_schema_answer_is_the_reference_alone_and_in_a_batch(default_model):
     tok = default_model.tokenizer
     ids = _ids(default_model, ASK)
     free_ids = _ids(default_model, "Name three colours.")
-    n = 48
+    n, n_free = 48, 12  # the free row shares the first 12 steps with the held one
     grammar = json_grammar(SCHEMA)
-    ref = greedy_tokens(default_model, ids, n, [reference_mask(tok, grammar)])
-    free_ref = greedy_tokens(default_model, free_ids, n, [])
+    ref = greedy_tokens(default_model, ids, n, [reference_mask(tok, grammar)], tok.eos_token_ids)
+    free_ref = greedy_tokens(default_model, free_ids, n_free, [])
 
     sched = Scheduler(default_model, KVPolicy(), max_batch=4)
     held = sched.submit(Request(ids, GenerationSettings(max_tokens=n, grammar=grammar)))
-    free = sched.submit(Request(free_ids, GenerationSettings(max_tokens=n)))
+    free = sched.submit(Request(free_ids, GenerationSettings(max_tokens=n_free)))
     while sched.step():
         pass
     assert sched.status()["max_rows_in_a_step"] == 2

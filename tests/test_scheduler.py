@@ -153,7 +153,7 @@ def test_penalties_and_logit_bias_give_mlx_lms_tokens_in_a_batch(default_model):
     and the penalties change the plain greedy answer."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    n = 24
+    n = 16
     ids = _ids(default_model, "Write a poem about the sea, the sea, the sea.")
     comma = default_model.tokenizer.encode(",")[-1]
     asked = {

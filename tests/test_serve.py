@@ -270,9 +270,8 @@ def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
     )
     ids = encode_prompt(tok, text)
     first = greedy_tokens(default_model, ids, 1, [])[0]  # "The" of the plain answer
-    ref = greedy_tokens(
-        default_model, ids, MAX_TOKENS, [answer_penalties(len(ids), 0.5, 1.0, {first: -100})]
-    )
+    penalties = [answer_penalties(len(ids), 0.5, 1.0, {first: -100})]
+    ref = greedy_tokens(default_model, ids, MAX_TOKENS, penalties, tok.eos_token_ids)
     ends = [i for i, t in enumerate(ref) if t in tok.eos_token_ids]
     ref = ref[: ends[0]] if ends else ref
     r = chat(client, {}, presence_penalty=0.5, frequency_penalty=1.0, logit_bias={first: -100})
@@ -289,13 +288,13 @@ def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
 def test_sixteen_streams_decode_as_one_batch(server):
     client = server.client()
     alone = client.completions.create(
-        model="smollm2-135m", prompt=COUNTING, max_tokens=24, temperature=0
+        model="smollm2-135m", prompt=COUNTING, max_tokens=12, temperature=0
     ).choices[0]
     texts = [None] * 16
 
     def one(i):
         stream = client.completions.create(
-            model="smollm2-135m", prompt=COUNTING, max_tokens=24, temperature=0, stream=True
+            model="smollm2-135m", prompt=COUNTING, max_tokens=12, temperature=0, stream=True
         )
         texts[i] = "".join(p.choices[0].text for p in stream)
 

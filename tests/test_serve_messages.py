@@ -67,7 +67,7 @@ def test_an_answer_is_mlx_lms_greedy_answer(server, default_model):
     ids = encode_prompt(
         tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     )
-    ref = greedy_tokens(default_model, ids, 40, [])
+    ref = greedy_tokens(default_model, ids, 40, [], tok.eos_token_ids)
     ref = ref[: ref.index(next(t for t in ref if t in tok.eos_token_ids))]
 
     c = client(server)

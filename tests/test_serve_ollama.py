@@ -61,7 +61,7 @@ def test_a_chat_is_mlx_lms_greedy_answer(server, default_model):
     chat = [{"role": "system", "content": "Answer in one sentence."}, *QUESTION]
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     ids = encode_prompt(tok, text)
-    ref = greedy_tokens(default_model, ids, 40, [])
+    ref = greedy_tokens(default_model, ids, 40, [], tok.eos_token_ids)
     ref = ref[: ref.index(next(t for t in ref if t in tok.eos_token_ids))]
 
     c = client(server)

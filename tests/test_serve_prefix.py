@@ -171,7 +171,7 @@ def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_mod
     and MLX's peak stays under it (a server without that budget runs all three at once:
     the slow test below). A request that can never fit gets a 400 with the numbers and what
     would fit."""
-    max_tokens = 32  # two at once for about 32 steps: long enough to be seen waiting
+    max_tokens = 16  # two at once for about 16 steps (a second or two): seen waiting
     base, one = _predicted_reservation(default_model, 20 + max_tokens)
     budget = base + 2 * one + one // 2
     s = Server(tmp_path / "admitted", "--memory", str(budget), "--prefix-cache-bytes", "0")

@@ -59,7 +59,7 @@ def test_a_response_is_mlx_lms_greedy_answer(server, default_model):
         {"role": "user", "content": QUESTION},
     ]
     ids = prompt_ids(tok, chat)
-    ref = greedy_tokens(default_model, ids, 40, [])
+    ref = greedy_tokens(default_model, ids, 40, [], tok.eos_token_ids)
     ref = ref[: ref.index(next(t for t in ref if t in tok.eos_token_ids))]
 
     c = server.client()

@@ -9,6 +9,7 @@
 #   bench4k  full and sink + window at 4,096 again (decode timed after an untimed step)
 #   q4       4-bit KV with 4-bit weights at 4,096
 #   tests    the GPU-rule tests on mx.gpu
+#   plain    (only when named) 4-bit KV with plain keys beside KIVI's at 32,768 and 4,096
 #
 #   bash benchmarks/gpu_device.sh WHEEL_DIR|- OUT_DIR [DEADLINE] [STEP...]
 #
@@ -85,6 +86,9 @@ bench bench 200 --contexts 32768,4096 --weights bf16 --policies 8bit,sink-4bit -
 bench bench4k 120 --contexts 4096 --weights bf16 --policies full,sink-window --rounds 2 \
     --budget 60
 bench q4 90 --contexts 4096 --weights q4 --policies 4bit --rounds 2 --budget 40
+# Plain keys' product is transpose=True, which MLX's fast CUDA kernels take; KIVI's is not.
+bench plain 200 --contexts 32768,4096 --weights bf16 --policies 4bit-plain,4bit --rounds 2 \
+    --budget 140
 
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
 if wanted tests 60; then

@@ -79,7 +79,7 @@ def test_a_spent_budget_skips_the_rows_left_and_says_so(tmp_path):
         {"weights": "bf16", "context": 256, "policy": "full"},
         {"weights": "bf16", "context": 256, "policy": "sink-window"},
     ]
-    assert len(result["skipped"]) == 5 and "5 row(s) skipped" in done.stderr
+    assert len(result["skipped"]) == 6 and "6 row(s) skipped" in done.stderr
     table = out.with_suffix(".md").read_text()
     assert "Not run (the --budget was spent): bf16 256 full, bf16 256 sink-window, " in table
 

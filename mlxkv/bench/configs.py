@@ -70,6 +70,16 @@ def all_configs(kept: int, sinks: int) -> dict[str, CacheConfig]:
         ),  # fmt: skip
         CacheConfig("8bit", "8-bit", "mlxkv", KVPolicy(bits=8), False, "lm-q8"),
         CacheConfig("4bit", "4-bit", "mlxkv", KVPolicy(bits=4), False, "lm-q4"),
+        # keys grouped per token, as mlx-lm's: their product is transpose=True, the form
+        # MLX's fast CUDA quantized kernels take (KIVI's per-channel keys take the naive one)
+        CacheConfig(
+            "4bit-plain",
+            "4-bit, plain keys",
+            "mlxkv",
+            KVPolicy(bits=4, key_scheme="plain"),
+            False,
+            "lm-q4",
+        ),  # fmt: skip
         CacheConfig(
             "sink-4bit",
             f"sink {s} + window {w}, 4-bit",

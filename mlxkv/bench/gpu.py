@@ -81,7 +81,7 @@ QUICK = dict(
     intermediate_size=256,
     vocab_size=512,
 )
-POLICIES = ("full", "sink-window", "4bit", "8bit", "sink-4bit")
+POLICIES = ("full", "sink-window", "4bit", "8bit", "sink-4bit", "4bit-plain")
 WEIGHTS = ("bf16", "q4")
 CONTEXTS = (4096, 32768, 131072)
 QUICK_CONTEXTS = (256, 1024)

@@ -229,7 +229,7 @@ def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, po
     from mlxkv.engine.events import Finished
     from mlxkv.engine.session import GenerationSettings, Session
 
-    settings = GenerationSettings(max_tokens=12)
+    settings = GenerationSettings(max_tokens=8)
     asks = [f"{DOCUMENT}\n\n{q}" for q in QUESTIONS]
     reqs = [Request(i, _chat_text(default_model, q), settings) for i, q in enumerate(asks)]
     runner = BatchRunner(default_model, policy, 2, check_kv=True)

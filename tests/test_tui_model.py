@@ -61,7 +61,7 @@ async def test_real_model_streams_and_panel_matches_under_three_policies(
         assert app.engine.owner == app.worker.ident
 
 
-LONG = "Summarize this text. " + "The river runs past the old mill and the town. " * 60
+LONG = "Summarize this text. " + "The river runs past the old mill and the town. " * 50
 
 
 @sync

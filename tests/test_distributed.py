@@ -158,6 +158,28 @@ def test_plan_hosts_pipeline_matches_what_each_rank_holds(tiny_qwen2):
         assert h["kv_bytes_logical"] == layers * tokens * 2 * 2 * 32 * 4
 
 
+def tensor_split_answers_as_one_process(cli, model, ranks: int, args: list[str]) -> dict:
+    """``generate ARGS`` over ``ranks`` tensor-split ranks gives one process's text, and
+    plan --hosts predicts each rank's KV and weights exactly; the split's JSON."""
+    one = cli("generate", *args)
+    assert one.returncode == 0, one.stderr
+    run = launch(ranks, "generate", *args)
+    assert run.returncode == 0, run.stderr
+    single, split = json.loads(one.stdout), last_json(run)
+    assert split["text"] == single["text"]
+    assert split["shard"] == "tensor" and split["ranks"] == ranks
+    tokens = split["kv_tokens"]
+    plan = cli("plan", str(model), "--hosts", str(ranks), "--context", str(tokens), "--json")
+    assert plan.returncode == 0, plan.stderr
+    hosts = json.loads(plan.stdout)["per_host"]
+    for h, r in zip(hosts, split["per_rank"], strict=True):
+        assert r["kv_bytes_actual"] == r["kv_bytes_predicted"] == h["kv_bytes"]
+        assert r["weights_bytes"] == h["weights_bytes"]
+    assert sum(r["kv_bytes_actual"] for r in split["per_rank"]) == single["kv_bytes_actual"]
+    split["logical_per_rank"] = [h["kv_bytes_logical"] for h in hosts]
+    return split
+
+
 def test_tensor_parallel_over_two_ranks_gives_the_single_process_answer(cli, tiny_qwen2):
     """The tiny qwen2 (2 KV heads) split over 2 ranks by default: the same sampled text (a
     random model's greedy text repeats one token; sampling at temperature 1 turns any wrong
@@ -165,23 +187,10 @@ def test_tensor_parallel_over_two_ranks_gives_the_single_process_answer(cli, tin
     rank holds one KV head per layer and plan --hosts 2 predicts its bytes and weights."""
     args = ["--model", str(tiny_qwen2), "-p", "What is the capital of France?"]
     args += ["--max-tokens", "8", "--temp", "1", "--seed", "5", "--json"]
-    one = cli("generate", *args)
-    assert one.returncode == 0, one.stderr
-    two = launch(2, "generate", *args)
-    assert two.returncode == 0, two.stderr
-    single, split = json.loads(one.stdout), last_json(two)
-    assert split["text"] == single["text"] and split["generation_tokens"] == 8
-    assert split["shard"] == "tensor" and split["ranks"] == 2
-    tokens = split["kv_tokens"]
-    plan = cli("plan", str(tiny_qwen2), "--hosts", "2", "--context", str(tokens), "--json")
-    assert plan.returncode == 0, plan.stderr
-    hosts = json.loads(plan.stdout)["per_host"]
-    for h, r in zip(hosts, split["per_rank"], strict=True):
-        assert r["kv_bytes_actual"] == r["kv_bytes_predicted"] == h["kv_bytes"]
-        assert r["weights_bytes"] == h["weights_bytes"]
-        # 5 layers x 1 KV head (of 2) x head_dim 32, keys and values, float32.
-        assert h["kv_bytes_logical"] == 5 * tokens * 2 * 1 * 32 * 4
-    assert sum(r["kv_bytes_actual"] for r in split["per_rank"]) == single["kv_bytes_actual"]
+    split = tensor_split_answers_as_one_process(cli, tiny_qwen2, 2, args)
+    assert split["generation_tokens"] == 8
+    # 5 layers x 1 KV head (of 2) x head_dim 32, keys and values, float32.
+    assert split["logical_per_rank"] == [5 * split["kv_tokens"] * 2 * 1 * 32 * 4] * 2
 
 
 # Three ranks on two cores decode at about 0.46 tok/s (60 all-reduces a step among processes
@@ -194,23 +203,9 @@ def test_tensor_parallel_over_three_ranks_gives_the_single_process_answer(
     one KV head per layer and plan --hosts 3 predicts its bytes and weights exactly."""
     # -p as the docs write it: after `--`, mlx.launch leaves it to mlxkv.
     args = ["-p", "What is the capital of France?", "--max-tokens", "3", "--json"]
-    one = cli("generate", *args)
-    assert one.returncode == 0, one.stderr
-    three = launch(3, "generate", *args)
-    assert three.returncode == 0, three.stderr
-    single, split = json.loads(one.stdout), last_json(three)
-    assert split["text"] == single["text"]
-    assert split["shard"] == "tensor" and split["ranks"] == 3
-    tokens = split["kv_tokens"]
-    plan = cli("plan", str(default_model_path), "--hosts", "3", "--context", str(tokens), "--json")
-    assert plan.returncode == 0, plan.stderr
-    hosts = json.loads(plan.stdout)["per_host"]
-    for h, r in zip(hosts, split["per_rank"], strict=True):
-        assert r["kv_bytes_actual"] == r["kv_bytes_predicted"] == h["kv_bytes"]
-        assert r["weights_bytes"] == h["weights_bytes"]
-        # 30 layers x 1 KV head (of 3) x head_dim 64, keys and values, float32.
-        assert h["kv_bytes_logical"] == 30 * tokens * 2 * 1 * 64 * 4
-    assert sum(r["kv_bytes_actual"] for r in split["per_rank"]) == single["kv_bytes_actual"]
+    split = tensor_split_answers_as_one_process(cli, default_model_path, 3, args)
+    # 30 layers x 1 KV head (of 3) x head_dim 64, keys and values, float32.
+    assert split["logical_per_rank"] == [30 * split["kv_tokens"] * 2 * 1 * 64 * 4] * 3
 
 
 @pytest.mark.slow

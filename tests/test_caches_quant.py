@@ -9,8 +9,9 @@ import pytest
 from mlx.utils import tree_map
 
 from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
+from mlxkv.caches.attention import attention
 from mlxkv.caches.batched import merge_rows
-from mlxkv.caches.storage import RotatedKeyStore
+from mlxkv.caches.storage import QuantStore, RotatedKeyStore
 from mlxkv.caches.streaming import StreamingKVCache
 from mlxkv.policy import KVPolicy
 from tests._caches_ref import feed
@@ -38,10 +39,13 @@ def model():
 
 
 def _dense_attention(cache, q, keys, values, scale, mask):
-    """Dequantize what the cache returned, move the query into the key store's frame and
-    attend with plain matrix products (grouped-query heads repeated)."""
+    """Dequantize what the cache returned (the slots that hold tokens), move the query into
+    the key store's frame and attend with plain matrix products (grouped-query heads
+    repeated)."""
     k = cache.kstore.decode(keys) if isinstance(keys, tuple) else keys
     v = cache.vstore.decode(values) if isinstance(values, tuple) else values
+    if cache.held is not None:
+        k, v = k[..., : cache.held, :], v[..., : cache.held, :]
     q = cache.kstore.queries(q)
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
@@ -111,6 +115,31 @@ def test_packed_products_take_the_stored_heads_as_they_are(model, policy, monkey
     for x, w in calls:
         assert w[:-2] == x[:-2], (x, w)
         assert x[1] == 2  # the KV heads, each with its query heads as rows
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "additive"])
+def test_attention_over_a_whole_buffer_equals_the_held_prefix(mask):
+    """Decoding steps of packed caches attend on their whole buffers (MLX's CUDA quantized
+    kernels take no sliced operand), the slots past ``held`` masked: bit for bit the
+    attention over the held prefix alone, whatever mask the model passes."""
+    held, T, L = 300, 512, 2
+    store = QuantStore(4, 32)
+    k = store.encode(mx.random.normal((1, 2, T, 64), key=mx.random.key(1)))
+    v = store.encode(mx.random.normal((1, 2, T, 64), key=mx.random.key(2)))
+    q = mx.random.normal((1, 4, L, 64), key=mx.random.key(3))
+    allowed = mx.random.bernoulli(0.8, (1, 1, L, held), key=mx.random.key(4))
+    masks = {
+        "none": None,
+        "causal": "causal",
+        "bool": allowed,
+        "additive": mx.where(allowed, 0.0, -1e9),
+    }
+    prefix = tuple(x[..., :held, :] for x in k), tuple(x[..., :held, :] for x in v)
+    want = attention(q, *prefix, 0.125, masks[mask], store, store)
+    got = attention(q, k, v, 0.125, masks[mask], store, store, held=held)
+    assert mx.array_equal(got, want).item()
+    if mask == "none":  # the tail, unmasked, would change the answer
+        assert not mx.allclose(attention(q, k, v, 0.125, None, store, store), want).item()
 
 
 def test_rotated_keys_are_centred_on_the_first_token(model):

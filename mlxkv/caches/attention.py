@@ -34,12 +34,34 @@ def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.arra
     return (q.reshape(B, n_kv, rep * L, D) if rep > 1 else q), rep
 
 
-def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.array:
+def held_mask(mask, held: int, T: int, L: int):
+    """``mask`` (None, "causal", boolean or additive, over the ``held`` leading slots) for a
+    product over a buffer's ``T`` slots, the slots past ``held`` masked out.
+
+    Packed caches attend on their whole buffer rather than its ``held`` prefix: a prefix
+    slice is not contiguous, and MLX's CUDA quantized kernels take contiguous operands only
+    (with a slice, ``quantized_matmul`` finds no kernel); the masked slots cost at most one
+    allocation step (256 tokens) of reading."""
+    if held >= T:
+        return mask
+    if mask is None:
+        return mx.arange(T) < held
+    if isinstance(mask, str):  # "causal": the queries are the last L held tokens
+        return mx.arange(held - L, held)[:, None] >= mx.arange(T)[None]
+    pad = [(0, 0)] * (mask.ndim - 1) + [(0, T - mask.shape[-1])]
+    if mask.dtype == mx.bool_:
+        return mx.pad(mask, pad, constant_values=False)
+    return mx.pad(mask, pad, constant_values=mx.finfo(mask.dtype).min)
+
+
+def weighted_values(scores, mask, rep: int, vstore, values, n_q: int, held=None) -> mx.array:
     """Softmax over ``scores`` (B, n_kv, rep * L, T) (masked: boolean, additive or
-    "causal"), times the values (packed when the value store is quantized); heads back to
-    (B, n_q, L, D)."""
+    "causal"; with ``held``, only the first ``held`` slots hold tokens), times the values
+    (packed when the value store is quantized); heads back to (B, n_q, L, D)."""
     B, H, rows, T = scores.shape
     L = rows // rep
+    if held is not None:
+        mask = held_mask(mask, held, T, L)
     if rep > 1:
         scores = scores.reshape(B, H, rep, L, T)  # a mask broadcasts over the rep heads
     if mask is not None:
@@ -58,16 +80,17 @@ def weighted_values(scores, mask, rep: int, vstore, values, n_q: int) -> mx.arra
     return out.reshape(B, n_q, L, out.shape[-1]) if rep > 1 else out
 
 
-def attention(queries, keys, values, scale: float, mask, kstore, vstore) -> mx.array:
+def attention(queries, keys, values, scale: float, mask, kstore, vstore, held=None) -> mx.array:
     """Softmax attention with the products done by the stores (packed when quantized).
 
     ``queries`` (B, Hq, L, D) are already in the key store's frame; keys/values are the
-    stores' native forms with Hk heads (Hq a multiple of Hk: grouped-query attention).
+    stores' native forms with Hk heads (Hq a multiple of Hk: grouped-query attention);
+    ``held``: how many of their leading slots hold tokens (None: all).
     """
     first = keys[0] if isinstance(keys, (tuple, list)) else keys
     q, rep = grouped_queries(queries, scale, first.shape[1])
     scores = kstore.scores(q, keys)
-    return weighted_values(scores, mask, rep, vstore, values, queries.shape[1])
+    return weighted_values(scores, mask, rep, vstore, values, queries.shape[1], held)
 
 
 def routed_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:

@@ -246,7 +246,7 @@ class BatchedKVCache(BatchRowCounters):
         if window_size is not None:
             raise ValueError("model-defined attention windows are not batched here")
         held = [self._held(n + 1) for n in self.n]
-        width = max(held)  # what update_and_fetch returns: slots past every row are left out
+        width = max(held)  # slots past every row are left out (packed: masked in attend)
         if all(h == width for h in held):
             return None
         return (mx.arange(width)[None] < mx.array(held)[:, None])[:, None, None, :]
@@ -337,11 +337,19 @@ class QuantizedBatchedKVCache(BatchedKVCache):
     """Rows stored quantized; decode steps attend on the packed stores (the same
     ``attend`` interface as the single-sequence quantized cache)."""
 
+    held: int | None = None  # slots of the returned buffers that hold the widest row
+
+    def _fetch(self):
+        # The whole buffers, the slots past the widest row masked in ``attend``: MLX's CUDA
+        # quantized kernels take no sliced operand.
+        self.held = max(self._held(n) for n in self.n)
+        return self.keys, self.values
+
     def attend(self, queries, keys, values, scale: float, mask, sinks=None) -> mx.array:
         if sinks is not None:
             raise ValueError("quantized KV caches do not support learned attention sinks")
         q = self.kstore.queries(queries)
-        return attention(q, keys, values, scale, mask, self.kstore, self.vstore)
+        return attention(q, keys, values, scale, mask, self.kstore, self.vstore, self.held)
 
 
 def batched_form(caches: list) -> str | None:

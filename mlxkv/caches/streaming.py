@@ -17,6 +17,7 @@ slot ``S + (k - S) % W``. Before the first eviction this is temporal order.
 What ``update_and_fetch`` returns, and the mask ``make_mask`` builds for it beforehand:
 
 * no eviction yet: the buffer prefix in temporal order, causal mask (like ``KVCache``);
+  a packed cache's decoding step gets the whole buffer, ``held`` naming the prefix;
 * one token after evictions: the whole ring buffer, no mask (order is irrelevant);
 * a chunk of ``N`` tokens after/with evictions: ``[sink copies][old window][chunk]``.
   Each chunk query ``t`` needs the sinks shifted by its own ``D(t)``; consecutive queries
@@ -234,6 +235,7 @@ class StreamingKVCache(SinkWindowCounters):
         self._base = 0  # positions subtracted from the model's frame by rebases
         self._sink_shift = 0  # shift currently applied to the keys in slots [0, S)
         self._dense = False
+        self.held = None  # slots holding tokens, when a decoding step got a whole buffer
         self.reserve = reserve
         self._undo: list[_Undo] = []
         self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
@@ -265,7 +267,7 @@ class StreamingKVCache(SinkWindowCounters):
             )
         if sinks is not None:
             raise ValueError("quantized KV caches do not support learned attention sinks")
-        return attention(q, keys, values, scale, mask, self.kstore, self.vstore)
+        return attention(q, keys, values, scale, mask, self.kstore, self.vstore, self.held)
 
     @property
     def undo_nbytes(self) -> int:
@@ -367,8 +369,14 @@ class StreamingKVCache(SinkWindowCounters):
             self.keys = st.grow(self.keys, self.kstore.zeros(keys, extra))
             self.values = st.grow(self.values, self.vstore.zeros(values, extra))
 
-    def _fetch(self, store, s, a: int, b: int):
-        part = s if (a == 0 and b == st.tokens_of(s)) else st.take(s, a, b)
+    def _fetch(self, store, s, n: int):
+        """Slots [0, n) of buffer ``s``: dense for a multi-token update of a packed cache,
+        else as stored; a decoding step of a packed cache gets the whole buffer (``attend``
+        masks the slots past ``n``: MLX's CUDA quantized kernels take no sliced operand)."""
+        if self.quantized and not self._dense:
+            self.held = n
+            return s
+        part = s if n == st.tokens_of(s) else st.take(s, 0, n)
         return store.decode(part) if self._dense else part
 
     def _set_sink_shift(self, d: int, ahead: bool = False):
@@ -384,6 +392,7 @@ class StreamingKVCache(SinkWindowCounters):
         self._dense = N > 1 and self.quantized
         self._chunk_layout = False
         self._handed = None
+        self.held = None
         if P < S:  # sink tokens keep their original rotation in the side copy
             self._ahead.clear()
             self._ensure(keys, values, min(P + N, self.limit))
@@ -394,8 +403,8 @@ class StreamingKVCache(SinkWindowCounters):
             st.write(self.values, P, self.vstore.encode(values))
             self._n = P + N
             return (
-                self._fetch(self.kstore, self.keys, 0, P + N),
-                self._fetch(self.vstore, self.values, 0, P + N),
+                self._fetch(self.kstore, self.keys, P + N),
+                self._fetch(self.vstore, self.values, P + N),
             )
         if N == 1:
             return self._decode_step(keys, values)

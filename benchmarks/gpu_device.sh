@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
-# device time in all). Steps, in this order, each run while the deadline leaves it its
-# limit, so that the call ends before DEADLINE seconds:
+# device time in all). Steps, in the order named (all but plain, in this order, when none
+# is named), each run while the deadline leaves it its limit, so that the call ends before
+# DEADLINE seconds:
 #
 #   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
 #   peak     MLX's peak at 32,768 for the full and 4-bit caches, under MLX's settings
@@ -9,7 +10,7 @@
 #   bench4k  full and sink + window at 4,096 again (decode timed after an untimed step)
 #   q4       4-bit KV with 4-bit weights at 4,096
 #   tests    the GPU-rule tests on mx.gpu
-#   plain    (only when named) 4-bit KV with plain keys beside KIVI's at 32,768 and 4,096
+#   plain    4-bit KV with plain keys beside KIVI's at 32,768 and 4,096 (only when named)
 #
 #   bash benchmarks/gpu_device.sh WHEEL_DIR|- OUT_DIR [DEADLINE] [STEP...]
 #
@@ -39,8 +40,7 @@ print(mx.__version__, mx.default_device(), mx.device_info(), backend())" 2>&1
 } | tee "$work/device.txt"
 keep
 
-wanted() {  # STEP LIMIT: whether STEP was asked for and its limit fits before the deadline
-    case " $steps " in *" $1 "*) ;; *) return 1 ;; esac
+wanted() {  # STEP LIMIT: whether STEP's limit fits before the deadline
     if [ $((SECONDS + $2)) -gt "$deadline" ]; then
         echo "$1 skipped at ${SECONDS} s: its ${2} s would pass the deadline of ${deadline} s"
         return 1
@@ -49,12 +49,13 @@ wanted() {  # STEP LIMIT: whether STEP was asked for and its limit fits before t
 
 # -v prints each test's result as it ends, so a run stopped at its limit still names them.
 pytest=(python3 -m pytest -v -m "not slow" -p no:cacheprovider --timeout 100)
-if wanted packed 150; then
+step_packed() {
+    wanted packed 150 || return
     timeout 150 "${pytest[@]}" --tb=short tests/test_packed_attention.py >"$work/packed.log" 2>&1
     echo "packed exit $? at ${SECONDS} s"
     grep -E "PASSED|FAILED|ERROR|^E " "$work/packed.log" | sed 's/^tests.*\[//' | head -n 12
     keep
-fi
+}
 
 # One process per setting (MLX reads them when it starts), all at 32,768 in bfloat16.
 peak() {  # ARGS... (MLX's settings in the environment)
@@ -64,12 +65,14 @@ peak() {  # ARGS... (MLX's settings in the environment)
     echo "peak exit $? at ${SECONDS} s: $(tail -n 1 "$work/peak.log")"
     keep
 }
-peak --policy full
-peak --policy full --side mlx-lm
-peak --policy full --presize
-MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy full
-peak --policy 4bit
-MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy 4bit
+step_peak() {
+    peak --policy full
+    peak --policy full --side mlx-lm
+    peak --policy full --presize
+    peak --policy 4bit
+    MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy full
+    MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy 4bit
+}
 
 bench() {  # NAME TIMEOUT ARGS...
     local name=$1 limit=$2
@@ -81,22 +84,38 @@ bench() {  # NAME TIMEOUT ARGS...
     grep -vE "^(device copy|Llama)" "$work/$name.log" | cut -c1-240 | tail -n 8
     keep
 }
-bench bench 200 --contexts 32768,4096 --weights bf16 --policies 8bit,sink-4bit --rounds 2 \
-    --budget 140
-bench bench4k 120 --contexts 4096 --weights bf16 --policies full,sink-window --rounds 2 \
-    --budget 60
-bench q4 90 --contexts 4096 --weights q4 --policies 4bit --rounds 2 --budget 40
+step_bench() {
+    bench bench 200 --contexts 32768,4096 --weights bf16 --policies 8bit,sink-4bit \
+        --rounds 2 --budget 140
+}
+step_bench4k() {
+    bench bench4k 120 --contexts 4096 --weights bf16 --policies full,sink-window --rounds 2 \
+        --budget 60
+}
+step_q4() {
+    bench q4 90 --contexts 4096 --weights q4 --policies 4bit --rounds 2 --budget 40
+}
 # Plain keys' product is transpose=True, which MLX's fast CUDA kernels take; KIVI's is not.
-bench plain 200 --contexts 32768,4096 --weights bf16 --policies 4bit-plain,4bit --rounds 2 \
-    --budget 140
+step_plain() {
+    bench plain 200 --contexts 32768,4096 --weights bf16 --policies 4bit-plain,4bit \
+        --rounds 2 --budget 140
+}
 
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
-if wanted tests 60; then
+step_tests() {
+    wanted tests 60 || return
     timeout 60 "${pytest[@]}" --tb=no -n 8 tests/test_gpu_rule.py tests/test_gpu_bench.py \
         tests/test_memory_exact.py tests/test_caches_trim_persist.py \
         tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
     echo "tests exit $? at ${SECONDS} s, $(grep -cE " PASSED " "$work/pytest.log") passed"
     grep -E " FAILED | ERROR " "$work/pytest.log" | sed 's/.*\(FAILED\|ERROR\) //' | head -n 40
     keep
-fi
+}
+
+for step in $steps; do
+    case $step in
+    packed | peak | bench | bench4k | q4 | plain | tests) "step_$step" ;;
+    *) echo "unknown step $step (packed, peak, bench, bench4k, q4, plain, tests)" ;;
+    esac
+done
 echo "done at ${SECONDS} s"

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 
-from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
+from mlxkv.caches import CacheError, kivi, load_caches, make_caches, save_caches, streaming
 from mlxkv.caches.attention import attention
 from mlxkv.caches.batched import merge_rows
 from mlxkv.caches.storage import QuantStore, RotatedKeyStore
@@ -140,6 +140,41 @@ def test_attention_over_a_whole_buffer_equals_the_held_prefix(mask):
     assert mx.array_equal(got, want).item()
     if mask == "none":  # the tail, unmasked, would change the answer
         assert not mx.allclose(attention(q, k, v, 0.125, None, store, store), want).item()
+
+
+FUSED = [
+    KVPolicy(bits=4, group_size=32),  # KIVI keys: blocks of queries, each with its mask
+    KVPolicy(window=20, sinks=4, bits=4, group_size=32),
+    KVPolicy(window=20, sinks=4),  # chunks past the window: sink copies and their mask
+    KVPolicy(window=20, sinks=4, bits=4, group_size=32, **ROT),
+]
+
+
+@pytest.mark.parametrize("policy", FUSED, ids=[p.describe() for p in FUSED])
+def test_fused_attention_gets_no_boolean_mask(model, policy, monkeypatch):
+    """Every mask the caches hand MLX's fused attention is None, "causal" or additive in
+    the queries' dtype, never broadcast over heads: MLX's CUDA backend would turn a boolean
+    one into an additive array as large as the scores at every call (docs/gpu.md)."""
+    masks = []
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, *, scale, mask=None, **kwargs):
+        masks.append((q.dtype, mask))
+        return sdpa(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    caches = make_caches(model, policy)
+    logits = feed(model, TOKENS[:70], caches, [30, 1, 25, 1, 13])
+    arrays = [(dt, m) for dt, m in masks if isinstance(m, mx.array)]
+    assert arrays, "no chunk here was given a mask array"
+    for dtype, m in arrays:
+        assert m.dtype == dtype, m.dtype
+        assert m.ndim < 3 or m.shape[-3] == 1, m.shape  # one mask for every head
+    monkeypatch.undo()
+    for module in (kivi, streaming):  # the boolean masks as they were: the same logits
+        monkeypatch.setattr(module, "fused_mask", lambda mask, dtype: mask)
+    boolean = feed(model, TOKENS[:70], make_caches(model, policy), [30, 1, 25, 1, 13])
+    assert mx.array_equal(logits, boolean).item()
 
 
 def test_rotated_keys_are_centred_on_the_first_token(model):

@@ -34,6 +34,20 @@ def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.arra
     return (q.reshape(B, n_kv, rep * L, D) if rep > 1 else q), rep
 
 
+def fused_mask(mask, dtype):
+    """``mask`` for ``mx.fast.scaled_dot_product_attention``: a boolean array as an additive
+    one in ``dtype`` (0 where allowed, the dtype's lowest value where not), at its own shape.
+
+    MLX's CUDA backend takes additive masks only: it turns a boolean one into an additive
+    one after broadcasting it to (B, query heads, L, T), an array as large as the scores,
+    made at every call (``mlx/fast.cpp``); a chunk's blocks of queries then held one per
+    layer until the chunk's graph has run. Added to the scores, 0 leaves them as they are
+    and the lowest value gives a zero weight, as the boolean mask does."""
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
+        return mask
+    return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+
 def held_mask(mask, held: int, T: int, L: int):
     """``mask`` (None, "causal", boolean or additive, over the ``held`` leading slots) for a
     product over a buffer's ``T`` slots, the slots past ``held`` masked out.

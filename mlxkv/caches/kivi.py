@@ -40,7 +40,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.caches import storage as st
-from mlxkv.caches.attention import grouped_queries, weighted_values
+from mlxkv.caches.attention import fused_mask, grouped_queries, weighted_values
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.kivi_keys import KiviKeyStore
 from mlxkv.caches.rotation import ShiftsAhead
@@ -357,6 +357,7 @@ class KiviKVCache(SinkWindowCounters):
         below the unquantized cache's (whose chunk scores are ``N`` rows wide)."""
         N = queries.shape[2]
         rows = self._query_blocks(N)
+        mask = fused_mask(mask, queries.dtype)
         if len(rows) == 1 or not isinstance(mask, mx.array):
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask

@@ -61,7 +61,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from mlxkv.caches import storage as st
-from mlxkv.caches.attention import attention
+from mlxkv.caches.attention import attention, fused_mask
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Identity, Rotation, ShiftsAhead
 from mlxkv.caches.rows import evicted_after, rebase_shifts, sinks_at, where_rows
@@ -263,7 +263,7 @@ class StreamingKVCache(SinkWindowCounters):
         q = queries if handed else self.kstore.queries(queries)
         if not isinstance(keys, st.TRIPLE) and not isinstance(values, st.TRIPLE):
             return mx.fast.scaled_dot_product_attention(
-                q, keys, values, scale=scale, mask=mask, sinks=sinks
+                q, keys, values, scale=scale, mask=fused_mask(mask, q.dtype), sinks=sinks
             )
         if sinks is not None:
             raise ValueError("quantized KV caches do not support learned attention sinks")

@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
 # The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
-# device time in all). Steps, in the order named (all but plain, in this order, when none
-# is named), each run while the deadline leaves it its limit, so that the call ends before
+# device time in all). Steps, in the order named (when none is named: peak bench long
+# tests), each run while the deadline leaves it its limit, so that the call ends before
 # DEADLINE seconds:
 #
 #   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
-#   peak     MLX's peak at 32,768 for the full and 4-bit caches, under MLX's settings
-#   bench    8-bit and sink + 4-bit KV at 32,768 and 4,096 against mlx-lm, bfloat16 weights
-#   bench4k  full and sink + window at 4,096 again (decode timed after an untimed step)
+#   peak     MLX's peak at 32,768, one process per probe: the 4-bit and 8-bit caches, the
+#            full cache (mlxkv's, mlx-lm's, sized before its prefill), under smaller graphs
+#   bench    8-bit, sink + 4-bit and plain-key 4-bit KV at 4,096 against mlx-lm
+#   long     sink + window, sink + 4-bit and 4-bit KV at 131,072, one round
+#   bench4k  full and sink + window at 4,096
 #   q4       4-bit KV with 4-bit weights at 4,096
+#   plain    4-bit KV with plain keys beside KIVI's at 32,768 and 4,096
 #   tests    the GPU-rule tests on mx.gpu
-#   plain    4-bit KV with plain keys beside KIVI's at 32,768 and 4,096 (only when named)
 #
 #   bash benchmarks/gpu_device.sh WHEEL_DIR|- OUT_DIR [DEADLINE] [STEP...]
 #
 # WHEEL_DIR: the carried wheels, installed once per machine ("-": use the MLX at hand).
 # The device tool brings back at most 8 files from OUT_DIR, so every log and result goes
 # into one archive, OUT_DIR/results.tgz, rewritten after each step; the console names each
-# step's outcome and its key numbers.
+# step's outcome and its key numbers. Weights are bfloat16 except in q4.
 set -u
 wheels=$1
 out=$2
 deadline=${3:-540}
 shift $(($# < 3 ? $# : 3))
-steps=${*:-packed peak bench bench4k q4 tests}
+steps=${*:-peak bench long tests}
 mkdir -p "$out"
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-device.XXXXXX")
 keep() { tar -czf "$out/results.tgz" -C "$work" .; }
@@ -66,10 +68,11 @@ peak() {  # ARGS... (MLX's settings in the environment)
     keep
 }
 step_peak() {
+    peak --policy 4bit
+    peak --policy 8bit
     peak --policy full
     peak --policy full --side mlx-lm
     peak --policy full --presize
-    peak --policy 4bit
     MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy full
     MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100 peak --policy 4bit
 }
@@ -85,8 +88,12 @@ bench() {  # NAME TIMEOUT ARGS...
     keep
 }
 step_bench() {
-    bench bench 200 --contexts 32768,4096 --weights bf16 --policies 8bit,sink-4bit \
-        --rounds 2 --budget 140
+    bench bench 160 --contexts 4096 --weights bf16 --policies 8bit,sink-4bit,4bit-plain \
+        --rounds 2 --budget 100
+}
+step_long() {
+    bench long 240 --contexts 131072 --weights bf16 --policies sink-window,sink-4bit,4bit \
+        --rounds 1 --budget 150
 }
 step_bench4k() {
     bench bench4k 120 --contexts 4096 --weights bf16 --policies full,sink-window --rounds 2 \
@@ -103,8 +110,8 @@ step_plain() {
 
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
 step_tests() {
-    wanted tests 60 || return
-    timeout 60 "${pytest[@]}" --tb=no -n 8 tests/test_gpu_rule.py tests/test_gpu_bench.py \
+    wanted tests 150 || return
+    timeout 150 "${pytest[@]}" --tb=line -rf -n 8 tests/test_gpu_rule.py tests/test_gpu_bench.py \
         tests/test_memory_exact.py tests/test_caches_trim_persist.py \
         tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
     echo "tests exit $? at ${SECONDS} s, $(grep -cE " PASSED " "$work/pytest.log") passed"
@@ -114,8 +121,8 @@ step_tests() {
 
 for step in $steps; do
     case $step in
-    packed | peak | bench | bench4k | q4 | plain | tests) "step_$step" ;;
-    *) echo "unknown step $step (packed, peak, bench, bench4k, q4, plain, tests)" ;;
+    packed | peak | bench | long | bench4k | q4 | plain | tests) "step_$step" ;;
+    *) echo "unknown step $step (packed, peak, bench, long, bench4k, q4, plain, tests)" ;;
     esac
 done
 echo "done at ${SECONDS} s"

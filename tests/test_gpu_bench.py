@@ -158,7 +158,7 @@ def test_the_device_script_brings_back_one_archive_and_names_each_step(tmp_path)
         "gpu_peak: --device gpu: MLX sees no GPU here (install mlx-cuda-13, or use --device cpu)"
     )
     peaks = [x for x in lines if x.startswith("peak exit")]
-    assert len(peaks) == 6 and all(x.startswith("peak exit 2 at ") for x in peaks)
+    assert len(peaks) == 7 and all(x.startswith("peak exit 2 at ") for x in peaks)
     assert all(x.endswith(refusal) for x in peaks)
     assert any(x.startswith("bench4k exit 2 at ") for x in lines)
     assert "gpu_bench: --device gpu: MLX sees no GPU here" in done.stdout

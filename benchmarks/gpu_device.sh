@@ -20,6 +20,12 @@
 # The device tool brings back at most 8 files from OUT_DIR, so every log and result goes
 # into one archive, OUT_DIR/results.tgz, rewritten after each step; the console names each
 # step's outcome and its key numbers. Weights are bfloat16 except in q4.
+#
+# MLX's CUDA backend compiles each kernel at its first use (minutes on a fresh machine) and
+# keeps the binaries in MLX_PTX_CACHE_DIR. The script brings them back as
+# OUT_DIR/kernels.tgz (when under the device tool's 16 MiB per file), and installs a
+# WHEEL_DIR/kernels.tgz carried with the wheels: the next machine, with the same MLX and
+# GPU architecture, then builds only what is new.
 set -u
 wheels=$1
 out=$2
@@ -34,6 +40,26 @@ if [ "$wheels" != - ] && [ ! -d /tmp/site/mlx ]; then
         --target /tmp/site "$wheels"/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:. MLXKV_BLAS=reference PYTHONUNBUFFERED=1
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx-kernels}
+mkdir -p "$MLX_PTX_CACHE_DIR"
+if [ "$wheels" != - ] && [ -f "$wheels/kernels.tgz" ]; then
+    tar -xzf "$wheels/kernels.tgz" -C "$MLX_PTX_CACHE_DIR"
+    echo "kernels carried: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) files"
+fi
+save_kernels() {  # the compiled kernels into OUT_DIR, if any and if they fit
+    local n
+    n=$(find "$MLX_PTX_CACHE_DIR" -type f | wc -l)
+    [ "$n" -gt 0 ] || return 0
+    tar -czf "$out/kernels.tgz" -C "$MLX_PTX_CACHE_DIR" .
+    local size
+    size=$(stat -c %s "$out/kernels.tgz")
+    if [ "$size" -gt 16000000 ]; then
+        rm "$out/kernels.tgz"
+        echo "kernels: $n files, $size bytes packed: over 16 MiB, not kept"
+    else
+        echo "kernels: $n files in OUT_DIR/kernels.tgz ($size bytes)"
+    fi
+}
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
         --format=csv 2>&1
@@ -125,4 +151,5 @@ for step in $steps; do
     *) echo "unknown step $step (packed, peak, bench, long, bench4k, q4, plain, tests)" ;;
     esac
 done
+save_kernels
 echo "done at ${SECONDS} s"

@@ -165,6 +165,29 @@ def test_the_device_script_brings_back_one_archive_and_names_each_step(tmp_path)
     assert lines[-1].startswith("done at ")
 
 
+def test_the_device_script_brings_back_the_compiled_kernels(tmp_path):
+    """MLX's CUDA kernels, compiled at first use into MLX_PTX_CACHE_DIR, come back as
+    $OUT/kernels.tgz for the next machine to carry: the same bytes."""
+    import os
+    import tarfile
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "qmm_naive.ptx").write_bytes(b"\x7fELF compiled kernel")
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = dict(os.environ, PATH=path, TMPDIR=str(tmp_path), MLX_PTX_CACHE_DIR=str(kernels))
+    out = tmp_path / "out"
+    argv = ["bash", str(SCRIPT.with_name("gpu_device.sh")), "-", str(out), "5", "tests"]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, env=env, cwd=SCRIPT.parent.parent
+    )
+    assert done.returncode == 0, done.stderr
+    assert "tests skipped at " in done.stdout
+    assert "kernels: 1 files in OUT_DIR/kernels.tgz (" in done.stdout
+    with tarfile.open(out / "kernels.tgz") as tar:
+        assert tar.extractfile("./qmm_naive.ptx").read() == b"\x7fELF compiled kernel"
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

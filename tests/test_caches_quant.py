@@ -8,7 +8,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 
-from mlxkv.caches import CacheError, kivi, load_caches, make_caches, save_caches, streaming
+from mlxkv.caches import CacheError, load_caches, make_caches, save_caches
+from mlxkv.caches import attention as attention_module
 from mlxkv.caches.attention import attention
 from mlxkv.caches.batched import merge_rows
 from mlxkv.caches.storage import QuantStore, RotatedKeyStore
@@ -150,11 +151,9 @@ FUSED = [
 ]
 
 
-@pytest.mark.parametrize("policy", FUSED, ids=[p.describe() for p in FUSED])
-def test_fused_attention_gets_no_boolean_mask(model, policy, monkeypatch):
-    """Every mask the caches hand MLX's fused attention is None, "causal" or additive in
-    the queries' dtype, never broadcast over heads: MLX's CUDA backend would turn a boolean
-    one into an additive array as large as the scores at every call (docs/gpu.md)."""
+def _fused_masks(model, policy, monkeypatch):
+    """The masks the caches hand MLX's fused attention while feeding 70 tokens (chunks and
+    decoding steps past the window), and the logits."""
     masks = []
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -162,19 +161,43 @@ def test_fused_attention_gets_no_boolean_mask(model, policy, monkeypatch):
         masks.append((q.dtype, mask))
         return sdpa(q, k, v, scale=scale, mask=mask, **kwargs)
 
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
-    caches = make_caches(model, policy)
-    logits = feed(model, TOKENS[:70], caches, [30, 1, 25, 1, 13])
-    arrays = [(dt, m) for dt, m in masks if isinstance(m, mx.array)]
+    with monkeypatch.context() as m:
+        m.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        logits = feed(model, TOKENS[:70], make_caches(model, policy), [30, 1, 25, 1, 13])
+    arrays = [(dt, mask) for dt, mask in masks if isinstance(mask, mx.array)]
     assert arrays, "no chunk here was given a mask array"
-    for dtype, m in arrays:
-        assert m.dtype == dtype, m.dtype
-        assert m.ndim < 3 or m.shape[-3] == 1, m.shape  # one mask for every head
-    monkeypatch.undo()
-    for module in (kivi, streaming):  # the boolean masks as they were: the same logits
-        monkeypatch.setattr(module, "fused_mask", lambda mask, dtype: mask)
-    boolean = feed(model, TOKENS[:70], make_caches(model, policy), [30, 1, 25, 1, 13])
-    assert mx.array_equal(logits, boolean).item()
+    return arrays, logits
+
+
+@pytest.mark.parametrize("policy", FUSED, ids=[p.describe() for p in FUSED])
+def test_cudnn_attention_gets_additive_masks(model, policy, monkeypatch):
+    """Where MLX runs cuDNN's fused attention (a CUDA GPU), every mask array the caches hand
+    it is additive in the queries' dtype and one for every head: MLX would turn a boolean
+    one into an array as large as the scores at every call (docs/gpu.md). The logits are
+    bit for bit those of the boolean masks."""
+    with monkeypatch.context() as m:
+        m.setattr(attention_module, "_cudnn_attention", lambda queries, values: True)
+        arrays, logits = _fused_masks(model, policy, monkeypatch)
+    for dtype, mask in arrays:
+        assert mask.dtype == dtype, mask.dtype
+        assert mask.ndim < 3 or mask.shape[-3] == 1, mask.shape
+    boolean, want = _fused_masks(model, policy, monkeypatch)  # this CPU: MLX's fallback
+    assert all(mask.dtype == mx.bool_ for _, mask in boolean)  # a quarter of float32's copy
+    assert mx.array_equal(logits, want).item()
+
+
+def test_cudnn_attention_is_read_as_mlx_decides_it(monkeypatch):
+    """cuDNN runs (MLX 0.32's ``supports_sdpa_cudnn``) on a CUDA GPU for more than one query
+    row, in float16 or bfloat16, head sizes multiples of 8 up to 128."""
+    q = mx.zeros((1, 4, 2, 128), mx.bfloat16)
+    v = mx.zeros((1, 2, 9, 128), mx.bfloat16)
+    assert not attention_module._cudnn_attention(q, v)  # this machine: MLX's CPU
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert attention_module._cudnn_attention(q, v)
+    assert not attention_module._cudnn_attention(q[..., :1, :], v)  # one row: no cuDNN
+    assert not attention_module._cudnn_attention(q.astype(mx.float32), v)
+    assert not attention_module._cudnn_attention(q, mx.zeros((1, 2, 9, 256), mx.bfloat16))
 
 
 def test_rotated_keys_are_centred_on_the_first_token(model):

@@ -34,18 +34,38 @@ def grouped_queries(queries: mx.array, scale: float, n_kv: int) -> tuple[mx.arra
     return (q.reshape(B, n_kv, rep * L, D) if rep > 1 else q), rep
 
 
-def fused_mask(mask, dtype):
-    """``mask`` for ``mx.fast.scaled_dot_product_attention``: a boolean array as an additive
-    one in ``dtype`` (0 where allowed, the dtype's lowest value where not), at its own shape.
+def fused_mask(mask, queries: mx.array, values: mx.array):
+    """``mask`` for ``mx.fast.scaled_dot_product_attention(queries, ..., values)``: where
+    MLX will run cuDNN's fused attention on it, a boolean array becomes an additive one in
+    the queries' dtype (0 where allowed, the dtype's lowest value where not), at its own
+    shape; anywhere else the mask is left as it is.
 
-    MLX's CUDA backend takes additive masks only: it turns a boolean one into an additive
-    one after broadcasting it to (B, query heads, L, T), an array as large as the scores,
-    made at every call (``mlx/fast.cpp``); a chunk's blocks of queries then held one per
-    layer until the chunk's graph has run. Added to the scores, 0 leaves them as they are
-    and the lowest value gives a zero weight, as the boolean mask does."""
+    MLX's CUDA backend takes no boolean mask into cuDNN: it turns one into an additive array
+    after broadcasting it to (B, query heads, L, T), as large as the scores, made at every
+    call (``mlx/fast.cpp``) and held, one per call of every layer, until the chunk's graphs
+    have run. Where MLX falls back to its unfused attention instead (the CPU, other dtypes
+    or head sizes, one query row with an array mask), it copies the mask once per query
+    head, and a boolean one costs a quarter of a float32 one there. Added to the scores, 0
+    leaves them as they are and the lowest value gives a zero weight, as the boolean mask
+    does."""
     if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
         return mask
+    if not _cudnn_attention(queries, values):
+        return mask
+    dtype = queries.dtype
     return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+
+def _cudnn_attention(queries: mx.array, values: mx.array) -> bool:
+    """Whether MLX runs cuDNN's fused attention for these queries with an array mask (by
+    ``supports_sdpa_cudnn``, mlx/backend/cuda/scaled_dot_product_attention.cpp, MLX 0.32):
+    a CUDA GPU as the default device, more than one query row, float16 or bfloat16, head
+    sizes multiples of 8 up to 128."""
+    if queries.shape[2] == 1 or queries.dtype not in (mx.float16, mx.bfloat16):
+        return False
+    if any(d % 8 or d > 128 for d in (queries.shape[-1], values.shape[-1])):
+        return False
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def held_mask(mask, held: int, T: int, L: int):

@@ -357,7 +357,7 @@ class KiviKVCache(SinkWindowCounters):
         below the unquantized cache's (whose chunk scores are ``N`` rows wide)."""
         N = queries.shape[2]
         rows = self._query_blocks(N)
-        mask = fused_mask(mask, queries.dtype)
+        mask = fused_mask(mask, queries, values)
         if len(rows) == 1 or not isinstance(mask, mx.array):
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask

@@ -263,7 +263,7 @@ class StreamingKVCache(SinkWindowCounters):
         q = queries if handed else self.kstore.queries(queries)
         if not isinstance(keys, st.TRIPLE) and not isinstance(values, st.TRIPLE):
             return mx.fast.scaled_dot_product_attention(
-                q, keys, values, scale=scale, mask=fused_mask(mask, q.dtype), sinks=sinks
+                q, keys, values, scale=scale, mask=fused_mask(mask, q, values), sinks=sinks
             )
         if sinks is not None:
             raise ValueError("quantized KV caches do not support learned attention sinks")

@@ -141,7 +141,7 @@ step_tests() {
         tests/test_memory_exact.py tests/test_caches_trim_persist.py \
         tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
     echo "tests exit $? at ${SECONDS} s, $(grep -cE " PASSED " "$work/pytest.log") passed"
-    grep -E " FAILED | ERROR " "$work/pytest.log" | sed 's/.*\(FAILED\|ERROR\) //' | head -n 40
+    grep -E "(^| )(FAILED|ERROR) " "$work/pytest.log" | sed "s/.*\(FAILED\|ERROR\) //" | head -n 60
     keep
 }
 

@@ -284,8 +284,12 @@ class BatchedKVCache(BatchRowCounters):
         self._maybe_rebase()
         return out
 
+    def _width(self) -> int:
+        """Slots the widest row holds after an update (what a decoding step attends over)."""
+        return max(self._held(n) for n in self.n)
+
     def _fetch(self):
-        width = max(self._held(n) for n in self.n)
+        width = self._width()
         if width == st.tokens_of(self.keys):
             return self.keys, self.values
         return st.take(self.keys, 0, width), st.take(self.values, 0, width)
@@ -342,7 +346,7 @@ class QuantizedBatchedKVCache(BatchedKVCache):
     def _fetch(self):
         # The whole buffers, the slots past the widest row masked in ``attend``: MLX's CUDA
         # quantized kernels take no sliced operand.
-        self.held = max(self._held(n) for n in self.n)
+        self.held = self._width()
         return self.keys, self.values
 
     def attend(self, queries, keys, values, scale: float, mask, sinks=None) -> mx.array:

@@ -42,6 +42,11 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, help="decode tokens per run (default 32; quick 4)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 2; quick 1)")
     ap.add_argument("--budget", type=float, help="seconds after which no row starts")
+    ap.add_argument(
+        "--sink-chunk",
+        type=int,
+        help="tokens per prefill call into a sink cache once it evicts (default: the engine's 64)",
+    )
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json (after every row)")
     args = ap.parse_args(argv)
     try:
@@ -59,6 +64,7 @@ def main(argv=None) -> int:
             args.decode,
             args.rounds,
             args.budget,
+            args.sink_chunk,
         )
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

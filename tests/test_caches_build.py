@@ -214,6 +214,29 @@ def test_sink_caches_take_small_prefill_chunks_once_evicting():
     assert mx.abs(chunked - stepwise).max().item() < 1e-4
 
 
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4-bit"])
+def test_evicting_sink_caches_take_the_chunk_the_engine_asks(bits):
+    """A GPU may prefer longer chunks than SINK_PREFILL_CHUNK (the benchmark's
+    ``--sink-chunk``): the engine's prefill feeds them, and the caches stay faithful."""
+    from mlxkv.engine.scheduler import prefill
+
+    model = tiny_llama(layers=1)
+    policy = KVPolicy(window=96, sinks=4, bits=bits, group_size=32)
+    tokens = [(5 * i + 1) % 64 for i in range(400)]
+    fed = []
+
+    def recording(x, cache):  # the real model, its chunk sizes noted
+        fed.append(x.shape[1])
+        return model(x, cache=cache)
+
+    caches = make_caches(model, policy)
+    prefill(recording, caches, tokens, 0, len(tokens), 256, evicting=120)
+    assert fed == [100, 120, 120, 60]
+    chunked = feed(model, tokens, make_caches(model, policy), fed)
+    stepwise = feed(model, tokens, make_caches(model, policy), [1] * len(tokens))
+    assert mx.abs(chunked - stepwise).max().item() < 1e-4
+
+
 def test_quantized_attention_runs_where_the_cache_computes_it():
     # mimo_v2_flash's full-attention layers call the shared attention function without
     # learned sinks: the cache's own attention serves them (its sink layers keep their cache)

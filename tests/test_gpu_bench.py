@@ -141,7 +141,7 @@ def test_the_device_script_brings_back_one_archive_and_names_each_step(tmp_path)
     env = dict(os.environ, PATH=path, TMPDIR=str(tmp_path))
     out = tmp_path / "out"
     # a deadline of 145 s: packed's 150 s never fits, the probes' 45 s and bench4k's 120 s do
-    argv = ["bash", str(script), "-", str(out), "145", "packed", "peak", "bench4k"]
+    argv = ["bash", str(script), "-", str(out), "145", "packed", "peak", "peakfull", "bench4k"]
     done = subprocess.run(
         argv, capture_output=True, text=True, timeout=300, env=env, cwd=SCRIPT.parent.parent
     )
@@ -158,7 +158,7 @@ def test_the_device_script_brings_back_one_archive_and_names_each_step(tmp_path)
         "gpu_peak: --device gpu: MLX sees no GPU here (install mlx-cuda-13, or use --device cpu)"
     )
     peaks = [x for x in lines if x.startswith("peak exit")]
-    assert len(peaks) == 7 and all(x.startswith("peak exit 2 at ") for x in peaks)
+    assert len(peaks) == 2 + 5 and all(x.startswith("peak exit 2 at ") for x in peaks)
     assert all(x.endswith(refusal) for x in peaks)
     assert any(x.startswith("bench4k exit 2 at ") for x in lines)
     assert "gpu_bench: --device gpu: MLX sees no GPU here" in done.stdout
@@ -196,6 +196,7 @@ def test_the_device_script_brings_back_the_compiled_kernels(tmp_path):
         (["--contexts", "4k"], "--contexts takes token counts"),
         (["--budget", "0"], "--budget must be a positive number of seconds"),
         (["--decode", "256"], "--decode must be 1 to 255 tokens, within one allocation step"),
+        (["--sink-chunk", "1024"], "--sink-chunk must be 1 to 512 tokens (a prefill call's most)"),
         (["--device", "gpu"], "--device gpu: MLX sees no GPU here"),
     ],
 )

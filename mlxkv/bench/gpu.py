@@ -108,6 +108,7 @@ class Settings:
     label: str = "Llama-3.1-8B shape"
     warmup: int = KEPT + 2 * CHUNK  # tokens of the untimed first run of each cache
     budget: float | None = None  # seconds after which no row starts
+    sink_chunk: int | None = None  # tokens per prefill call into an evicting sink cache
 
 
 @dataclass
@@ -135,6 +136,7 @@ def settings(
     decode=None,
     rounds=None,
     budget=None,
+    sink_chunk=None,
 ) -> Settings:
     bad = [p for p in policies or () if p not in POLICIES]
     if bad:
@@ -157,11 +159,14 @@ def settings(
         label="tiny llama (quick)" if quick else "Llama-3.1-8B shape",
         warmup=0 if quick else KEPT + 2 * CHUNK,  # a CPU compiles nothing worth warming
         budget=budget,
+        sink_chunk=sink_chunk,
     )
     if any(c <= 0 for c in s.contexts):
         raise UserError("--contexts must be positive token counts")
     if budget is not None and budget <= 0:
         raise UserError("--budget must be a positive number of seconds")
+    if sink_chunk is not None and not 0 < sink_chunk <= CHUNK:
+        raise UserError(f"--sink-chunk must be 1 to {CHUNK} tokens (a prefill call's most)")
     if not 0 < s.decode < STEP:
         raise UserError(f"--decode must be 1 to {STEP - 1} tokens, within one allocation step")
     return s
@@ -223,11 +228,11 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * a.nbytes / best
 
 
-def _prefill(model, caches, ids) -> float:
+def _prefill(model, caches, ids, evicting=None) -> float:
     from mlxkv.engine.scheduler import prefill
 
     tic = time.perf_counter()
-    prefill(model, caches, ids, 0, len(ids), CHUNK)
+    prefill(model, caches, ids, 0, len(ids), CHUNK, evicting)
     return len(ids) / (time.perf_counter() - tic)
 
 
@@ -251,11 +256,11 @@ def _decode(model, caches, first: int, n: int, rows: int = 1) -> float:
     return rows * n / (time.perf_counter() - tic)
 
 
-def _run(model, factory, ids, decode: int) -> tuple[float, float, int]:
+def _run(model, factory, ids, decode: int, evicting=None) -> tuple[float, float, int]:
     import mlx.core as mx
 
     caches = factory()
-    p = _prefill(model, caches, ids)
+    p = _prefill(model, caches, ids, evicting)
     d = _decode(model, caches, ids[-1], decode)
     nbytes = sum(c.nbytes for c in caches)
     del caches
@@ -293,7 +298,7 @@ def plan_parts(config: dict, weights: str, policy, context: int, on: str) -> dic
     return parts
 
 
-def _batch_tps(model, factory, ids, decode: int, rows: int) -> float:
+def _batch_tps(model, factory, ids, decode: int, rows: int, evicting=None) -> float:
     import mlx.core as mx
 
     from mlxkv.caches.batched import merge_rows
@@ -301,7 +306,8 @@ def _batch_tps(model, factory, ids, decode: int, rows: int) -> float:
     singles = []
     for r in range(rows):
         caches = factory()
-        _prefill(model, caches, ids[r:] + ids[:r])  # rows of the same length, other tokens
+        # rows of the same length, other tokens
+        _prefill(model, caches, ids[r:] + ids[:r], evicting)
         singles.append(caches)
     batched = merge_rows(singles)
     del singles
@@ -359,7 +365,7 @@ def run(s: Settings, log=print, progress=None) -> dict:
                 for cfg in (ours, peer):
                     if s.warmup and (w, cfg.label) not in warmed:
                         _, warmed[w, cfg.label] = _attempt(
-                            _run, model, cfg.factory(model), warm_ids, 2
+                            _run, model, cfg.factory(model), warm_ids, 2, s.sink_chunk
                         )
                 for r in range(s.rounds):
                     sides = [("mlxkv", ours), ("mlx-lm", peer)]
@@ -372,7 +378,9 @@ def run(s: Settings, log=print, progress=None) -> dict:
                             mx.clear_cache()
                             mx.reset_peak_memory()
                             held = mx.get_active_memory()
-                        got, error = _attempt(_run, model, cfg.factory(model), ids, s.decode)
+                        got, error = _attempt(
+                            _run, model, cfg.factory(model), ids, s.decode, s.sink_chunk
+                        )
                         if error:
                             row.errors[side] = error
                             continue
@@ -385,7 +393,13 @@ def run(s: Settings, log=print, progress=None) -> dict:
                 batch_here = context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1
                 if batch_here and "mlxkv" not in row.errors:
                     row.batch_tps, error = _attempt(
-                        _batch_tps, model, ours.factory(model), ids, s.decode, s.batch
+                        _batch_tps,
+                        model,
+                        ours.factory(model),
+                        ids,
+                        s.decode,
+                        s.batch,
+                        s.sink_chunk,
                     )
                     if error:
                         row.errors["batch"] = error
@@ -518,6 +532,8 @@ def _cell(values: dict, fmt: str) -> str:
 
 
 def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, on: str) -> dict:
+    from mlxkv.caches.streaming import SINK_PREFILL_CHUNK
+
     out = []
     for r in rows:
         w = weight_sizes[r.weights]
@@ -561,6 +577,7 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
         "warmup_tokens": s.warmup,
         "kept": s.kept,
         "sinks": SINKS,
+        "sink_chunk": s.sink_chunk or SINK_PREFILL_CHUNK,
         "rows": out,
     }
 
@@ -579,6 +596,8 @@ def markdown(result: dict) -> str:
         f"{result['model']} on {result['device']} ({name}, mlx {result.get('mlx_version')}), "
         f"device copy {bw:.1f} GB/s, {result['decode_tokens']} decode tokens, "
         f"{result['rounds']} round(s), load average {load[0]} at the start, {load[1]} at the end",
+        f"Sink caches, once evicting, prefill {result['sink_chunk']} tokens per call; every "
+        f"other cache {CHUNK}.",
         "",
         "| weights | context | policy (mlx-lm peer) | prefill tok/s | decode tok/s | "
         "decode ratio | of bound | batch x | peak / plan |",

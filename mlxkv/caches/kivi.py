@@ -142,13 +142,13 @@ class KiviKVCache(SinkWindowCounters):
         """Evicted count once token ``t`` is in."""
         return evicted_after(t, self.sinks, self.window, self._evicted)
 
-    def prefill_chunk(self, step: int) -> int:
-        """Like the float sink cache: big chunks up to the limit, small ones once evicting
-        (each chunk query gets its own shifted copy of the sinks)."""
+    def prefill_chunk(self, step: int, evicting: int = SINK_PREFILL_CHUNK) -> int:
+        """Like the float sink cache: big chunks up to the limit, ``evicting`` tokens once
+        evicting (each chunk query gets its own shifted copy of the sinks)."""
         if not self.sinks or self.window is None:
             return step
         room = self.limit - self._n
-        return min(step, room) if room > 0 else min(step, SINK_PREFILL_CHUNK)
+        return min(step, room) if room > 0 else min(step, evicting)
 
     def _chunk_geometry(self, P: int, N: int):
         """Ranges (relative to the first ring token) that a chunk [P, P+N) attends to."""

@@ -121,9 +121,12 @@ def _rotation_from_state(v: dict):
     return Rotation(v["dims"], v["traditional"], v["rope_base"], v["scale"], v.get("freqs"))
 
 
-def prefill_chunk(caches, step: int) -> int:
-    """How many tokens the next prefill call should feed (at most ``step``)."""
-    return min((c.prefill_chunk(step) for c in caches if hasattr(c, "prefill_chunk")), default=step)
+def prefill_chunk(caches, step: int, evicting: int | None = None) -> int:
+    """How many tokens the next prefill call should feed (at most ``step``; at most
+    ``evicting``, default SINK_PREFILL_CHUNK, into a sink cache that evicts)."""
+    evicting = evicting or SINK_PREFILL_CHUNK
+    sizes = (c.prefill_chunk(step, evicting) for c in caches if hasattr(c, "prefill_chunk"))
+    return min(sizes, default=step)
 
 
 def check_sink_window(window: int | None, sinks: int, rotation) -> None:
@@ -277,12 +280,12 @@ class StreamingKVCache(SinkWindowCounters):
             for r in self._undo
         )
 
-    def prefill_chunk(self, step: int) -> int:
-        """Fill up to the limit in big chunks; once evicting, chunks of SINK_PREFILL_CHUNK."""
+    def prefill_chunk(self, step: int, evicting: int = SINK_PREFILL_CHUNK) -> int:
+        """Fill up to the limit in big chunks; once evicting, chunks of ``evicting``."""
         if not self.sinks or self._temporal(self._n, step):
             return step
         room = self.limit - self._n
-        return room if room > 0 else min(step, SINK_PREFILL_CHUNK)
+        return room if room > 0 else min(step, evicting)
 
     # ---- the arithmetic of positions ----
     def _d(self, t: int, e0: int) -> int:

@@ -1032,16 +1032,19 @@ def feed(model, caches: list, tokens, logits: bool = False):
     return None
 
 
-def prefill(model, caches: list, ids: list[int], start: int, end: int, step: int) -> None:
+def prefill(
+    model, caches: list, ids: list[int], start: int, end: int, step: int, evicting=None
+) -> None:
     """Feed ``ids[start:end]`` into ``caches`` in the chunks the caches take (a sink cache
-    that evicts takes smaller ones), each evaluated before the next."""
+    that evicts takes smaller ones: ``evicting`` tokens, when given), each evaluated before
+    the next."""
     import mlx.core as mx
 
     from mlxkv.caches import prefill_chunk
 
     prompt = mx.array(ids)
     while start < end:
-        n = min(prefill_chunk(caches, step), end - start)
+        n = min(prefill_chunk(caches, step, evicting), end - start)
         feed(model, caches, prompt[start : start + n])
         start += n
 

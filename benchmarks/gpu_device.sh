@@ -5,13 +5,15 @@
 # DEADLINE seconds:
 #
 #   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
-#   peak     MLX's peak at 32,768, one process per probe: the 4-bit and 8-bit caches, the
-#            full cache (mlxkv's, mlx-lm's, sized before its prefill), under smaller graphs
+#   peak     MLX's peak at 32,768, one process per probe: the 4-bit and 8-bit caches
+#   peakfull the same for the full cache (mlxkv's, mlx-lm's, sized before its prefill),
+#            then the full and 4-bit caches under smaller CUDA graphs
 #   bench    8-bit, sink + 4-bit and plain-key 4-bit KV at 4,096 against mlx-lm
 #   long     sink + window, sink + 4-bit and 4-bit KV at 131,072, one round
 #   bench4k  full and sink + window at 4,096
 #   q4       4-bit KV with 4-bit weights at 4,096
 #   plain    4-bit KV with plain keys beside KIVI's at 32,768 and 4,096
+#   sinkchunk  sink + window at 32,768, evicting prefill chunks of 64, 256 and 512 tokens
 #   tests    the GPU-rule tests on mx.gpu
 #
 #   bash benchmarks/gpu_device.sh WHEEL_DIR|- OUT_DIR [DEADLINE] [STEP...]
@@ -93,9 +95,11 @@ peak() {  # ARGS... (MLX's settings in the environment)
     echo "peak exit $? at ${SECONDS} s: $(tail -n 1 "$work/peak.log")"
     keep
 }
-step_peak() {
+step_peak() {  # the quantized caches, whose prefill masks changed after their last probe
     peak --policy 4bit
     peak --policy 8bit
+}
+step_peakfull() {
     peak --policy full
     peak --policy full --side mlx-lm
     peak --policy full --presize
@@ -134,21 +138,43 @@ step_plain() {
         --rounds 2 --budget 140
 }
 
+# An evicting sink cache prefills 64 tokens per call (the CPU's best, SINK_PREFILL_CHUNK),
+# each call reading every weight once; longer chunks cost S extra keys per query and token.
+step_sinkchunk() {
+    local n
+    for n in 64 256 512; do
+        bench "sinkchunk$n" 90 --contexts 32768 --weights bf16 --policies sink-window \
+            --rounds 1 --sink-chunk "$n"
+    done
+}
+
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
 step_tests() {
     wanted tests 150 || return
-    timeout 150 "${pytest[@]}" --tb=line -rf -n 8 tests/test_gpu_rule.py tests/test_gpu_bench.py \
-        tests/test_memory_exact.py tests/test_caches_trim_persist.py \
+    # SIGINT at the limit: pytest still prints its short summary, each failure's message
+    timeout -s INT -k 10 140 "${pytest[@]}" --tb=line -rfE -n 8 tests/test_gpu_rule.py \
+        tests/test_gpu_bench.py tests/test_memory_exact.py tests/test_caches_trim_persist.py \
         tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
     echo "tests exit $? at ${SECONDS} s, $(grep -cE " PASSED " "$work/pytest.log") passed"
-    grep -E "(^| )(FAILED|ERROR) " "$work/pytest.log" | sed "s/.*\(FAILED\|ERROR\) //" | head -n 60
+    if grep -qE "^(FAILED|ERROR) " "$work/pytest.log"; then
+        # --tb=line: each failure's place and message, then the summary naming the tests
+        sed -n "/^=* \(FAILURES\|ERRORS\) =*$/,/^=* short test summary info =*$/p" \
+            "$work/pytest.log" | grep -v "^=" | cut -c1-300 | head -n 40
+        grep -E "^(FAILED|ERROR) " "$work/pytest.log" | cut -c1-300 | head -n 60
+    else
+        grep -E " (FAILED|ERROR) " "$work/pytest.log" | sed "s/.*\(FAILED\|ERROR\) //" | head -n 60
+    fi
     keep
 }
 
 for step in $steps; do
     case $step in
-    packed | peak | bench | long | bench4k | q4 | plain | tests) "step_$step" ;;
-    *) echo "unknown step $step (packed, peak, bench, long, bench4k, q4, plain, tests)" ;;
+    packed | peak | peakfull | bench | long | bench4k | q4 | plain | sinkchunk | tests)
+        "step_$step"
+        ;;
+    *)
+        echo "unknown step $step: packed peak peakfull bench long bench4k q4 plain sinkchunk tests"
+        ;;
     esac
 done
 save_kernels

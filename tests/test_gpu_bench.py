@@ -249,11 +249,11 @@ def test_a_run_that_mlx_refuses_is_reported_in_its_row_and_the_rest_runs(monkeyp
 
     real_run = gpu._run
 
-    def run_refusing_mlx_lm_quantized(model, factory, ids, decode):
+    def run_refusing_mlx_lm_quantized(model, factory, ids, decode, evicting=None):
         if isinstance(factory()[0], QuantizedKVCache):  # MLX's own refusal of a bad shape
             mx.eval(mx.quantized_matmul(mx.zeros((1, 24)), mx.zeros((8, 3), mx.uint32),
                                         mx.zeros((8, 1)), mx.zeros((8, 1))))  # fmt: skip
-        return real_run(model, factory, ids, decode)
+        return real_run(model, factory, ids, decode, evicting)
 
     monkeypatch.setattr(gpu, "_run", run_refusing_mlx_lm_quantized)
     s = gpu.settings(True, [256], ["4bit", "full"], ["bf16"], "cpu")

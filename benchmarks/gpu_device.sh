@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
-# device time in all). Steps, in the order named (when none is named: peak bench long
-# tests), each run while the deadline leaves it its limit, so that the call ends before
-# DEADLINE seconds:
+# device time in all). Steps, in the order named (when none is named: tests sinkchunk q4
+# long bench, the rows not measured yet), each run while the deadline leaves it its limit,
+# so that the call ends before DEADLINE seconds:
 #
 #   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
 #   peak     MLX's peak at 32,768, one process per probe: the 4-bit and 8-bit caches
 #   peakfull the same for the full cache (mlxkv's, mlx-lm's, sized before its prefill),
 #            then the full and 4-bit caches under smaller CUDA graphs
-#   bench    8-bit, sink + 4-bit and plain-key 4-bit KV at 4,096 against mlx-lm
-#   long     sink + window, sink + 4-bit and 4-bit KV at 131,072, one round
+#   bench    sink + 4-bit and plain-key 4-bit KV at 4,096 against mlx-lm
+#   long     4-bit KV at 131,072, one round
 #   bench4k  full and sink + window at 4,096
 #   q4       4-bit KV with 4-bit weights at 4,096
 #   plain    4-bit KV with plain keys beside KIVI's at 32,768 and 4,096
-#   sinkchunk  sink + window at 32,768, evicting prefill chunks of 64, 256 and 512 tokens
+#   sinkchunk  sink + window at 32,768, evicting prefill chunks of 64, 512 and 256 tokens
 #   tests    the GPU-rule tests on mx.gpu
 #
 #   bash benchmarks/gpu_device.sh WHEEL_DIR|- OUT_DIR [DEADLINE] [STEP...]
@@ -33,7 +33,7 @@ wheels=$1
 out=$2
 deadline=${3:-540}
 shift $(($# < 3 ? $# : 3))
-steps=${*:-peak bench long tests}
+steps=${*:-tests sinkchunk q4 long bench}
 mkdir -p "$out"
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-device.XXXXXX")
 keep() { tar -czf "$out/results.tgz" -C "$work" .; }
@@ -118,12 +118,11 @@ bench() {  # NAME TIMEOUT ARGS...
     keep
 }
 step_bench() {
-    bench bench 160 --contexts 4096 --weights bf16 --policies 8bit,sink-4bit,4bit-plain \
+    bench bench 160 --contexts 4096 --weights bf16 --policies sink-4bit,4bit-plain \
         --rounds 2 --budget 100
 }
 step_long() {
-    bench long 240 --contexts 131072 --weights bf16 --policies sink-window,sink-4bit,4bit \
-        --rounds 1 --budget 150
+    bench long 240 --contexts 131072 --weights bf16 --policies 4bit --rounds 1
 }
 step_bench4k() {
     bench bench4k 120 --contexts 4096 --weights bf16 --policies full,sink-window --rounds 2 \
@@ -142,7 +141,7 @@ step_plain() {
 # each call reading every weight once; longer chunks cost S extra keys per query and token.
 step_sinkchunk() {
     local n
-    for n in 64 256 512; do
+    for n in 64 512 256; do
         bench "sinkchunk$n" 90 --contexts 32768 --weights bf16 --policies sink-window \
             --rounds 1 --sink-chunk "$n"
     done

@@ -46,7 +46,6 @@ from mlxkv.caches.kivi_keys import KiviKeyStore
 from mlxkv.caches.rotation import ShiftsAhead
 from mlxkv.caches.rows import evicted_after, rebase_shifts, sinks_at
 from mlxkv.caches.streaming import (
-    SINK_PREFILL_CHUNK,
     SinkWindowCounters,
     _rotation_from_state,
     _rotation_state,
@@ -142,7 +141,7 @@ class KiviKVCache(SinkWindowCounters):
         """Evicted count once token ``t`` is in."""
         return evicted_after(t, self.sinks, self.window, self._evicted)
 
-    def prefill_chunk(self, step: int, evicting: int = SINK_PREFILL_CHUNK) -> int:
+    def prefill_chunk(self, step: int, evicting: int) -> int:
         """Like the float sink cache: big chunks up to the limit, ``evicting`` tokens once
         evicting (each chunk query gets its own shifted copy of the sinks)."""
         if not self.sinks or self.window is None:

@@ -280,7 +280,7 @@ class StreamingKVCache(SinkWindowCounters):
             for r in self._undo
         )
 
-    def prefill_chunk(self, step: int, evicting: int = SINK_PREFILL_CHUNK) -> int:
+    def prefill_chunk(self, step: int, evicting: int) -> int:
         """Fill up to the limit in big chunks; once evicting, chunks of ``evicting``."""
         if not self.sinks or self._temporal(self._n, step):
             return step

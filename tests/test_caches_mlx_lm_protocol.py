@@ -302,7 +302,11 @@ def test_quantized_caches_serve_kv_shared_layers(bits, scheme):
     tokens = [(7 * i + 3) % 128 for i in range(90)]
     chunked = feed(gemma3n, tokens, caches, [33, 1, 1, 20, 35])
     stepped = feed(gemma3n, tokens, make_caches(gemma3n, policy), [1] * 90)
-    assert mx.abs(chunked - stepped).max().item() < 1e-4
+    # A chunk's projections round differently from a step's (other kernels, on a GPU other
+    # precisions), which can tip key elements to the next quantization level: 1.2e-3 and
+    # 3.6e-3 seen on the CPU (4e-6 without a tip). Attending over anything but the same
+    # quantized keys costs the quantization's own error: 2.8e-2 or more (seeds 0-5).
+    assert mx.abs(chunked - stepped).max().item() < 1e-2
     full = feed(gemma3n, tokens, make_caches(gemma3n, KVPolicy()), [90])
     if bits == 8:  # the shared layers read the quantized keys, not something else
         assert mx.abs(chunked - full).max().item() < 0.1

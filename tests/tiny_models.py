@@ -55,9 +55,9 @@ def tiny_llama(
 def build_family(name: str, seed: int = 0, **overrides):
     """The family ``name`` of FAMILIES (with ``overrides``), its parameters evaluated.
 
-    Seeded: the weights are the same whatever ran before in the worker. Quantized caches
-    compare chunked prefill with stepped decoding within 1e-4, which a key element rounding
-    to the next level breaks (8-bit KIVI keys on gemma3n: 1.2e-3 at seed 4 of 12)."""
+    Seeded: the weights are the same whatever ran before in the worker, so a test's
+    numbers (a key element rounding to the next quantization level, say) do not depend on
+    which tests ran first."""
     mx.random.seed(seed)
     cfg = dict(FAMILIES[name], **overrides)
     Model, Args = _get_classes(cfg)

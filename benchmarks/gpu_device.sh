@@ -150,14 +150,13 @@ step_sinkchunk() {
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).
 step_tests() {
     wanted tests 150 || return
-    # MLX_ENABLE_TF32=0: the float32 tests bound float32 rounding, as a Mac computes it; on
-    # CUDA, MLX multiplies float32 matrices of more than one row in TF32 by default (10-bit
-    # mantissas: about 1e-3 relative) and single rows in full float32 (gemv), so a chunked
-    # prefill and a token-by-token one would differ by far more than those bounds.
+    # MLX_ENABLE_TF32=0: the float32 tests bound float32 rounding, as a Mac computes it; by
+    # default MLX's CUDA backend may multiply float32 matrices of more than one row in TF32
+    # (10-bit mantissas) and single rows in float32 (gemv): docs/gpu.md, fourth run.
     # SIGINT at the limit: pytest still prints its short summary, each failure's message
-    MLX_ENABLE_TF32=0 timeout -s INT -k 10 140 "${pytest[@]}" --tb=line -rfE -n 8 tests/test_gpu_rule.py \
-        tests/test_gpu_bench.py tests/test_memory_exact.py tests/test_caches_trim_persist.py \
-        tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
+    MLX_ENABLE_TF32=0 timeout -s INT -k 10 140 "${pytest[@]}" --tb=line -rfE -n 8 \
+        tests/test_gpu_rule.py tests/test_gpu_bench.py tests/test_memory_exact.py \
+        tests/test_caches_trim_persist.py tests/test_caches_mlx_lm_protocol.py >"$work/pytest.log" 2>&1
     echo "tests exit $? at ${SECONDS} s, $(grep -cE " PASSED " "$work/pytest.log") passed"
     if grep -qE "^(FAILED|ERROR) " "$work/pytest.log"; then
         # --tb=line: each failure's place and message, then the summary naming the tests

@@ -82,9 +82,9 @@ def test_default_model_greedy_matches_literal_streamingllm(model, ids):
     """The window slides at every step: 4 evictions in prefill, then one per token (2,048
     tokens in the slow test below)."""
     policy = KVPolicy(window=40, sinks=4)
-    ours = greedy(model, ids[:48], make_caches(model, policy), 24, [40, 8])
+    ours = greedy(model, ids[:48], make_caches(model, policy), 12, [40, 8])
     literal = [LiteralStreamingCache(4, 40, layer.self_attn.rope) for layer in model.layers]
-    assert ours == greedy(model, ids[:48], literal, 24)
+    assert ours == greedy(model, ids[:48], literal, 12)
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
-# device time in all). Steps, in the order named (when none is named: tests sinkchunk q4
-# long bench, the rows not measured yet), each run while the deadline leaves it its limit,
-# so that the call ends before DEADLINE seconds:
+# device time in all). Steps, in the order named (when none is named: bench long tests q4
+# sinkchunk: the benchmark's missing rows, then the tests' messages, then the rest), each
+# run while the deadline leaves it its limit, so that the call ends before DEADLINE seconds:
 #
 #   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
 #   peak     MLX's peak at 32,768, one process per probe: the 4-bit and 8-bit caches
@@ -33,7 +33,7 @@ wheels=$1
 out=$2
 deadline=${3:-540}
 shift $(($# < 3 ? $# : 3))
-steps=${*:-tests sinkchunk q4 long bench}
+steps=${*:-bench long tests q4 sinkchunk}
 mkdir -p "$out"
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-device.XXXXXX")
 keep() { tar -czf "$out/results.tgz" -C "$work" .; }

@@ -1,8 +1,9 @@
 """mlxkv's caches against mlx-lm's on a Llama-3.1-8B-shaped model (random weights), on the GPU.
 
     python benchmarks/gpu_bench.py [--quick] [--device gpu|cpu] [--contexts 4096,32768,131072]
-        [--policies full,sink-window,4bit,8bit,sink-4bit] [--weights bf16,q4]
-        [--decode 32] [--rounds 2] [--budget SECONDS] [--out results/gpu]
+        [--policies full,sink-window,4bit,8bit,sink-4bit,4bit-plain] [--weights bf16,q4]
+        [--decode 32] [--rounds 2] [--budget SECONDS] [--sink-chunk 64,256,512]
+        [--out results/gpu]
 
 bfloat16 and MLX 4-bit (group 64) weights; per context and policy, prefill and decode tok/s
 of mlxkv and of its mlx-lm counterpart, interleaved; decode against the bandwidth bound;
@@ -44,8 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, help="seconds after which no row starts")
     ap.add_argument(
         "--sink-chunk",
-        type=int,
-        help="tokens per prefill call into a sink cache once it evicts (default: the engine's 64)",
+        help="tokens per prefill call into a sink cache once it evicts, comma-separated: "
+        "each sink row runs once per size (default: the engine's 64)",
     )
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json (after every row)")
     args = ap.parse_args(argv)
@@ -53,6 +54,11 @@ def main(argv=None) -> int:
         contexts = _list(args.contexts, int)
     except ValueError:
         print("gpu_bench: --contexts takes token counts like 4096,32768", file=sys.stderr)
+        return 2
+    try:
+        sink_chunks = _list(args.sink_chunk, int)
+    except ValueError:
+        print("gpu_bench: --sink-chunk takes token counts like 64,512", file=sys.stderr)
         return 2
     try:
         s = gpu.settings(
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
             args.decode,
             args.rounds,
             args.budget,
-            args.sink_chunk,
+            sink_chunks,
         )
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device check of docs/gpu.md in one call of the lent GPU machine (15 minutes of
-# device time in all). Steps, in the order named (when none is named: bench long tests q4
-# sinkchunk: the benchmark's missing rows, then the tests' messages, then the rest), each
-# run while the deadline leaves it its limit, so that the call ends before DEADLINE seconds:
+# device time in all). Steps, in the order named (when none is named: bench sinkchunk tests
+# long q4: the short missing rows, the evicting chunk that decides the engine's, the tests'
+# messages, then the long rows), each run while the deadline leaves it its limit, so that
+# the call ends before DEADLINE seconds:
 #
 #   packed   decode on packed tokens against dense attention on mx.gpu (MLX's kernels)
 #   peak     MLX's peak at 32,768, one process per probe: the 4-bit and 8-bit caches
@@ -33,7 +34,7 @@ wheels=$1
 out=$2
 deadline=${3:-540}
 shift $(($# < 3 ? $# : 3))
-steps=${*:-bench long tests q4 sinkchunk}
+steps=${*:-bench sinkchunk tests long q4}
 mkdir -p "$out"
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-device.XXXXXX")
 keep() { tar -czf "$out/results.tgz" -C "$work" .; }
@@ -139,12 +140,10 @@ step_plain() {
 
 # An evicting sink cache prefills 64 tokens per call (the CPU's best, SINK_PREFILL_CHUNK),
 # each call reading every weight once; longer chunks cost S extra keys per query and token.
+# One process for the three sizes: one model build, each size's kernels warmed untimed.
 step_sinkchunk() {
-    local n
-    for n in 64 512 256; do
-        bench "sinkchunk$n" 90 --contexts 32768 --weights bf16 --policies sink-window \
-            --rounds 1 --sink-chunk "$n"
-    done
+    bench sinkchunk 150 --contexts 32768 --weights bf16 --policies sink-window --rounds 1 \
+        --sink-chunk 64,512,256
 }
 
 # The GPU-rule tests on the tiny random families (mx.gpu is MLX's default device there).

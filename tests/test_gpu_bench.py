@@ -76,12 +76,35 @@ def test_a_spent_budget_skips_the_rows_left_and_says_so(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["rows"] == []
     assert result["skipped"][:2] == [
-        {"weights": "bf16", "context": 256, "policy": "full"},
-        {"weights": "bf16", "context": 256, "policy": "sink-window"},
+        {"weights": "bf16", "context": 256, "policy": "full", "sink_chunk": None},
+        {"weights": "bf16", "context": 256, "policy": "sink-window", "sink_chunk": None},
     ]
     assert len(result["skipped"]) == 6 and "6 row(s) skipped" in done.stderr
     table = out.with_suffix(".md").read_text()
     assert "Not run (the --budget was spent): bf16 256 full, bf16 256 sink-window, " in table
+
+
+def test_sink_chunks_run_each_sink_row_once_per_size_in_one_process(tmp_path):
+    """--sink-chunk 16,128: every sink row once per size (the other policies once), the
+    same tokens kept whatever the size, each row named by its size."""
+    out = tmp_path / "gpu"
+    done = _bench(
+        "--quick", "--contexts", "1024", "--policies", "full,sink-window", "--weights", "bf16",
+        "--sink-chunk", "16,128", out=out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["policy"], r["sink_chunk"]) for r in rows] == [
+        ("full", None),
+        ("sink-window", 16),
+        ("sink-window", 128),
+    ]
+    assert rows[1]["kv_bytes"] == rows[2]["kv_bytes"]  # sink 4 + window 124 either way
+    table = out.with_suffix(".md").read_text()
+    assert "| bf16 | 1,024 | sink 4 + window 124, evicting chunks of 16 (Rotating" in table
+    assert "| bf16 | 1,024 | sink 4 + window 124, evicting chunks of 128 (Rotating" in table
+    assert "prefill 64 tokens per call where their row names no other size" in table
+    assert "sink-window  chunk 16 decode " in done.stderr
 
 
 PEAK = SCRIPT.with_name("gpu_peak.py")
@@ -197,6 +220,7 @@ def test_the_device_script_brings_back_the_compiled_kernels(tmp_path):
         (["--budget", "0"], "--budget must be a positive number of seconds"),
         (["--decode", "256"], "--decode must be 1 to 255 tokens, within one allocation step"),
         (["--sink-chunk", "1024"], "--sink-chunk must be 1 to 512 tokens (a prefill call's most)"),
+        (["--sink-chunk", "64,big"], "--sink-chunk takes token counts like 64,512"),
         (["--device", "gpu"], "--device gpu: MLX sees no GPU here"),
     ],
 )

@@ -108,7 +108,9 @@ class Settings:
     label: str = "Llama-3.1-8B shape"
     warmup: int = KEPT + 2 * CHUNK  # tokens of the untimed first run of each cache
     budget: float | None = None  # seconds after which no row starts
-    sink_chunk: int | None = None  # tokens per prefill call into an evicting sink cache
+    # tokens per prefill call into an evicting sink cache: each sink row runs once per
+    # size named, in one process (one model build); none named: the engine's
+    sink_chunks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Row:
     plan: dict | None = None  # plan's parts for the same setting
     batch_tps: float | None = None  # 16 rows decoded together, tokens/s over all rows
     errors: dict = field(default_factory=dict)  # side -> what MLX raised (no kernel, say)
+    sink_chunk: int | None = None  # tokens per call into an evicting sink cache (None: 64)
 
 
 def settings(
@@ -136,7 +139,7 @@ def settings(
     decode=None,
     rounds=None,
     budget=None,
-    sink_chunk=None,
+    sink_chunks=None,
 ) -> Settings:
     bad = [p for p in policies or () if p not in POLICIES]
     if bad:
@@ -159,13 +162,13 @@ def settings(
         label="tiny llama (quick)" if quick else "Llama-3.1-8B shape",
         warmup=0 if quick else KEPT + 2 * CHUNK,  # a CPU compiles nothing worth warming
         budget=budget,
-        sink_chunk=sink_chunk,
+        sink_chunks=tuple(sink_chunks or ()),
     )
     if any(c <= 0 for c in s.contexts):
         raise UserError("--contexts must be positive token counts")
     if budget is not None and budget <= 0:
         raise UserError("--budget must be a positive number of seconds")
-    if sink_chunk is not None and not 0 < sink_chunk <= CHUNK:
+    if any(not 0 < n <= CHUNK for n in s.sink_chunks):
         raise UserError(f"--sink-chunk must be 1 to {CHUNK} tokens (a prefill call's most)")
     if not 0 < s.decode < STEP:
         raise UserError(f"--decode must be 1 to {STEP - 1} tokens, within one allocation step")
@@ -333,8 +336,7 @@ def run(s: Settings, log=print, progress=None) -> dict:
         models[w] = build(s.config, w)
         weight_sizes[w] = weight_bytes(models[w])
         log(f"{s.label}, {w}: {weight_sizes[w] / 2**30:.2f} GiB of weights")
-    warm_ids = _tokens(0, s.warmup, s.config)
-    warmed: dict = {}  # (weights, cache label) -> what its first run raised, or None
+    warmed: dict = {}  # (weights, cache label, chunk) -> what its first run raised, or None
     rows: list[Row] = []
     skipped: list[dict] = []
 
@@ -353,63 +355,69 @@ def run(s: Settings, log=print, progress=None) -> dict:
         for w in s.weights:
             model = models[w]
             for key in s.policies:
-                if s.budget is not None and time.perf_counter() - start > s.budget:
-                    skipped.append({"weights": w, "context": context, "policy": key})
-                    continue
                 ours = configs[key]
-                peer = configs[ours.peer]
-                row = Row(w, context, key, ours.label, peer.label)
-                row.plan = plan_parts(s.config, w, ours.policy, context, on)
-                for side in SIDES:
-                    row.prefill[side], row.decode[side] = [], []
-                for cfg in (ours, peer):
-                    if s.warmup and (w, cfg.label) not in warmed:
-                        _, warmed[w, cfg.label] = _attempt(
-                            _run, model, cfg.factory(model), warm_ids, 2, s.sink_chunk
+                for chunk in s.sink_chunks if ours.policy.sinks and s.sink_chunks else (None,):
+                    if s.budget is not None and time.perf_counter() - start > s.budget:
+                        skipped.append(
+                            {"weights": w, "context": context, "policy": key, "sink_chunk": chunk}
                         )
-                for r in range(s.rounds):
-                    sides = [("mlxkv", ours), ("mlx-lm", peer)]
-                    for side, cfg in sides if r % 2 == 0 else sides[::-1]:
-                        if warmed.get((w, cfg.label)) or side in row.errors:
-                            row.errors.setdefault(side, warmed.get((w, cfg.label)))
-                            continue
-                        first = side == "mlxkv" and row.peak is None
-                        if first:
-                            mx.clear_cache()
-                            mx.reset_peak_memory()
-                            held = mx.get_active_memory()
-                        got, error = _attempt(
-                            _run, model, cfg.factory(model), ids, s.decode, s.sink_chunk
-                        )
-                        if error:
-                            row.errors[side] = error
-                            continue
-                        p, d, nbytes = got
-                        if first:  # above what was held, plus this run's own weights
-                            row.peak = mx.get_peak_memory() - held + weight_sizes[w]
-                        row.prefill[side].append(p)
-                        row.decode[side].append(d)
-                        row.kv_bytes[side] = nbytes
-                batch_here = context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1
-                if batch_here and "mlxkv" not in row.errors:
-                    row.batch_tps, error = _attempt(
-                        _batch_tps,
-                        model,
-                        ours.factory(model),
-                        ids,
-                        s.decode,
-                        s.batch,
-                        s.sink_chunk,
-                    )
-                    if error:
-                        row.errors["batch"] = error
-                log(_line(row))
-                rows.append(row)
-                if progress is not None:
-                    progress(finish())
+                        continue
+                    peer = configs[ours.peer]
+                    label = ours.label + (f", evicting chunks of {chunk}" if chunk else "")
+                    row = Row(w, context, key, label, peer.label, sink_chunk=chunk)
+                    row.plan = plan_parts(s.config, w, ours.policy, context, on)
+                    _measure(s, row, model, weight_sizes[w], ids, ours, peer, warmed)
+                    log(_line(row))
+                    rows.append(row)
+                    if progress is not None:
+                        progress(finish())
     if skipped:
         log(f"budget of {s.budget:g} s spent: {len(skipped)} row(s) skipped")
     return finish()
+
+
+def _measure(s: Settings, row: Row, model, weight_nbytes: int, ids, ours, peer, warmed: dict):
+    """Fill ``row``: mlxkv's cache and its mlx-lm peer over ``ids``, interleaved round after
+    round, each cache's first use (per sink chunk) untimed and recorded in ``warmed``."""
+    import mlx.core as mx
+
+    w, chunk, context = row.weights, row.sink_chunk, row.context
+    for side in SIDES:
+        row.prefill[side], row.decode[side] = [], []
+    for cfg in (ours, peer):  # the kernels' first use, for this chunk size too
+        warm = (w, cfg.label, chunk if cfg is ours else None)
+        if s.warmup and warm not in warmed:
+            warm_ids = _tokens(0, s.warmup, s.config)
+            _, warmed[warm] = _attempt(_run, model, cfg.factory(model), warm_ids, 2, chunk)
+    for r in range(s.rounds):
+        sides = [("mlxkv", ours), ("mlx-lm", peer)]
+        for side, cfg in sides if r % 2 == 0 else sides[::-1]:
+            failed = warmed.get((w, cfg.label, chunk if cfg is ours else None))
+            if failed or side in row.errors:
+                row.errors.setdefault(side, failed)
+                continue
+            first = side == "mlxkv" and row.peak is None
+            if first:
+                mx.clear_cache()
+                mx.reset_peak_memory()
+                held = mx.get_active_memory()
+            got, error = _attempt(_run, model, cfg.factory(model), ids, s.decode, chunk)
+            if error:
+                row.errors[side] = error
+                continue
+            p, d, kv = got
+            if first:  # above what was held, plus this run's own weights
+                row.peak = mx.get_peak_memory() - held + weight_nbytes
+            row.prefill[side].append(p)
+            row.decode[side].append(d)
+            row.kv_bytes[side] = kv
+    batch_here = context == min(s.contexts) <= BATCH_MAX_CONTEXT and s.batch > 1
+    if batch_here and "mlxkv" not in row.errors:
+        row.batch_tps, error = _attempt(
+            _batch_tps, model, ours.factory(model), ids, s.decode, s.batch, chunk
+        )
+        if error:
+            row.errors["batch"] = error
 
 
 PEAK_ENV = (  # MLX's settings that decide how long a GPU backend holds freed buffers
@@ -520,7 +528,9 @@ def _line(r: Row) -> str:
     d = {k: _med(v) for k, v in r.decode.items()}
     p = {k: _med(v) for k, v in r.prefill.items()}
     line = (
-        f"{r.weights} {r.context:>7} {r.policy:<12} decode {d['mlxkv']:.1f} vs "
+        f"{r.weights} {r.context:>7} {r.policy:<12}"
+        + (f" chunk {r.sink_chunk}" if r.sink_chunk else "")
+        + f" decode {d['mlxkv']:.1f} vs "
         f"{d['mlx-lm']:.1f} tok/s, prefill {p['mlxkv']:.0f} vs {p['mlx-lm']:.0f} tok/s"
     )
     return line + "".join(f"; {side} failed: {e}" for side, e in r.errors.items())
@@ -546,6 +556,7 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
                 "weights": r.weights,
                 "context": r.context,
                 "policy": r.policy,
+                "sink_chunk": r.sink_chunk,
                 "label": r.label,
                 "mlx_lm": r.peer_label,
                 "prefill_tps": pre,
@@ -577,7 +588,7 @@ def report(s: Settings, rows: list[Row], bandwidth: float, weight_sizes: dict, o
         "warmup_tokens": s.warmup,
         "kept": s.kept,
         "sinks": SINKS,
-        "sink_chunk": s.sink_chunk or SINK_PREFILL_CHUNK,
+        "sink_chunk": SINK_PREFILL_CHUNK,  # the engine's, where a row names none
         "rows": out,
     }
 
@@ -596,8 +607,8 @@ def markdown(result: dict) -> str:
         f"{result['model']} on {result['device']} ({name}, mlx {result.get('mlx_version')}), "
         f"device copy {bw:.1f} GB/s, {result['decode_tokens']} decode tokens, "
         f"{result['rounds']} round(s), load average {load[0]} at the start, {load[1]} at the end",
-        f"Sink caches, once evicting, prefill {result['sink_chunk']} tokens per call; every "
-        f"other cache {CHUNK}.",
+        f"Sink caches, once evicting, prefill {result['sink_chunk']} tokens per call where "
+        f"their row names no other size; every other cache {CHUNK}.",
         "",
         "| weights | context | policy (mlx-lm peer) | prefill tok/s | decode tok/s | "
         "decode ratio | of bound | batch x | peak / plan |",
@@ -635,7 +646,9 @@ def markdown(result: dict) -> str:
         lines += ["", "Failed runs (what MLX raised):", ""] + [f"- {x}" for x in failed]
     if result.get("skipped"):
         left = ", ".join(
-            f"{x['weights']} {x['context']:,} {x['policy']}" for x in result["skipped"]
+            f"{x['weights']} {x['context']:,} {x['policy']}"
+            + (f" (chunks of {x['sink_chunk']})" if x.get("sink_chunk") else "")
+            for x in result["skipped"]
         )
         lines += ["", f"Not run (the --budget was spent): {left}."]
     return "\n".join(lines) + "\n"

@@ -57,6 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_argument(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+    """What was not understood, with the nearest option of the command (``--window`` ->
+    ``--kv-window``, ``--max_tokens`` -> ``--max-tokens``, ``--temperature`` -> ``--temp``)."""
+    import difflib
+
+    options = [o for a in _subparser(parser, command)._actions for o in a.option_strings]
+    flags = [x for x in extra if x.startswith("-")]
+    if not flags:
+        return f"unexpected argument {extra[0]!r}; see mlxkv {command} --help"
+    flag = flags[0].split("=", 1)[0]
+    near = difflib.get_close_matches(flag.replace("_", "-"), options, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else f"mlxkv {command} --help lists the options"
+    return f"unknown option {flag}; {hint}"
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
 def entry() -> int:
     """The ``mlxkv`` console script and ``python -m mlxkv``: a command, with MLX's streams
     freed as the process exits (:func:`mlxkv.backend.free_streams`). Only here, not in
@@ -68,9 +88,16 @@ def entry() -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         setup_blas()  # before any command imports MLX
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
     except UserError as e:  # an environment variable (MLXKV_BLAS, MLXKV_MODELS, ...)
         print(f"mlxkv: error: {e}", file=sys.stderr)
+        return 2
+    if extra:
+        print(
+            f"mlxkv {args.command}: error: {unknown_argument(parser, args.command, extra)}",
+            file=sys.stderr,
+        )
         return 2
     if args.command == "chat":
         from mlxkv.engine.distributed import launched

@@ -127,6 +127,10 @@ def test_bad_flags(capsys):
     cfg = str(PUBLISHED / "llama-2-7b.json")
     assert "--context must be at least 1" in _bad(capsys, cfg, "--context", "-5")
     assert "--context must be an integer" in _bad(capsys, cfg, "--context", "lots")
+    line = _bad(capsys, cfg, "--context", "128k")
+    assert line.endswith(
+        "--context must be an integer, got '128k' (write 131072 for 128K tokens)\n"
+    )
     assert "--memory" in _bad(capsys, cfg, "--memory", "16 parsecs")
     assert "--kv-dtype" in _bad(capsys, cfg, "--kv-dtype", "int8")
     assert "--kv-bits 7" in _bad(capsys, cfg, "--kv-bits", "7")

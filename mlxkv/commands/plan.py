@@ -63,7 +63,9 @@ def _int(value: str | None, flag: str, default: int | None, minimum: int) -> int
     try:
         n = int(value)
     except ValueError:
-        raise BadInput(f"{flag} must be an integer, got '{value}'") from None
+        k = value[:-1] if value[-1:] in ("k", "K") else ""
+        hint = f" (write {int(k) * 1024} for {k}K tokens)" if k.isdigit() else ""
+        raise BadInput(f"{flag} must be an integer, got '{value}'{hint}") from None
     if n < minimum:
         raise BadInput(f"{flag} must be at least {minimum}, got {n}")
     return n

@@ -61,6 +61,21 @@ def test_unknown_name_lists_the_aliases(isolated):
     assert "unknown model 'not a model'" in str(e.value) and "tiny, nohub" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("TINY", " (did you mean 'tiny'?): "),  # other case or punctuation
+        ("no-hub", " (did you mean 'nohub'?): "),
+        ("ti", " (did you mean 'tiny'?): "),  # the start of one alias
+        ("tiny2", ": "),  # another name, not offered
+    ],
+)
+def test_a_near_miss_of_an_alias_is_named(isolated, name, hint):
+    with pytest.raises(UserError) as e:
+        r.resolve(name)
+    assert str(e.value).startswith(f"unknown model '{name}'{hint}")
+
+
 def test_hub_id_without_network_says_what_to_do(isolated):
     with pytest.raises(UserError, match="could not download 'someone/some-model'"):
         r.resolve("someone/some-model")

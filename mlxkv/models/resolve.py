@@ -228,9 +228,25 @@ def _classify(name: str):
         raise UserError(f"{path} is neither a model folder nor a .gguf file")
     aliases = ", ".join(registry.load_registry().models)
     raise UserError(
-        f"unknown model '{name}': not a local folder, .gguf file, registry alias ({aliases}) "
-        "or Hugging Face repo id (owner/name); see 'mlxkv models'"
+        f"unknown model '{name}'{_nearest_alias(name)}: not a local folder, .gguf file, "
+        f"registry alias ({aliases}) or Hugging Face repo id (owner/name); see 'mlxkv models'"
     )
+
+
+def _nearest_alias(name: str) -> str:
+    """`` (did you mean 'llama3.1-8b'?)`` where ``name`` is a registry alias spelled with
+    other case or punctuation (``Llama-3.1-8B``), or the start of a few (``smollm2``);
+    else ``""``. No near spelling of another size is offered: that is another model."""
+
+    def bare(s: str) -> str:
+        return "".join(c for c in s.lower() if c.isalnum())
+
+    aliases = list(registry.load_registry().models)
+    near = [a for a in aliases if bare(a) == bare(name)]
+    near = near or [a for a in aliases if bare(name) and bare(a).startswith(bare(name))]
+    if not near or len(near) > 3:
+        return ""
+    return " (did you mean " + " or ".join(f"'{a}'" for a in near) + "?)"
 
 
 def check_name(model: str | None) -> None:
@@ -325,7 +341,7 @@ def resolve_config(model: str) -> ModelSource:
         return ModelSource(src.name, src.config, src.folder, model, src.how)
     aliases = ", ".join(registry.load_registry().models)
     raise UserError(
-        f"unknown model '{model}': not a config.json file, model folder, "
+        f"unknown model '{model}'{_nearest_alias(model)}: not a config.json file, model folder, "
         + (f"registry alias ({aliases}) " if aliases else "registry alias ")
         + "or hub repo id (owner/name)"
     )

@@ -44,8 +44,15 @@ attention sinks, quantized), check what a model will cost before loading it, and
 the KV memory MLX holds next to the prediction."""
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line, pointing at ``--help`` for the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxkv", description=DESCRIPTION)
+    parser = OneLineErrors(prog="mlxkv", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mlxkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in commands().items():
@@ -65,10 +72,10 @@ def unknown_argument(parser: argparse.ArgumentParser, command: str, extra: list[
     options = [o for a in _subparser(parser, command)._actions for o in a.option_strings]
     flags = [x for x in extra if x.startswith("-")]
     if not flags:
-        return f"unexpected argument {extra[0]!r}; see mlxkv {command} --help"
+        return f"unexpected argument {extra[0]!r}; see 'mlxkv {command} --help'"
     flag = flags[0].split("=", 1)[0]
     near = difflib.get_close_matches(flag.replace("_", "-"), options, n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]}?" if near else f"mlxkv {command} --help lists the options"
+    hint = f"did you mean {near[0]}?" if near else f"see 'mlxkv {command} --help'"
     return f"unknown option {flag}; {hint}"
 
 

@@ -1,5 +1,6 @@
-"""An option a command does not have: one line naming it and the command's nearest option
-(the spellings users bring from mlx-lm, OpenAI's API and other tools), exit 2, nothing run."""
+"""The command line refused in one line, exit 2, nothing run: an option a command does not
+have names the command's nearest option (the spellings users bring from mlx-lm, OpenAI's API
+and other tools); a value argparse refuses gets its message without the usage block."""
 
 from __future__ import annotations
 
@@ -30,12 +31,39 @@ from mlxkv.cli import main
         ),
         (
             ["plan", "llama-3.1-8b", "--frobnicate"],
-            "mlxkv plan: error: unknown option --frobnicate; mlxkv plan --help lists the options",
+            "mlxkv plan: error: unknown option --frobnicate; see 'mlxkv plan --help'",
         ),
-        (["plan", "a", "b"], "mlxkv plan: error: unexpected argument 'b'; see mlxkv plan --help"),
+        (["plan", "a", "b"], "mlxkv plan: error: unexpected argument 'b'; see 'mlxkv plan --help'"),
     ],
 )
 def test_an_unknown_option_names_the_nearest_one(capsys, argv, line):
     assert main(argv) == 2
     got = capsys.readouterr()
     assert (got.err, got.out) == (line + "\n", "")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["generate", "--max-tokens", "lots"],
+            "mlxkv generate: error: argument --max-tokens: invalid int value: 'lots'; "
+            "see 'mlxkv generate --help'",
+        ),
+        (
+            ["plan"],
+            "mlxkv plan: error: the following arguments are required: MODEL; "
+            "see 'mlxkv plan --help'",
+        ),
+        (
+            ["chta"],
+            "mlxkv: error: argument COMMAND: invalid choice: 'chta' (choose from 'chat', 'top', "
+            "'plan', 'generate', 'batch', 'serve', 'models', 'pull', 'bench'); see 'mlxkv --help'",
+        ),
+    ],
+)
+def test_a_value_argparse_refuses_is_one_line_without_the_usage(capsys, argv, line):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    got = capsys.readouterr()
+    assert (e.value.code, got.err, got.out) == (2, line + "\n", "")

@@ -382,17 +382,20 @@ def _measure(s: Settings, row: Row, model, weight_nbytes: int, ids, ours, peer, 
     import mlx.core as mx
 
     w, chunk, context = row.weights, row.sink_chunk, row.context
+
+    def warm_key(cfg):  # the chunk size changes only mlxkv's shapes
+        return w, cfg.label, chunk if cfg is ours else None
+
     for side in SIDES:
         row.prefill[side], row.decode[side] = [], []
     for cfg in (ours, peer):  # the kernels' first use, for this chunk size too
-        warm = (w, cfg.label, chunk if cfg is ours else None)
-        if s.warmup and warm not in warmed:
+        if s.warmup and warm_key(cfg) not in warmed:
             warm_ids = _tokens(0, s.warmup, s.config)
-            _, warmed[warm] = _attempt(_run, model, cfg.factory(model), warm_ids, 2, chunk)
+            _, warmed[warm_key(cfg)] = _attempt(_run, model, cfg.factory(model), warm_ids, 2, chunk)
     for r in range(s.rounds):
         sides = [("mlxkv", ours), ("mlx-lm", peer)]
         for side, cfg in sides if r % 2 == 0 else sides[::-1]:
-            failed = warmed.get((w, cfg.label, chunk if cfg is ours else None))
+            failed = warmed.get(warm_key(cfg))
             if failed or side in row.errors:
                 row.errors.setdefault(side, failed)
                 continue

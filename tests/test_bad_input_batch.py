@@ -77,6 +77,24 @@ def test_non_utf8_line_becomes_an_error_record(tmp_path, capsys, no_model):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_lone_surrogate_lines_become_error_records_and_resume(tmp_path, capsys, no_model):
+    """A \\ud800 escape (in the prompt, or in the id the record carries back) is that line's
+    error; the records are JSON a reader can parse, and a second run finds them done."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"id": 1, "prompt": "\\ud800"}\n{"id": "\\udc00x", "prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    recs = read_records(out)
+    assert [(r["id"], r["line"]) for r in recs] == [(1, 1), ("\udc00x", 2)]
+    assert recs[0]["error"] == "holds '\\ud800', a lone surrogate that is not valid text"
+    assert b"\\udc00x" in out.read_bytes()  # kept escaped: the file stays UTF-8
+    assert "Traceback" not in capsys.readouterr().err
+    before = out.read_bytes()
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    assert out.read_bytes() == before
+    assert "2 lines are answered by error records" in capsys.readouterr().err
+
+
 def test_stdin_input(tmp_path, capsys, monkeypatch, no_model):
     stdin = io.TextIOWrapper(io.BytesIO(b'{"id": "s"}\n'))
     monkeypatch.setattr("sys.stdin", stdin)

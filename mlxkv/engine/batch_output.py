@@ -146,7 +146,12 @@ class ResultLog:
     # -- writing ---------------------------------------------------------------------------
     def append(self, record: dict) -> None:
         """Write one record as one line and fsync it (nothing buffered survives a crash)."""
-        self._write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        text = json.dumps(record, ensure_ascii=False)
+        try:
+            data = (text + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (an error record's id): keep it escaped
+            data = (json.dumps(record) + "\n").encode("ascii")
+        self._write(data)
         self.records += 1
         self.errors_written += "error" in record
 

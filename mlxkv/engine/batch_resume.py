@@ -34,12 +34,14 @@ def line_fingerprint(payload: object, context: str) -> str:
     """Fingerprint of one input line under a run context.
 
     ``payload`` is the line's parsed JSON object (so key order and spacing do not matter)
-    or, for a line that is not JSON, its raw bytes."""
+    or, for a line that is not JSON, its raw bytes. Lone surrogates (a line refused for
+    them) are hashed as they are, so the fingerprint exists for every line."""
     if isinstance(payload, bytes):
         body = b"raw:" + payload
     else:
-        body = b"json:" + json.dumps(payload, sort_keys=True, ensure_ascii=False).encode()
-    h = hashlib.sha256(context.encode("utf-8") + b"\0" + body)
+        text = json.dumps(payload, sort_keys=True, ensure_ascii=False)
+        body = b"json:" + text.encode("utf-8", "surrogatepass")
+    h = hashlib.sha256(context.encode("utf-8", "surrogatepass") + b"\0" + body)
     return h.hexdigest()[:16]
 
 

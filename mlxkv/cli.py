@@ -79,6 +79,27 @@ def unknown_argument(parser: argparse.ArgumentParser, command: str, extra: list[
     return f"unknown option {flag}; {hint}"
 
 
+def undecodable_argument(parser: argparse.ArgumentParser, args) -> str | None:
+    """The first argument holding bytes that are not UTF-8 (Python keeps them as lone
+    surrogates, which no tokenizer, JSON or file name on macOS takes), named as written."""
+    for action in _subparser(parser, args.command)._actions:
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list | tuple) else [values]:
+            text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+                continue
+            except UnicodeEncodeError as e:
+                bad = text[e.start]
+            byte = ord(bad) - 0xDC00  # surrogateescape's stand-in for an undecodable byte
+            what = f"the byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else ascii(bad)
+            name = action.option_strings[0] if action.option_strings else action.metavar
+            return f"{name or action.dest.upper()} is not UTF-8 text ({what}); write it in UTF-8"
+    return None
+
+
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices[command]
@@ -105,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             f"mlxkv {args.command}: error: {unknown_argument(parser, args.command, extra)}",
             file=sys.stderr,
         )
+        return 2
+    if bad := undecodable_argument(parser, args):
+        print(f"mlxkv {args.command}: error: {bad}", file=sys.stderr)
         return 2
     if args.command == "chat":
         from mlxkv.engine.distributed import launched
@@ -140,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlxkv {args.command}: error: {lost_peer_message(e)}", file=sys.stderr)
         return 1
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:  # a path the user gave, past the system's limit
+            name = os.fsdecode(e.filename or "")
+            shown = f"{name[:40]}...{name[-20:]}" if len(name) > 64 else name
+            print(
+                f"mlxkv {args.command}: error: the file name {shown!r} is too long for this "
+                "system; use a shorter one",
+                file=sys.stderr,
+            )
+            return 2
         if not _is_stdout_error(e):
             raise
         _drop_stdout()

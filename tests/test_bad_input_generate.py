@@ -155,10 +155,10 @@ def test_messages_file_that_never_ends(capsys, tmp_path, kind):
 
 def test_lone_surrogates_in_prompt_and_system(capsys):
     # argv decodes undecodable bytes to lone surrogates (surrogateescape)
-    assert "the prompt holds '\\udcff', a lone surrogate" in refused(
+    assert "--prompt is not UTF-8 text (the byte 0xff); write it in UTF-8" in refused(
         capsys, "generate", "-p", "caf\udcff"
     )
-    assert "--system holds '\\ud800'" in refused(
+    assert "--system is not UTF-8 text ('\\ud800')" in refused(
         capsys, "generate", "-p", "hi", "--system", "\ud800"
     )
 
@@ -182,3 +182,4 @@ def test_messages_past_the_bound_are_refused_before_the_model_loads(capsys, tmp_
     p.write_text(json.dumps(turns[:10_000]))
     with pytest.raises(AssertionError, match="the model was loaded"):
         refused(capsys, "generate", "--messages", str(p), "--kv-window", "256")
+

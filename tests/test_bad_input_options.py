@@ -67,3 +67,50 @@ def test_a_value_argparse_refuses_is_one_line_without_the_usage(capsys, argv, li
         main(argv)
     got = capsys.readouterr()
     assert (e.value.code, got.err, got.out) == (2, line + "\n", "")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["generate", "--prompt", "caf\udce9"],  # b"caf\xe9" in a Latin-1 terminal
+            "mlxkv generate: error: --prompt is not UTF-8 text (the byte 0xe9); write it in UTF-8",
+        ),
+        (
+            ["batch", "in.jsonl", "-o", "out.jsonl", "--stop", "a\udcfe"],
+            "mlxkv batch: error: --stop is not UTF-8 text (the byte 0xfe); write it in UTF-8",
+        ),
+        (
+            ["plan", "\udce9t\udce9"],
+            "mlxkv plan: error: MODEL is not UTF-8 text (the byte 0xe9); write it in UTF-8",
+        ),
+    ],
+)
+def test_an_argument_that_is_not_utf8_is_named(capsys, argv, line):
+    """Python keeps undecodable argv bytes as lone surrogates, which no tokenizer or JSON
+    takes: refused by name before anything runs."""
+    assert main(argv) == 2
+    got = capsys.readouterr()
+    assert (got.err, got.out) == (line + "\n", "")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "a" * 300],
+        ["plan", "a" * 300 + ".json"],
+        ["batch", "in.jsonl", "-o", "a" * 300],
+        ["generate", "--prompt", "hi", "--prompt-cache", "a" * 300 + ".safetensors"],
+    ],
+)
+def test_a_file_name_past_the_system_limit_is_one_line(capsys, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    assert main(argv) == 2
+    got = capsys.readouterr()
+    shown = f"'{'a' * 40}...{('a' * 300 + argv[-1][300:])[-20:]}'"
+    assert got.err == (
+        f"mlxkv {argv[0]}: error: the file name {shown} is too long for this system; "
+        "use a shorter one\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

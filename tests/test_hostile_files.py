@@ -14,6 +14,7 @@ from mlxkv.errors import UserError
 from mlxkv.files import (
     atomic_write,
     inside,
+    json_depth,
     parse_json,
     read_bytes,
     read_text,
@@ -129,6 +130,40 @@ def test_parse_json_refuses_deep_nesting_and_lone_surrogates():
     assert parse_json('"\\ud83d\\ude00"', "x", utf8=True) == "\U0001f600"
     with pytest.raises(UserError, match="not valid JSON"):
         parse_json("{", "x")
+
+
+@pytest.mark.parametrize(
+    "text, depth",
+    [
+        ('{"a": "[\\"]"}', 1),  # an escaped quote does not end the string
+        ('["\\\\", ["]"]]', 2),  # an escaped backslash does not escape the quote
+        ('["\\\\\\"["]', 1),
+        ('[["\\u005b"]]', 2),
+        ("[[]][[[]]]", 3),
+        ('"{"', 0),
+        ("", 0),
+    ],
+)
+def test_json_depth_skips_strings_and_their_escapes(text, depth):
+    assert json_depth(text) == depth
+
+
+@pytest.mark.parametrize(
+    "part, between", [("x", '"'), ("\\n", '"'), ("[1],", "")], ids=["string", "escapes", "lists"]
+)
+def test_json_depth_of_a_long_text_takes_memory_of_its_size(part, between):
+    """A 32 MB line of one string (of escapes, of short lists) is read in a few copies of its
+    size: a regex with a repeated group kept ~120 bytes per character (4 GB here)."""
+    import tracemalloc
+
+    text = "[" + between + part * (32_000_000 // len(part)) + between + "[]]"
+    tracemalloc.start()
+    try:
+        assert json_depth(text) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(text), peak
 
 
 def test_safe_name_and_inside(tmp_path):

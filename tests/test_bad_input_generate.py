@@ -183,3 +183,34 @@ def test_messages_past_the_bound_are_refused_before_the_model_loads(capsys, tmp_
     with pytest.raises(AssertionError, match="the model was loaded"):
         refused(capsys, "generate", "--messages", str(p), "--kv-window", "256")
 
+
+@pytest.mark.model
+@pytest.mark.parametrize("source", ["--messages", "--prompt"])
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_read(
+    capsys, tmp_path, preloaded, default_model, monkeypatch, source
+):
+    """4 MB cannot fit an 8192-token context: refused by its characters, before the chat
+    template copies it or the tokenizer reads it (20 MB took 5.4 GB and 34 s before)."""
+    import json
+
+    tok = type(default_model.tokenizer._tokenizer)
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(
+        tok, "encode", lambda s, text, *a, **k: seen.append(len(text)) or real(s, text, *a, **k)
+    )
+    text = "x " * 2_000_000
+    if source == "--messages":
+        p = tmp_path / "conv.json"
+        p.write_text(json.dumps([{"role": "user", "content": text}]))
+        argv = ["--messages", str(p)]
+    else:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+        argv = ["--prompt", "-"]
+    line = refused(capsys, "generate", *argv, "--max-tokens", "2")
+    assert line == (
+        "mlxkv generate: error: the prompt is 4000000 characters, more than the model's "
+        "context of 8192 tokens can hold; shorten it (or clear the chat), use a window "
+        "(--kv-window) or --on-overflow slide"
+    )
+    assert max(seen, default=0) < 1000

@@ -232,16 +232,28 @@ def _prompt_text(job, tokenizer, args) -> str:
 
 def _most_characters(loaded, policy) -> int | None:
     """Characters no prompt can exceed and still fit the context (None: no bound, with a
-    window): the context times the longest token's text. Longer prompts are refused
-    before the tokenizer reads them."""
-    limit = loaded.context_length
-    if not limit or policy.window is not None:
+    window). Longer prompts are refused before the template or the tokenizer reads them."""
+    from mlxkv.engine.request import most_prompt_characters
+
+    if policy.window is not None:
         return None
-    try:
-        longest = max(map(len, loaded.tokenizer.get_vocab()), default=1)
-    except Exception:  # a tokenizer without a vocabulary to list: no bound
-        return None
-    return limit * max(longest, 16)
+    return most_prompt_characters(loaded.tokenizer, loaded.context_length)
+
+
+def _characters(job) -> int:
+    """The characters of a line's prompt or messages: its rendered prompt has them all."""
+    if job.prompt is not None:
+        return len(job.prompt)
+    return sum(len(m["content"]) for m in job.messages)
+
+
+def _check_length(characters: int, most: int | None, loaded) -> None:
+    if most is not None and characters > most:
+        raise UserError(
+            f"the prompt is {characters} characters, more than the model's context "
+            f"of {loaded.context_length} tokens can hold; shorten it or use a "
+            "window (--kv-window)"
+        )
 
 
 def _settings(job, base):
@@ -417,13 +429,9 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
     def requests():
         for job in jobs:
             try:
+                _check_length(_characters(job), most, loaded)  # before the template copies it
                 text = _prompt_text(job, loaded.tokenizer, args)
-                if most is not None and len(text) > most:
-                    raise UserError(
-                        f"the prompt is {len(text)} characters, more than the model's context "
-                        f"of {loaded.context_length} tokens can hold; shorten it or use a "
-                        "window (--kv-window)"
-                    )
+                _check_length(len(text), most, loaded)
             except UserError as e:
                 write_error(job, str(e))
                 progress.update(False, 0)

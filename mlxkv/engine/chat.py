@@ -24,8 +24,12 @@ class ChatSession:
         return head + self.messages
 
     def prompt_text(self) -> str:
+        messages = self._all_messages()
+        # the rendered prompt holds every message: a conversation too long for the context
+        # is refused before the template copies it
+        self.generator.check_prompt_length(sum(len(m["content"]) for m in messages))
         return self.generator.loaded.tokenizer.apply_chat_template(
-            self._all_messages(), tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=True
         )
 
     def answer(self) -> Iterator[Event]:

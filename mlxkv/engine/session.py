@@ -28,13 +28,14 @@ may leave layers out of step, so the caches are rebuilt; one that stops between 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.events import Event, Failed, Notice, Stats
 from mlxkv.engine.kv_stats import KVAccounting
-from mlxkv.engine.request import GenerationSettings, encode_prompt
+from mlxkv.engine.request import GenerationSettings, encode_prompt, most_prompt_characters
 from mlxkv.engine.reuse import Checkpoint, cache_identity, keep_prefix, load_held, save_held
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.errors import UserError
@@ -153,6 +154,7 @@ class Session:
         """Generate a continuation of ``prompt_text`` (the whole conversation so far)."""
         if not prompt_text:
             raise UserError("the prompt is empty; type something to send")
+        self.check_prompt_length(len(prompt_text))
         return self.run_tokens(encode_prompt(self.loaded.tokenizer, prompt_text), settings)
 
     def run_tokens(self, ids: list[int], settings: GenerationSettings) -> Iterator[Event]:
@@ -179,6 +181,23 @@ class Session:
         finally:
             self._handle = None
             self._cancel.clear()  # a cancel covers one turn
+
+    def check_prompt_length(self, characters: int) -> None:
+        """Refuse, before the tokenizer reads it, a prompt of more characters than the
+        context can hold in tokens (when it stops at the context, without a window)."""
+        if self.overflow != "stop" or self.policy.window is not None:
+            return
+        most = self._most_characters
+        if most is not None and characters > most:
+            raise UserError(
+                f"the prompt is {characters} characters, more than the model's context of "
+                f"{self.loaded.context_length} tokens can hold; shorten it (or clear the "
+                "chat), use a window (--kv-window) or --on-overflow slide"
+            )
+
+    @functools.cached_property
+    def _most_characters(self) -> int | None:
+        return most_prompt_characters(self.loaded.tokenizer, self.loaded.context_length)
 
     def _overflow_check(self, ids: list[int]) -> Iterator[Event]:
         from mlxkv.memory.context import past_trained_context

@@ -44,8 +44,9 @@ def json_grammar(schema: dict | None) -> str:
 
 
 def _one_line(e) -> str:
-    """An error of llguidance's (a caret drawing over several lines) as one line."""
-    text = " ".join(str(e).split())
+    """An error of llguidance's (a caret drawing over several lines) as one line, without
+    the parser state it may append."""
+    text = " ".join(str(e).split()).split(" <state>")[0]
     return text[:300] if text else type(e).__name__
 
 
@@ -75,7 +76,8 @@ class GrammarProcessor:
     def __init__(self, grammar: str, tokenizer):
         import llguidance
 
-        self.matcher = llguidance.LLMatcher(guidance_tokenizer(tokenizer), grammar)
+        # log_level 0: its errors come back through get_error(), not printed on stderr
+        self.matcher = llguidance.LLMatcher(guidance_tokenizer(tokenizer), grammar, log_level=0)
         if self.matcher.is_error():
             raise UserError(f"the grammar cannot be used: {_one_line(self.matcher.get_error())}")
         self.started = False
@@ -85,13 +87,20 @@ class GrammarProcessor:
         import numpy as np
 
         if self.started and not self.matcher.consume_token(int(history[-1].item())):
-            raise UserError(f"the answer left its grammar: {_one_line(self.matcher.get_error())}")
+            self._failed()
         self.started = True
         vocab = logits.shape[-1]
-        bits = np.unpackbits(
-            np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
-        )
+        mask = self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            self._failed()
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
         allowed = np.zeros(vocab, dtype=bool)
         n = min(vocab, bits.size)
         allowed[:n] = bits[:n].astype(bool)
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _failed(self):
+        # llguidance's limits (a schema that recurses into itself, say) end the answer
+        raise UserError(
+            f"the answer could not follow its JSON schema: {_one_line(self.matcher.get_error())}"
+        )

@@ -161,6 +161,7 @@ class _Job:
         self.sampler = None
         self.processors: list = []
         self.history = None  # the tokens logits processors see
+        self.broken: UserError | None = None  # its grammar failed: it ends with this error
         self.scores: list = []  # prompt_logprobs: (logprob, top) per scored prompt token
         self.next_input: int | None = None  # the first token: shown, not yet fed
         self.pending_lp = None  # logprobs of the token sampled ahead (not yet shown)
@@ -766,6 +767,9 @@ class Scheduler:
             lps, top = zip(*job.scores, strict=True) if job.scores else ((), ())
             job.handle._emit(PromptLogprobs(tuple(job.ids), lps, top))
         tokens, lps = self._sample([job], logits)
+        if job.broken is not None:
+            self._fail(job.handle, str(job.broken), "invalid_grammar")
+            return
         token = tokens.item()
         job.next_input = token
         if not self._take_token(job, token, _resolve(lps[0])):
@@ -853,10 +857,13 @@ class Scheduler:
             if r.next_input is not None:  # the first token was shown when it was sampled
                 r.next_input = None
                 continue
-            if self._take_token(r, token, _resolve(shown)):
+            if r.broken is None and self._take_token(r, token, _resolve(shown)):
                 ended.append(r)
-        if ended:
-            self._drop_rows(g, ended)
+        broken = [r for r in rows if r.broken is not None and r not in ended]
+        if ended or broken:
+            self._drop_rows(g, ended + broken)
+        for r in broken:
+            self._fail(r.handle, str(r.broken), "invalid_grammar")
 
     def _sample(self, rows: list[_Job], logits):
         """The next token of each row (and its logprobs where asked), from ``logits``
@@ -867,8 +874,11 @@ class Scheduler:
             parts = []
             for i, r in enumerate(rows):
                 row = logits[i : i + 1]
-                for p in r.processors:
-                    row = p(r.history, row)
+                try:
+                    for p in r.processors:
+                        row = p(r.history, row)
+                except UserError as e:  # this row's grammar broke: it alone fails
+                    r.broken, row = e, logits[i : i + 1]
                 parts.append(row)
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

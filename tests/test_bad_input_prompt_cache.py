@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.caches import CacheError
+from mlxkv.caches.persist import data_digest
 from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
@@ -43,7 +45,8 @@ def saved(default_model, tmp_path_factory):
 
 def _edit(src, dst, arrays=None, meta=None, caller=None):
     """A copy of cache file ``src`` at ``dst`` with arrays / string metadata / the caller's
-    metadata (the JSON in '0.metadata') changed by the given functions."""
+    metadata (the JSON in '0.metadata') changed by the given functions. Edited arrays get
+    the digest of their data, as a crafted file may: every check after it must hold."""
     a, m = mx.load(str(src), return_metadata=True)
     if caller is not None:
         c = json.loads(m["0.metadata"])
@@ -51,6 +54,8 @@ def _edit(src, dst, arrays=None, meta=None, caller=None):
         m["0.metadata"] = json.dumps(c)
     if arrays is not None:
         arrays(a)
+        scalars = {v for k, v in m.items() if re.fullmatch(r"2\.\d+\.0", k)}
+        m["0.digest"] = data_digest({k: v for k, v in a.items() if k not in scalars})
     if meta is not None:
         meta(m)
     mx.save_safetensors(str(dst), a, m)
@@ -62,6 +67,7 @@ def _set(name, value):
 
 
 CASES = {
+    "digest missing": ("full", dict(meta=lambda m: m.pop("0.digest")), "it has no digest of its"),
     "metadata not JSON": (
         "full",
         dict(meta=lambda m: m.__setitem__("0.metadata", "{not json")),
@@ -163,6 +169,34 @@ def test_saved_caches_load_back(saved, default_model):
         gen = Session(default_model, policy)
         gen.load_cache(path)
         assert gen.tokens == tokens
+
+
+@pytest.mark.parametrize("name", ["full", "window"])
+def test_damaged_data_is_refused_by_its_digest(saved, default_model, tmp_path, name):
+    """Every float of the file's data turned NaN, its header as written: the layout checks
+    pass it, the digest does not (it was loaded before, and the answer was NaN's token)."""
+    import numpy as np
+
+    src, tokens = saved[name]
+    data = bytearray(src.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:start])
+    for t in header.values():
+        if isinstance(t, dict) and t.get("dtype") == "F32" and len(t["shape"]) == 4:
+            lo, hi = t["data_offsets"]
+            data[start + lo : start + hi] = np.full((hi - lo) // 4, np.nan, np.float32).tobytes()
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(bytes(data))
+    gen = Session(default_model, KVPolicy() if name == "full" else WINDOW)
+    with pytest.raises(CacheError) as e:
+        gen.load_cache(path)
+    assert str(e.value) == (
+        "damaged.safetensors is not a readable cache file (its data is damaged: it does not "
+        "match the digest written with it); delete it"
+    )
+    assert gen.tokens == [] and path.read_bytes() == bytes(data)
+    gen.load_cache(src)  # the file as written loads
+    assert gen.tokens == tokens
 
 
 def test_header_garbage_is_one_line(saved, default_model, tmp_path):

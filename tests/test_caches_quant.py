@@ -262,9 +262,16 @@ def test_file_of_another_format_refused_in_one_line(model, tmp_path):
     feed(model, TOKENS[:10], caches, [10])
     save_caches(tmp_path / "a.safetensors", caches, META)
     arrays, meta = mx.load(str(tmp_path / "a.safetensors"), return_metadata=True)
-    mx.save_safetensors(str(tmp_path / "b.safetensors"), arrays, {**meta, "0.mlxkv_cache": "1"})
-    with pytest.raises(CacheError, match="not an mlxkv cache file") as err:
+    mx.save_safetensors(str(tmp_path / "b.safetensors"), arrays, {**meta, "0.mlxkv_cache": "2"})
+    with pytest.raises(CacheError) as err:
         load_caches(tmp_path / "b.safetensors", META)
+    assert str(err.value) == (
+        "b.safetensors was saved by an older mlxkv (cache format 2; this one reads 3); "
+        "delete it, and the next run saves it again"
+    )
+    mx.save_safetensors(str(tmp_path / "c.safetensors"), arrays, {**meta, "0.mlxkv_cache": "x"})
+    with pytest.raises(CacheError, match="not an mlxkv cache file") as err:
+        load_caches(tmp_path / "c.safetensors", META)
     assert "\n" not in str(err.value)
 
 

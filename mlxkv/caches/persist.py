@@ -9,7 +9,8 @@ dtype, token ids, ...).
 A cache file is input like any other: anyone may have edited it, and MLX trusts what it
 reads (an offset past a buffer's end writes out of bounds). :func:`load_caches` therefore
 reads the safetensors header itself and checks everything before MLX sees the file: the
-header's JSON, every tensor's dtype, shape and byte range, the metadata, and each layer's
+header's JSON, every tensor's dtype, shape and byte range, the metadata, the data against
+the digest written with it (damage the layout checks cannot see), and each layer's
 state against ``reference`` (caches of this model and policy that have seen one token):
 the same class, the same policy scalars, arrays of the same dtype, heads and head size,
 counters that agree with each other and with the buffers that hold them. Writes go through
@@ -18,6 +19,7 @@ counters that agree with each other and with the buffers that hold them. Writes 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -34,7 +36,7 @@ from mlxkv.errors import UserError
 from mlxkv.files import atomic_write_with, open_regular, parse_json
 from mlxkv.memory.policy_bytes import capacity, kivi_ring_slots
 
-FORMAT = "2"
+FORMAT = "3"  # 3: with the digest of the data
 MLXKV_CLASSES = (FullKVCache, StreamingKVCache, QuantizedStreamingKVCache, KiviKVCache)
 # mlx-lm's own caches a model may keep for layers a policy leaves alone
 MLX_LM_CLASSES = ("KVCache", "RotatingKVCache", "ArraysCache")
@@ -68,20 +70,46 @@ def save_caches(path, caches: list, metadata: dict) -> None:
             mlx_cache, type(c).__name__
         ):
             raise CacheError(f"cannot save a cache of unknown class {type(c).__name__}")
-    header = {"mlxkv_cache": FORMAT, "metadata": json.dumps(metadata, sort_keys=True)}
+    header = {
+        "mlxkv_cache": FORMAT,
+        "metadata": json.dumps(metadata, sort_keys=True),
+        # the arrays of the states (mlx-lm writes their scalars as arrays too: not these)
+        "digest": data_digest(
+            {k: v for k, v in tree_flatten([c.state for c in caches]) if isinstance(v, mx.array)}
+        ),
+    }
     atomic_write_with(
-        path, lambda f: mlx_cache.save_prompt_cache(f, caches, header), what="--prompt-cache"
+        path, lambda f: mlx_cache.save_prompt_cache(f, caches, header), what="cache file"
     )
+
+
+def data_digest(arrays: dict) -> str:
+    """SHA-256 of every tensor's name, dtype, shape and bytes, in name order: what a file's
+    data must hash to when it is read back (about 1 GB/s)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = mx.contiguous(arrays[name])
+        mx.eval(a)
+        h.update(f"{name} {a.dtype} {list(a.shape)}\n".encode())
+        if a.size:
+            h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
 
 
 # -- reading: the header, checked before MLX reads anything ---------------------------------
 
 
 def _bad(path, why: str) -> CacheError:
-    return CacheError(
-        f"{Path(path).name} is not a readable cache file ({why}); delete it or name "
-        "another --prompt-cache file"
-    )
+    return CacheError(f"{Path(path).name} is not a readable cache file ({why}); delete it")
+
+
+def _format_error(path, found) -> CacheError:
+    if found in ("1", "2"):
+        return CacheError(
+            f"{Path(path).name} was saved by an older mlxkv (cache format {found}; this one "
+            f"reads {FORMAT}); delete it, and the next run saves it again"
+        )
+    return CacheError(f"{path} is not an mlxkv cache file (format {FORMAT})")
 
 
 def _read_header(f, size: int, path) -> tuple[dict, dict]:
@@ -105,7 +133,7 @@ def _read_header(f, size: int, path) -> tuple[dict, dict]:
     ):
         raise _bad(path, "metadata is not a table of strings")
     if meta.get("0.mlxkv_cache") != FORMAT:
-        raise CacheError(f"{path} is not an mlxkv cache file (format {FORMAT})")
+        raise _format_error(path, meta.get("0.mlxkv_cache"))
     data = size - 8 - n
     for name, t in table.items():
         ok = (
@@ -135,7 +163,7 @@ def _layout(meta: dict, path) -> tuple[dict, list[str], list[tuple[str, str]]]:
     which tensors hold scalars."""
     ours = {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
     if ours.get("mlxkv_cache") != FORMAT:
-        raise CacheError(f"{path} is not an mlxkv cache file (format {FORMAT})")
+        raise _format_error(path, ours.get("mlxkv_cache"))
     try:
         caller = parse_json(ours.get("metadata", ""), "its metadata", max_depth=8, utf8=True)
     except UserError as e:
@@ -174,7 +202,7 @@ def _open(path):
     if not Path(path).exists():
         raise CacheError(f"no saved cache at {path}")
     try:
-        return open_regular(path, "--prompt-cache")
+        return open_regular(path, "cache file")
     except UserError as e:
         raise CacheError(str(e)) from None
 
@@ -195,7 +223,7 @@ def check_metadata(path, saved: dict, expect_metadata: dict) -> None:
             if key == "model_id":
                 raise CacheError(
                     f"saved cache {Path(path).name} was made for another model (its config, "
-                    "weights or tokenizer differ); delete it or name another --prompt-cache file"
+                    "weights or tokenizer differ); use it with that model, or delete it"
                 )
             raise CacheError(
                 f"saved cache {Path(path).name} was made with {key}={json.dumps(have)[:200]}, "
@@ -349,6 +377,9 @@ def load_checked(path, expect_metadata: dict, reference: list | None = None):
     with f:
         table, meta = _read_header(f, size, path)
         caller, classes, scalars = _layout(meta, path)
+        digest = meta.get("0.digest")
+        if not isinstance(digest, str):
+            raise _bad(path, "it has no digest of its data")
         check_metadata(path, caller, expect_metadata)
         allowed = {c.__name__ for c in MLXKV_CLASSES} | set(MLX_LM_CLASSES)
         for c in classes:
@@ -362,6 +393,9 @@ def load_checked(path, expect_metadata: dict, reference: list | None = None):
             arrays = mx.load(f, format="safetensors")
         except Exception as e:  # checked above; anything left is MLX's one line
             raise _bad(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    scalar_names = {pos for pos, _ in scalars}  # arrays mlx-lm made of scalars: not hashed
+    if data_digest({k: v for k, v in arrays.items() if k not in scalar_names}) != digest:
+        raise _bad(path, "its data is damaged: it does not match the digest written with it")
     for pos, kind in scalars:
         arrays[pos] = _scalar(arrays, pos, kind, path)
     try:

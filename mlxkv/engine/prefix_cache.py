@@ -14,7 +14,8 @@ Two tiers, both bounded:
   recently used first out. An evicted entry goes to the disk tier, if there is one.
 * disk (:class:`DiskTier`): safetensors files in one folder, up to ``disk_limit`` bytes,
   least recently used file first out. Each file is checked before MLX reads it (model by
-  content, policy, dtype, token ids, every layer's shapes: ``mlxkv.caches.persist``); a
+  content, policy, dtype, token ids, every layer's shapes: ``mlxkv.caches.persist``) and
+  its data against its digest once read; a
   corrupted or foreign file is skipped with a log line and never loaded, and never deleted
   (only files this cache wrote are). A restarted server finds its files again, so an
   agent's next turn is answered from disk without prefilling the conversation again.

@@ -185,6 +185,25 @@ def test_chat_logprobs_stop_and_n(server, references):
     assert sampled() == sampled()  # seeded: the same answers again
 
 
+def test_logprobs_bytes_of_tokens_that_hold_part_of_a_character(server):
+    """Emoji come in byte pieces: each piece's text is U+FFFD, its bytes are its own, and
+    the bytes of the answer's tokens join to the answer (what OpenAI's bytes are for)."""
+    r = server.client().chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Écris une phrase: 你好世界，我喜欢吃饺子。😀😃😄"}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert any(e.token == "\ufffd" for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8") == text
+    assert all(e.top_logprobs[0].bytes == e.bytes for e in content)  # greedy
+    assert b"\xef\xbf\xbd" not in b"".join(bytes(e.bytes) for e in content)
+
+
 def test_response_format_holds_the_answer_to_json(server):
     """A json_schema answer parses and matches the schema (the engine's tokens are checked
     against llguidance's reference in tests/test_grammar.py); json_object gives an object;

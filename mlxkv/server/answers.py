@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from mlxkv.engine.events import Stats, TokenDelta
+from mlxkv.engine.grammar import guidance_tokenizer
 from mlxkv.server.reasoning import ThinkReader
 from mlxkv.server.tools import CallReader
 
@@ -19,14 +20,31 @@ def new_id(prefix: str) -> str:
 
 
 class TokenText:
-    """Each token's own text (for logprobs), as the tokenizer decodes it alone."""
+    """Each token's own text (for logprobs), as the tokenizer decodes it alone, and its own
+    bytes: a token that holds part of a character decodes to U+FFFD, while its bytes are
+    what a client joins to the whole character (OpenAI's ``bytes``)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._decode)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+        self._raw = None  # llguidance's view of the tokenizer, built at the first bytes asked
 
     def _decode(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+    def _bytes(self, token: int) -> bytes:
+        if self._raw is None:
+            try:
+                self._raw = guidance_tokenizer(self.tokenizer)
+            except Exception:  # a tokenizer llguidance cannot read: the text's bytes
+                self._raw = False
+        if self._raw:
+            try:
+                return self._raw.decode_bytes([token])
+            except Exception:  # an id past the tokenizer's vocabulary (a padded head)
+                pass
+        return self.text(token).encode("utf-8")
 
 
 @dataclass
@@ -104,8 +122,7 @@ def token_entry(words: TokenText, token: int, lp: float | None, top) -> dict:
     nothing scores) and its best alternatives."""
 
     def one(token: int, lp: float | None) -> dict:
-        t = words.text(token)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"token": words.text(token), "logprob": lp, "bytes": list(words.bytes(token))}
 
     entry = one(token, lp)
     entry["top_logprobs"] = None if lp is None else [one(t, x) for t, x in top]

@@ -147,6 +147,9 @@ def test_unreachable_hub_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     err = _bad(capsys, "nobody-here/no-such-model")
     assert "config.json" in err
+    # names the hub's own rules refuse are no repo id: huggingface_hub's error was a traceback
+    for name in ("org/x..y", "org/-x", "org/x.", "org/" + "a" * 100):
+        assert _bad(capsys, name).startswith(f"mlxkv plan: error: unknown model '{name}': not a ")
 
 
 def test_through_the_cli(tmp_path):

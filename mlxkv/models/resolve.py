@@ -41,8 +41,17 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def looks_like_repo_id(name: str) -> bool:
-    """'owner/name' as the Hugging Face hub spells repo ids."""
-    return bool(_REPO_ID.match(name))
+    """'owner/name' as the Hugging Face hub spells repo ids (its own rules: no '..' or '--',
+    no '.' or '-' at either end, 96 characters at most)."""
+    if not _REPO_ID.match(name):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ class KVPolicy:
         object.__setattr__(self, "key_bits", kb)
         object.__setattr__(self, "value_bits", vb)
         object.__setattr__(self, "bits", max(widths) if widths else None)
-        object.__setattr__(self, "value_group_size", self.value_group_size or self.group_size)
+        if self.value_group_size is None:
+            object.__setattr__(self, "value_group_size", self.group_size)
         for flag, g in (
             ("--kv-group-size", self.group_size),
             ("--kv-value-group-size", self.value_group_size),
@@ -116,6 +117,13 @@ class KVPolicy:
         (so the window is M minus the sinks). The window must stay larger than the sinks:
         below M = 9 the default sinks shrink to ``(M - 1) // 2`` (mlx-lm keeps 4 and a
         window of ``M - 4``)."""
+        quantized = bits is not None or key_bits is not None or value_bits is not None
+        for flag, given in (
+            ("--kv-group-size", group_size),
+            ("--kv-value-group-size", value_group_size),
+        ):
+            if given is not None and not quantized:  # taken, and nothing would use it
+                raise PolicyError(f"{flag} applies to a quantized cache; add --kv-bits B")
         if max_kv_size is not None and max_kv_size < 1:
             raise PolicyError(
                 f"--max-kv-size must be a positive number of tokens, got {max_kv_size}"
@@ -132,9 +140,11 @@ class KVPolicy:
                     f"--kv-window {window} + {sinks} sinks keep {window + sinks}; give only one"
                 )
             if sinks and max_kv_size - sinks <= sinks:
+                left = max_kv_size - sinks
                 raise PolicyError(
-                    f"--max-kv-size {max_kv_size} with {sinks} sink tokens leaves a window of "
-                    f"{max(0, max_kv_size - sinks)}, which must be larger than the sinks; give "
+                    f"--max-kv-size {max_kv_size} with {sinks} sink tokens leaves "
+                    f"{f'a window of {left}' if left > 0 else 'no window'}, which must be "
+                    "larger than the sinks; give "
                     f"--max-kv-size {2 * sinks + 1} or more, or fewer --kv-sinks"
                 )
             window = max_kv_size - sinks
@@ -142,7 +152,7 @@ class KVPolicy:
             window=window,
             sinks=sinks,
             bits=bits,
-            group_size=group_size or 64,
+            group_size=64 if group_size is None else group_size,
             key_bits=key_bits,
             value_bits=value_bits,
             value_group_size=value_group_size,

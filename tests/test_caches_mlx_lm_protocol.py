@@ -287,6 +287,30 @@ def test_max_kv_size_too_small_for_the_sinks_asked_names_max_kv_size():
         "--max-kv-size 6 with 4 sink tokens leaves a window of 2, which must be larger than "
         "the sinks; give --max-kv-size 9 or more, or fewer --kv-sinks"
     )
+    with pytest.raises(PolicyError, match="^--max-kv-size 3 with 4 sink tokens leaves no window,"):
+        KVPolicy.from_flags(max_kv_size=3, sinks=4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(group_size=32), "--kv-group-size applies to a quantized cache; add --kv-bits B"),
+        (
+            dict(value_group_size=32, window=64),
+            "--kv-value-group-size applies to a quantized cache; add --kv-bits B",
+        ),
+        (dict(bits=4, group_size=0), "--kv-group-size 0 is not supported; use one of 32, 64, 128"),
+        (
+            dict(key_bits=4, value_group_size=0),
+            "--kv-value-group-size 0 is not supported; use one of 32, 64, 128",
+        ),
+    ],
+)
+def test_group_sizes_that_nothing_would_use_are_refused(flags, message):
+    """A group size of 0 was read as the default, and one without bits did nothing."""
+    with pytest.raises(PolicyError) as e:
+        KVPolicy.from_flags(**flags)
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("bits, scheme", [(4, "kivi"), (8, "kivi"), (8, "rotated")])

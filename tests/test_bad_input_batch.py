@@ -77,6 +77,27 @@ def test_non_utf8_line_becomes_an_error_record(tmp_path, capsys, no_model):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_conversations_are_checked_as_generate_checks_them(tmp_path, capsys, no_model):
+    lines = [
+        [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}],
+        [{"role": "system", "content": "s"}],
+        [{"role": "bot", "content": "s"}],
+        [],
+    ]
+    inp = write_lines(
+        tmp_path / "in.jsonl", [{"id": i, "messages": m} for i, m in enumerate(lines)]
+    )
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    assert [r["error"] for r in read_records(out)] == [
+        "'messages' has a system message at 1; a system message may only come first",
+        "'messages' has no user message to answer",
+        "'messages' has message 0 that is not "
+        '{"role": "system"|"user"|"assistant", "content": "text"}',
+        """'messages' must be a non-empty list of {"role", "content"} objects""",
+    ]
+
+
 def test_lone_surrogate_lines_become_error_records_and_resume(tmp_path, capsys, no_model):
     """A \\ud800 escape (in the prompt, or in the id the record carries back) is that line's
     error; the records are JSON a reader can parse, and a second run finds them done."""

@@ -43,7 +43,11 @@ def test_messages_line_with_system():
         ('{"id": "a", "prompt": "x", "messages": []}', True, "exactly one"),
         ('{"id": "a", "prompt": "  "}', True, "non-empty string"),
         ('{"id": "a", "messages": []}', True, "non-empty list"),
-        ('{"id": "a", "messages": [{"role": "bot", "content": "x"}]}', True, "role 'bot'"),
+        (
+            '{"id": "a", "messages": [{"role": "bot", "content": "x"}]}',
+            True,
+            "has message 0 that is not {",
+        ),
         ('{"id": "a", "prompt": "x", "max_tokens": 0}', True, "'max_tokens'"),
         ('{"id": "a", "prompt": "x", "temperature": -1}', True, "'temperature'"),
         ('{"id": "a", "prompt": "x", "top_p": 0}', True, "'top_p'"),

@@ -112,11 +112,12 @@ def test_max_kv_size_keeps_that_many_tokens_in_total(cli, preloaded):
 @pytest.mark.parametrize(
     "content, args, message",
     [
-        ("[]", [], "non-empty JSON list"),
+        ("[]", [], 'conv.json must be a non-empty list of {"role", "content"} objects'),
         ("{", [], "not valid JSON"),
-        ('[{"role": "robot", "content": "x"}]', [], "message 0 must be"),
+        ('[{"role": "robot", "content": "x"}]', [], "conv.json has message 0 that is not {"),
         ('[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]', [],
-         "system message may only come first"),
+         "conv.json has a system message at 1; a system message may only come first"),
+        ('[{"role": "system", "content": "a"}]', [], "conv.json has no user message to answer"),
         ('[{"role": "user", "content": "a"}]', ["--prompt", "x"], "one of them"),
         ('[{"role": "user", "content": "a"}]', ["--raw"], "does not apply to --messages"),
         ('[{"role": "user", "content": "a"}]', ["--prompt-cache", "c.bin"],

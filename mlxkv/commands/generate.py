@@ -27,11 +27,11 @@ from mlxkv.commands.common import (
     settings_from_args,
     status,
 )
+from mlxkv.engine.conversation import conversation_problem
 from mlxkv.errors import UserError
 from mlxkv.files import check_text, parse_json, read_text
 
 HELP = "generate text for one prompt or conversation (streamed; --json for a result object)"
-ROLES = ("system", "user", "assistant")
 
 
 def add_arguments(p) -> None:
@@ -77,10 +77,6 @@ def _read_prompt(arg: str) -> str:
 
 
 MESSAGES_LIMIT = 64 << 20  # bytes of a --messages file
-# Messages of a --messages conversation. Rendering and tokenizing are linear (about 2 s per
-# 10,000 short messages here), but the model then reads every token: 100,000 short
-# messages are 1.3 million tokens, hours of prefill on a CPU.
-MAX_MESSAGES = 10_000
 PROMPT_LIMIT = 256 << 20  # bytes of a prompt on stdin
 
 
@@ -89,28 +85,9 @@ def _read_messages(path: str) -> list[dict]:
     data = parse_json(
         read_text(path, MESSAGES_LIMIT, "--messages"), f"--messages {path}", utf8=True
     )
-    if not isinstance(data, list) or not data:
-        raise UserError(f"--messages {path} must hold a non-empty JSON list of messages")
-    if len(data) > MAX_MESSAGES:
-        raise UserError(
-            f"--messages {path} holds {len(data):,} messages; mlxkv answers conversations of "
-            f"up to {MAX_MESSAGES:,}: keep the last ones (every message is read again, token "
-            "by token, even under --kv-window)"
-        )
-    out = []
-    for i, m in enumerate(data):
-        ok = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-        if not ok:
-            raise UserError(
-                f"--messages {path}: message {i} must be "
-                '{"role": "system"|"user"|"assistant", "content": "text"}'
-            )
-        if m["role"] == "system" and i:
-            raise UserError(f"--messages {path}: a system message may only come first")
-        out.append({"role": m["role"], "content": m["content"]})
-    if all(m["role"] == "system" for m in out):
-        raise UserError(f"--messages {path} has no user message to answer")
-    return out
+    if problem := conversation_problem(data):
+        raise UserError(f"--messages {path} {problem}")
+    return [{"role": m["role"], "content": m["content"]} for m in data]
 
 
 def _check_input(args) -> None:

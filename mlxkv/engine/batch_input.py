@@ -14,13 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxkv.engine.conversation import conversation_problem
 from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
 from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, utf8_problem
 
 OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system", "json_schema")
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
-ROLES = ("system", "user", "assistant")
 INPUT_LIMIT = 1 << 30  # bytes of a whole input file (or stdin)
 LINE_LIMIT = 64 << 20  # characters of one line
 
@@ -56,17 +56,6 @@ def _is_int(v) -> bool:
 def _is_number(v) -> bool:
     """A finite JSON number (Python's json reads NaN and Infinity too)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_messages(messages) -> str | None:
-    if not isinstance(messages, list) or not messages:
-        return "'messages' must be a non-empty list of {role, content} objects"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            return f"messages[{i}] must be an object with a string 'content'"
-        if m.get("role") not in ROLES:
-            return f"messages[{i}] has role {m.get('role')!r}; use one of {', '.join(ROLES)}"
-    return None
 
 
 def _check_overrides(obj: dict) -> str | None:
@@ -125,8 +114,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         return bad("needs exactly one of 'prompt' or 'messages'")
     if has_prompt and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
         return bad("'prompt' must be a non-empty string")
-    if has_messages and (err := _check_messages(obj["messages"])):
-        return bad(err)
+    if has_messages and (err := conversation_problem(obj["messages"])):
+        return bad(f"'messages' {err}")
     if err := _check_overrides(obj):
         return bad(err)
     if bad_text := utf8_problem(obj):

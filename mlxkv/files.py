@@ -161,10 +161,11 @@ def read_bytes(path, limit: int, what: str = "file") -> bytes:
 
 
 def read_text(path, limit: int, what: str = "file") -> str:
-    """:func:`read_bytes` decoded as UTF-8 (one-line error when it is not)."""
+    """:func:`read_bytes` decoded as UTF-8, without the byte-order mark some editors write
+    first (one-line error when it is not UTF-8)."""
     data = read_bytes(path, limit, what)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
 

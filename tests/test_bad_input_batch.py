@@ -215,7 +215,10 @@ def test_deep_long_and_surrogate_lines_are_line_errors():
     msg = parse_line(3, '{"id": 3, "messages": [{"role": "user", "content": "\\udfff"}]}')
     assert isinstance(msg, BadLine) and "lone surrogate" in msg.error
     long = parse_line(4, '{"id": 4, "prompt": "' + "x" * LINE_LIMIT + '"}')
-    assert long.error == f"the line is {LINE_LIMIT + 23} characters, more than {LINE_LIMIT}"
+    assert long.error == (
+        f"the line is {LINE_LIMIT + 23:,} characters, more than the {LINE_LIMIT:,} a line may "
+        "hold; shorten it"
+    )
     assert isinstance(parse_line(5, '{"id": 5, "prompt": "\\ud83d\\ude00"}'), Job)
 
 

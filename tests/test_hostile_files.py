@@ -121,6 +121,16 @@ def test_reads_refuse_fifo_device_folder_and_oversize_without_blocking(tmp_path)
         read_text(tmp_path / "bin", 100, "config")
 
 
+def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path):
+    from mlxkv.engine.batch_input import Job, read_input
+
+    (tmp_path / "schema.json").write_bytes(b'\xef\xbb\xbf{"type": "string"}')
+    assert read_text(tmp_path / "schema.json", 100, "--json-schema") == '{"type": "string"}'
+    (tmp_path / "in.jsonl").write_bytes(b'\xef\xbb\xbf{"id": 1, "prompt": "hi"}\r\n')
+    (job,) = read_input(tmp_path / "in.jsonl")
+    assert isinstance(job, Job) and job.prompt == "hi"
+
+
 def test_parse_json_refuses_deep_nesting_and_lone_surrogates():
     with pytest.raises(UserError, match="deeper than 64"):
         parse_json("[" * 100000 + "]" * 100000, "--messages")

@@ -172,13 +172,9 @@ def grammar_from_args(args) -> tuple[dict | None, str | None]:
     if path is None:
         return None, None
     from mlxkv.engine.grammar import json_grammar
-    from mlxkv.files import parse_json, read_bytes
+    from mlxkv.files import parse_json, read_text
 
-    data = read_bytes(path, SCHEMA_LIMIT, "--json-schema")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"--json-schema {path} is not UTF-8 text (byte {e.start})") from None
+    text = read_text(path, SCHEMA_LIMIT, "--json-schema")
     schema = parse_json(text, f"--json-schema {path}", utf8=True)
     if not isinstance(schema, dict):
         raise UserError(f"--json-schema {path} must hold a JSON object (a JSON Schema)")

@@ -85,7 +85,11 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
             return BadLine(n, f"not UTF-8 text (byte {e.start} of the line)", None, raw_bytes)
     if len(raw) > LINE_LIMIT:
         return BadLine(
-            n, f"the line is {len(raw)} characters, more than {LINE_LIMIT}", None, raw_bytes
+            n,
+            f"the line is {len(raw):,} characters, more than the {LINE_LIMIT:,} a line may "
+            "hold; shorten it",
+            None,
+            raw_bytes,
         )
     if json_depth(raw) > JSON_DEPTH:
         return BadLine(n, f"JSON nested deeper than {JSON_DEPTH} levels", None, raw_bytes)
@@ -144,8 +148,9 @@ def read_input(path: Path | str) -> list[Job | BadLine]:
             raise UserError("stdin is closed; pipe the JSONL input into '-'") from None
         if len(data) > INPUT_LIMIT:
             raise UserError(f"input on stdin is more than {INPUT_LIMIT >> 20} MiB; split it")
-    # Lines end at b"\n" only: a JSON string may hold U+2028 or a lone \r.
-    lines = [raw.removesuffix(b"\r") for raw in data.split(b"\n")]
+    # Lines end at b"\n" only: a JSON string may hold U+2028 or a lone \r. A byte-order
+    # mark (Windows editors write one) is not part of the first line.
+    lines = [raw.removesuffix(b"\r") for raw in data.removeprefix(b"\xef\xbb\xbf").split(b"\n")]
     entries = [parse_line(i, raw) for i, raw in enumerate(lines, 1) if raw.strip()]
     if not entries:
         raise UserError(f"input {name} is empty; expected one JSON object per line")

@@ -60,6 +60,11 @@ def test_an_unknown_option_names_the_nearest_one(capsys, argv, line):
             "mlxkv: error: argument COMMAND: invalid choice: 'chta' (choose from 'chat', 'top', "
             "'plan', 'generate', 'batch', 'serve', 'models', 'pull', 'bench'); see 'mlxkv --help'",
         ),
+        (
+            ["plan", "smollm2-135m", "--shard", "banana"],
+            "mlxkv plan: error: argument --shard: invalid choice: 'banana' (choose from 'auto', "
+            "'tensor', 'pipeline'); see 'mlxkv plan --help'",
+        ),
     ],
 )
 def test_a_value_argparse_refuses_is_one_line_without_the_usage(capsys, argv, line):
@@ -113,4 +118,44 @@ def test_a_file_name_past_the_system_limit_is_one_line(capsys, tmp_path, monkeyp
         f"mlxkv {argv[0]}: error: the file name {shown} is too long for this system; "
         "use a shorter one\n"
     )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["plan", "smollm2-135m", "--shard", "tensor"],
+            "mlxkv plan: error: --shard splits a model over --hosts N; add --hosts",
+        ),
+        (
+            ["generate", "--prompt", "hi", "--raw", "--system", "be brief"],
+            "mlxkv generate: error: --system goes into the chat template, which --raw skips; "
+            "drop one",
+        ),
+        (
+            ["batch", "in.jsonl", "-o", "-"],
+            "mlxkv batch: error: -o - would be a file named '-': records go to a file, which a "
+            "rerun resumes; name one (e.g. -o out.jsonl)",
+        ),
+        *[
+            (
+                argv,
+                f"mlxkv {argv[0]}: error: the model name is empty; name a model folder, alias "
+                "or repo id",
+            )
+            for argv in (["plan", ""], ["pull", ""], ["generate", "-p", "hi", "--model", " "])
+        ],
+    ],
+)
+def test_flags_that_would_be_ignored_or_misread_are_refused(
+    capsys, tmp_path, monkeypatch, argv, line
+):
+    """An empty MODEL was the current folder (plan) or the default model (pull); --shard
+    without --hosts, --system with --raw and -o - did nothing the user asked for."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    assert main(argv) == 2
+    got = capsys.readouterr()
+    assert (got.err, got.out) == (line + "\n", "")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

@@ -312,6 +312,11 @@ def run(args) -> int:
     cluster = join_cluster()
     if cluster is not None and not cluster.leader:
         return _follow(args, policy, cluster)  # never touches the input or output files
+    if args.output == "-":
+        raise UserError(
+            "-o - would be a file named '-': records go to a file, which a rerun resumes; "
+            "name one (e.g. -o out.jsonl)"
+        )
     out = Path(args.output)
     if args.input != "-" and out.exists() and Path(args.input).exists():
         if os.path.samefile(args.input, out):

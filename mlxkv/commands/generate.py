@@ -95,6 +95,8 @@ def _check_input(args) -> None:
         raise UserError("give the input as --prompt TEXT or --messages CONV.json (one of them)")
     if args.messages is not None and args.raw:
         raise UserError("--raw completes plain text; it does not apply to --messages")
+    if args.raw and args.system:
+        raise UserError("--system goes into the chat template, which --raw skips; drop one")
 
 
 def _read_stdin() -> str:
@@ -173,7 +175,7 @@ def run(args) -> int:
     settings = replace(settings_from_args(args), grammar=grammar_from_args(args)[1])
     messages = _read_messages(args.messages) if args.messages is not None else None
     prompt = _read_prompt(args.prompt) if messages is None else None
-    system = check_text(args.system, "--system")
+    system = args.system
     if messages and messages[0]["role"] == "system":
         if system:
             raise UserError("the system prompt is in --messages; drop --system")

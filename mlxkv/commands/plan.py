@@ -106,6 +106,11 @@ def _estimate(args):
 
 
 def run(args) -> int:
+    if args.shard is not None and args.hosts is None:
+        print(
+            "mlxkv plan: error: --shard splits a model over --hosts N; add --hosts", file=sys.stderr
+        )
+        return 2
     if args.hosts is not None:
         from mlxkv.commands import plan_hosts
 

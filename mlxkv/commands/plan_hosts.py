@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--hosts", metavar="N", help="plan for the model split across N machines (mlx.launch); "
       "--memory then takes one size for all or one per host: 64GB,32GB,...")  # fmt: skip
-    a("--shard", metavar="MODE", default="auto", help="how --hosts split the model: tensor "
+    a("--shard", metavar="MODE", choices=SHARD_CHOICES, help="how --hosts split the model: tensor "
       "(KV heads split N ways), pipeline (layers split N ways) or auto (tensor where "
       "mlx-lm's model has shard())")  # fmt: skip
 
@@ -39,7 +39,7 @@ def run(args, estimate) -> int:
         # The whole-model estimate is only the single-host comparison: plan it on host 0.
         args.memory = host_memories(memory, n)[0]
         est = estimate(args)
-        hp = plan_hosts(est.config, est.layout, est.setting, n, args.shard, memory)
+        hp = plan_hosts(est.config, est.layout, est.setting, n, args.shard or "auto", memory)
     except UserError as e:
         print(f"mlxkv plan: error: {e}", file=sys.stderr)
         return 2

@@ -219,6 +219,7 @@ def _classify(name: str):
     """What MODEL names, decided from local facts only (no download, no conversion):
     ("folder", path) | ("gguf", path) | ("alias", entry) | ("repo", name). Raises the
     one-line error for a name that cannot resolve."""
+    _check_not_empty(name)
     path = Path(name).expanduser()
     if path.is_dir():
         if not _has_config(path):
@@ -242,6 +243,11 @@ def _classify(name: str):
     )
 
 
+def _check_not_empty(name: str) -> None:
+    if not name.strip():  # Path("") is the current folder: never what was meant
+        raise UserError("the model name is empty; name a model folder, alias or repo id")
+
+
 def _nearest_alias(name: str) -> str:
     """`` (did you mean 'llama3.1-8b'?)`` where ``name`` is a registry alias spelled with
     other case or punctuation (``Llama-3.1-8B``), or the start of a few (``smollm2``);
@@ -261,13 +267,13 @@ def _nearest_alias(name: str) -> str:
 def check_name(model: str | None) -> None:
     """Refuse at once, with the error ``resolve`` would give, a MODEL that cannot resolve;
     downloads and conversions are left to ``resolve`` (a UI checks before it opens)."""
-    kind, what = _classify(model or registry.default_alias())
+    kind, what = _classify(registry.default_alias() if model is None else model)
     if kind == "folder":
         check_model_folder(what)  # reads the safetensors headers only
 
 
 def _resolve(model, offline_ok, on_status) -> ResolvedModel:
-    kind, what = _classify(model or registry.default_alias())
+    kind, what = _classify(registry.default_alias() if model is None else model)
     if kind == "folder":
         return ResolvedModel(what, "local folder")
     if kind == "gguf":
@@ -320,6 +326,7 @@ def _hub_config(repo: str) -> Path:
 def resolve_config(model: str) -> ModelSource:
     """MODEL as the memory model reads it: a config.json file, a model folder, a .gguf file
     (converted, cached), a registry alias or a hub repo id. No weights are downloaded."""
+    _check_not_empty(model)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         # A GGUF holds no config.json: convert it (lossless, cached) and plan the result.

@@ -80,7 +80,10 @@ def test_sink_window_keeps_at_most_window_plus_sinks(default_model_path):
             "must be larger than --kv-sinks",
         ),
         (["--prompt", "hi", "--kv-bits", "7"], "--kv-bits 7 is not supported"),
-        (["--prompt", "hi", "--kv-group-size", "48"], "--kv-group-size 48 is not supported"),
+        (
+            ["--prompt", "hi", "--kv-bits", "4", "--kv-group-size", "48"],
+            "--kv-group-size 48 is not supported",
+        ),
         (["--prompt", "hi", "--kv-sinks", "4"], "--kv-sinks needs a window"),
         (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["--prompt", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),

@@ -116,6 +116,11 @@ class FakeGenerator:
             )
         )
 
+    def check_prompt_length(self, characters: int) -> None:
+        """As Session's: more characters than 16 per token of the context is refused."""
+        if characters > 16 * self.loaded.context_length:
+            raise UserError(f"the prompt is {characters} characters, more than the context holds")
+
     def run(self, prompt_text: str, settings):
         """Yields the same kinds of events as Session.run."""
         if not prompt_text:

@@ -112,13 +112,15 @@ def parse_policy(arg: str, current: KVPolicy) -> KVPolicy:
         sinks = None  # a new window gets the default sinks
     if "group" in given and "value_group" not in given:
         vgroup = None  # follows the key group size
+    quantized = kbits is not None or vbits is not None
     return KVPolicy.from_flags(
         window=window,
         sinks=sinks,
-        group_size=group,
+        # the group sizes carried from a quantized policy; asked for, refused without bits
+        group_size=group if quantized or "group" in given else None,
         key_bits=kbits,
         value_bits=vbits,
-        value_group_size=vgroup,
+        value_group_size=vgroup if quantized or "value_group" in given else None,
         key_scheme=current.key_scheme,
     )
 

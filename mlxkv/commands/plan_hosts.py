@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--hosts", metavar="N", help="plan for the model split across N machines (mlx.launch); "
       "--memory then takes one size for all or one per host: 64GB,32GB,...")  # fmt: skip
-    a("--shard", metavar="MODE", choices=SHARD_CHOICES, help="how --hosts split the model: tensor "
+    a("--shard", metavar="MODE", help="how --hosts split the model: tensor "
       "(KV heads split N ways), pipeline (layers split N ways) or auto (tensor where "
       "mlx-lm's model has shard())")  # fmt: skip
 

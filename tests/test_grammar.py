@@ -170,6 +170,32 @@ def test_a_schema_that_cannot_be_used_is_one_line():
             assert words in message, message
 
 
+@pytest.mark.parametrize(
+    "schema, bound",
+    [
+        ({"type": "integer", "minimum": 10**19, "maximum": 10**20}, "minimum 10000000000000000000"),
+        ({"type": "integer", "minimum": 1e300}, "minimum 1e+300"),
+        (
+            {
+                "type": "object",
+                "properties": {"n": {"type": ["integer", "null"], "maximum": -(2**64)}},
+            },
+            "maximum -18446744073709551616",
+        ),
+    ],
+)
+def test_integer_bounds_past_64_bits_are_refused(schema, bound):
+    """llguidance holds integers to 64 bits: minimum 1e19 let 9223372036854775807 through,
+    an answer below its own minimum. Bounds inside the range compile."""
+    with pytest.raises(UserError) as e:
+        json_grammar(schema)
+    assert str(e.value) == (
+        f"the JSON schema cannot be used: {bound} is past what a 64-bit integer holds, the "
+        "range answers are held to; use a string pattern for larger numbers"
+    )
+    assert json_grammar({"type": "integer", "minimum": 2**62, "maximum": 2**63 - 1})
+
+
 def _nested(depth: int) -> dict:
     s = {"type": "string"}
     for _ in range(depth):

@@ -26,6 +26,11 @@ def json_grammar(schema: dict | None) -> str:
     llguidance cannot compile is a one-line UserError."""
     import llguidance
 
+    if schema is not None and (bound := _integer_bound_past_64_bits(schema)):
+        raise UserError(
+            f"the JSON schema cannot be used: {bound} is past what a 64-bit integer holds, "
+            "the range answers are held to; use a string pattern for larger numbers"
+        )
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(ANY_OBJECT if schema is None else schema),
@@ -41,6 +46,26 @@ def json_grammar(schema: dict | None) -> str:
     if why and not why.startswith("WARNING"):
         raise UserError(f"the JSON schema cannot be used: {_one_line(why)}")
     return grammar
+
+
+def _integer_bound_past_64_bits(schema) -> str | None:
+    """An integer schema's bound that llguidance would clamp to 64 bits ("minimum 1e19"
+    let 2**63 - 1 through), as ``name value``; None when there is none."""
+    stack, seen = [schema], 0
+    while stack and seen < 100_000:  # a request body's schema: bounded either way
+        node, seen = stack.pop(), seen + 1
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            types = node.get("type")
+            if types == "integer" or (isinstance(types, list) and "integer" in types):
+                for name in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                    v = node.get(name)
+                    ok = isinstance(v, bool) or not isinstance(v, int | float)
+                    if not ok and not -(2**63) <= v < 2**63:
+                        return f"{name} {v}"
+            stack.extend(node.values())
+    return None
 
 
 def _one_line(e) -> str:

@@ -432,6 +432,8 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "kv": {"window": 4, "sinks": 8}}, None, 400, "kv",
      "kv.window (4) must be larger than kv.sinks (8)"),
     ({"messages": MSG, "kv": {"bits": 7}}, None, 400, "kv", "kv.bits 7 is not supported"),
+    ({"messages": MSG, "kv": {"group_size": 32}}, None, 400, "kv",
+     "kv.group_size applies to a quantized cache; add kv.bits B"),
     ({"messages": MSG, "kv": {"turbo": 1}}, None, 400, "kv.turbo", "not a KV policy field"),
     ({"messages": MSG, "kv": {"window": "big"}}, None, 400, "kv.window", "must be an integer"),
     ({"messages": MSG, "model": "gpt-4o"}, None, 404, "model", "does not exist on this server"),

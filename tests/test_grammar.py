@@ -134,6 +134,22 @@ def test_a_grammar_that_breaks_mid_answer_fails_its_row_alone(default_model):
     assert _tokens(free)[0] == free_ref
 
 
+def test_a_schema_that_admits_no_answer_fails_before_its_first_token(default_model):
+    """{"$ref": "#"} compiles, then no token can start it: it was an empty answer, "stop"."""
+    sched = Scheduler(default_model, KVPolicy())
+    ids = _ids(default_model, ASK)
+    h = sched.submit(
+        Request(ids, GenerationSettings(max_tokens=8, grammar=json_grammar({"$ref": "#"})))
+    )
+    while sched.step():
+        pass
+    events = list(h.events())
+    assert not [e for e in events if isinstance(e, TokenDelta | Finished)]
+    failed = events[-1]
+    assert isinstance(failed, Failed) and failed.code == "invalid_grammar"
+    assert failed.message == "the JSON schema admits no answer the model can write: NoExtensionBias"
+
+
 def test_any_json_object_and_a_grammar_that_cannot_be_used(default_model):
     sched = Scheduler(default_model, KVPolicy(), max_batch=4)
     ids = _ids(default_model, ASK)

@@ -113,9 +113,15 @@ class GrammarProcessor:
 
         if self.started and not self.matcher.consume_token(int(history[-1].item())):
             self._failed()
-        self.started = True
         vocab = logits.shape[-1]
+        first = not self.started
+        self.started = True
         mask = self.matcher.compute_bitmask()
+        if self.matcher.is_error() and first:  # {"$ref": "#"}: not one token starts an answer
+            raise UserError(
+                "the JSON schema admits no answer the model can write: "
+                f"{_one_line(self.matcher.get_error())}"
+            )
         if self.matcher.is_error():
             self._failed()
         bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")

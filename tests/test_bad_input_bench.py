@@ -61,3 +61,45 @@ def test_text_that_never_ends_is_refused_at_once(capsys, tmp_path, kind):
     line = refused(capsys, "bench", "--text", str(path), "--out", str(out))
     assert f"--text {path} is not a regular file" in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"bench-results.json": '{"mine": 1}', "benchmarks.md": "MY REPORT"},
+        {"bench-results.json": "not json"},
+        {
+            "bench-results.json": '{"machine": {}, "model": {}, "scale": {}, "total_seconds": 1}',
+            "benchmarks.md": "# My own benchmarks",
+        },
+    ],
+    ids=["other json", "not json", "other markdown"],
+)
+def test_files_with_a_reports_names_are_not_replaced(capsys, tmp_path, text, files):
+    """Only what a run wrote is replaced: a bench-results.json of the user's was taken for
+    an earlier report, and both files were overwritten."""
+    out = tmp_path / "existing"
+    out.mkdir()
+    for name, content in files.items():
+        (out / name).write_text(content)
+    before = snapshot(out)
+    line = refused(capsys, "bench", "--quick", "--text", str(text), "--out", str(out))
+    assert line == (
+        f"mlxkv bench: error: --out {out} holds files that are not a bench report; give a new "
+        "or empty folder"
+    )
+    assert snapshot(out) == before
+
+
+def test_out_that_cannot_be_made_and_only_nothing(capsys, tmp_path, text):
+    (tmp_path / "file").write_text("keep me")
+    line = refused(
+        capsys, "bench", "--quick", "--text", str(text), "--out", str(tmp_path / "file" / "sub")
+    )
+    assert line == (
+        f"mlxkv bench: error: --out {tmp_path / 'file' / 'sub'}: cannot create the folder "
+        "(Not a directory)"
+    )
+    line = refused(capsys, "bench", "--text", str(text), "--only", "", "--out", str(tmp_path / "o"))
+    assert line.startswith("mlxkv bench: error: --only names no section; use some of engine,")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "t.txt"]

@@ -33,6 +33,9 @@ def test_quick_writes_report_and_results(default_model_path, tmp_path):
         assert res["sections"][section], section
     for name in res["plots"]:
         assert (tmp_path / name).stat().st_size > 0
+    from mlxkv.commands.bench import _holds_a_report
+
+    assert _holds_a_report(tmp_path)  # a second run into this folder replaces the report
 
 
 def test_missing_text_is_a_one_line_error(tmp_path):

@@ -89,9 +89,11 @@ def add_arguments(p) -> None:
 
 
 def _sections(only: str | None) -> tuple[str, ...]:
-    if not only:
+    if only is None:
         return SECTION_NAMES
     chosen = tuple(s.strip() for s in only.split(",") if s.strip())
+    if not chosen:
+        raise UserError(f"--only names no section; use some of {', '.join(SECTION_NAMES)}")
     bad = [s for s in chosen if s not in SECTION_NAMES]
     if bad:
         raise UserError(f"--only: unknown section {bad[0]!r}; use {', '.join(SECTION_NAMES)}")
@@ -138,7 +140,10 @@ def run(args) -> int:
     _check_text(Path(args.text))
     out = Path(args.out)
     _check_out(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the folder ({e.strerror})") from None
 
     from mlxkv.bench import run as bench_run
 
@@ -171,10 +176,26 @@ def _check_out(out: Path) -> None:
     """The report goes into a new folder, or one holding an earlier report (replaced)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for the report")
-    if out.is_dir() and any(out.iterdir()) and not (out / "bench-results.json").is_file():
+    if out.is_dir() and any(out.iterdir()) and not _holds_a_report(out):
         raise UserError(
             f"--out {out} holds files that are not a bench report; give a new or empty folder"
         )
+
+
+def _holds_a_report(out: Path) -> bool:
+    """Whether ``out``'s bench-results.json and benchmarks.md are what a run writes: only
+    those are replaced, never a file of the user's that has one of their names."""
+    from mlxkv.bench.report import TITLE
+    from mlxkv.files import parse_json, read_text
+
+    try:
+        results = parse_json(read_text(out / "bench-results.json", 64 << 20), "results")
+        md = out / "benchmarks.md"
+        title = read_text(md, 64 << 20).split("\n", 1)[0] if md.exists() else TITLE
+    except UserError:
+        return False
+    keys = ("machine", "model", "scale", "total_seconds")
+    return isinstance(results, dict) and all(k in results for k in keys) and title == TITLE
 
 
 def _argv(args):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxkv.server import metrics
+from mlxkv.server import metrics, observe
 from tests.tui_pilot import sync
 from tui import top, top_client, top_view
 
@@ -177,6 +177,21 @@ def test_view_of_nonsense_reads_zeros():
     assert v.bar.budget is None
     assert (v.memory.hits, v.disk.hits, v.queue) == (2, 0, [])
     assert v.refused == {"busy": 0, "too_large": 0}
+
+
+def test_view_of_numbers_past_a_float_reads_zeros():
+    """NaN, an infinity or an integer past a float's range (JSON another server may send):
+    `mlxkv top` crashed on int(NaN)."""
+    v = top_view.view(
+        {
+            "running": [{"id": "x", "kv_bytes": float("nan"), "prompt_tokens": 10**400}],
+            "memory": {"budget_bytes": float("inf"), "kv_bytes_actual": float("nan")},
+            "tokens_per_second": float("-inf"),
+        }
+    )
+    assert [(r.kv_bytes, r.prompt_tokens) for r in v.running] == [(0, 10**400)]
+    assert v.bar.budget is None and v.tokens_per_second == 0.0
+    assert observe.real({"x": 10**400}, "x") == 0.0
 
 
 def test_bar_cells_follow_the_budget():

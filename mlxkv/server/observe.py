@@ -4,6 +4,8 @@ reads as 0 (or empty), so an older server's status still reads."""
 
 from __future__ import annotations
 
+import math
+
 MEMORY_KEYS = (
     "weights_bytes",
     "runtime_bytes",
@@ -24,18 +26,26 @@ COUNTERS = (  # counters since the server started
 
 
 def integer(d: dict | None, key: str) -> int:
-    """``d[key]`` as an int; a missing key, null or a non-number reads as 0."""
-    value = d.get(key) if isinstance(d, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0
-    return int(value)
+    """``d[key]`` as an int; a missing key, null, a non-number, NaN or an infinity (JSON
+    from another server may hold them) reads as 0."""
+    value = _number(d, key)
+    return 0 if value is None else int(value)
 
 
 def real(d: dict | None, key: str) -> float:
+    """``d[key]`` as a float; what is not a finite number reads as 0.0."""
+    value = _number(d, key)
+    try:
+        return 0.0 if value is None else float(value)
+    except OverflowError:  # an integer past a float's range
+        return 0.0
+
+
+def _number(d: dict | None, key: str) -> int | float | None:
     value = d.get(key) if isinstance(d, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0.0
-    return float(value)
+        return None
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def running(status: dict) -> list[dict]:

@@ -46,6 +46,19 @@ async def test_send_streams_answer_and_panel():
 
 
 @sync
+async def test_a_pasted_message_shows_as_typed():
+    """Code, indentation, line breaks, <tags> and [links](x): the user's message is text, not
+    Markdown (it ran together into one paragraph, the tags and link target gone)."""
+    typed = "def f(x):\n    if x:\n        return 1\n<b>bold?</b> [link](http://x) # no heading"
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, typed)
+        shown = app.chat.last_message("user").query_one(".typed")
+        assert str(shown.render()) == typed
+
+
+@sync
 async def test_streaming_appends_and_panel_is_throttled():
     app = fake_app(delay=0.01)
     async with app.run_test(size=SIZE) as pilot:

@@ -39,7 +39,10 @@ class MessageView(Vertical, can_focus=True):
     def compose(self) -> ComposeResult:
         yield Static(ROLE_LABEL.get(self.role, self.role), classes="role")
         yield Static("", classes="gone")
-        yield Markdown(self.text)
+        if self.role == "user":  # as typed: code, line breaks and <tags> are no markup
+            yield Static(self.text, markup=False, classes="typed")
+        else:
+            yield Markdown(self.text)
         yield Static("", classes="meta")
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from textual import events
 
 from mlxkv.policy import KVPolicy
 from tests.tui_pilot import fake_app, send, sync, wait_for, wait_idle
@@ -43,6 +44,20 @@ async def test_send_streams_answer_and_panel():
         assert len(app.panel.series.points) >= 6  # one plot point per token
         # every engine call ran on the one MLX worker thread
         assert app.engine.owner == app.worker.ident
+
+
+@sync
+async def test_keys_typed_right_after_enter_are_kept():
+    """The next message begun before the app has read this one (they were cleared with it)."""
+    app = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        app.prompt.load_text("hi")
+        await app.prompt._on_key(events.Key("enter", None))  # the terminal's Enter
+        app.prompt.insert("next")  # typed before the app reads the message
+        await wait_idle(app, pilot)
+        assert views(app)[0] == ("user", "hi")
+        assert app.prompt.text == "next"
 
 
 @sync

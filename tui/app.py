@@ -174,6 +174,12 @@ class ChatApp(App):
 
         self.worker.submit(job)
 
+    def _give_back(self, text: str) -> None:
+        """A refused message returns to the input box, unless the user typed on."""
+        if not self.prompt.text:
+            self.prompt.load_text(text)
+            self.prompt.move_cursor(self.prompt.document.end)
+
     def _refuse_if_busy(self) -> bool:
         if self.busy:
             what = "answering" if self.busy == "turn" else f"busy ({self.busy})"
@@ -448,10 +454,11 @@ class ChatApp(App):
     # -- input -----------------------------------------------------------------------------
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         text = event.text
+        if self.prompt.text == text:  # still in the box (a message posted without Enter)
+            self.prompt.clear()
         command = slash.parse(text)
         if command is not None:
             self.prompt.remember(text)
-            self.prompt.clear()
             if not await self.run_command(command) and not self.prompt.text:
                 # Refused: the command comes back selected, so typing replaces it and the
                 # arrows edit it (never a garbled mix of two commands).
@@ -463,13 +470,14 @@ class ChatApp(App):
             return
         if not self.engine.loaded:
             self.notify("no model is loaded yet", severity="warning")
+            self._give_back(text)
             return
         if self._refuse_if_busy():
-            return  # the text stays in the box
+            self._give_back(text)
+            return
         if text.strip().startswith("//"):
             text = text.strip()[1:]
         self.prompt.remember(event.text)
-        self.prompt.clear()
         self._pending_text = text
         self._question = MessageView("user", text)
         await self.chat.add(self._question)

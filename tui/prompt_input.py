@@ -34,7 +34,11 @@ class PromptInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            self.post_message(self.Submitted(self.text))
+            # emptied now, not when the app reads the message: keys typed right after Enter
+            # are the next message's (the app gives the text back if it refuses it)
+            text = self.text
+            self.clear()
+            self.post_message(self.Submitted(text))
             return
         if event.key in NEWLINE_KEYS:
             event.stop()

@@ -379,6 +379,7 @@ async def test_resume_at_start(tmp_path):
         "model": "fake-135m",
         "policy": {"window": 32, "sinks": 4, "bits": None, "group_size": 64},
         "system": "be brief",
+        "sampling": {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.0, "max_tokens": 60},
         "messages": [
             {"role": "user", "content": "hello"},
             {"role": "assistant", "content": "hi there"},
@@ -391,9 +392,33 @@ async def test_resume_at_start(tmp_path):
         await wait_idle(app, pilot)
         assert views(app) == [("user", "hello"), ("assistant", "hi there")]
         assert app.engine.system == "be brief" and app.engine.policy == KVPolicy(32, 4)
+        s = app.engine.settings  # the sampling /set chose there (it came back as defaults)
+        assert (s.temperature, s.top_p, s.repetition_penalty, s.max_tokens) == (0.6, 0.8, 1.0, 60)
+        assert app.engine.sampling_source == "saved conversation"
         assert "resumed" in notes(app)[-1]
         await send(app, pilot, "What is the capital of France?")
-        assert len(json.loads(path.read_text())["messages"]) == 4
+        kept = json.loads(path.read_text())
+        assert len(kept["messages"]) == 4 and kept["sampling"] == saved["sampling"]
+
+
+@pytest.mark.parametrize(
+    "sampling, problem",
+    [
+        ([0.6], "'sampling' must be an object, got list"),
+        ({"temperature": "hot"}, "'sampling.temperature' must be a number, got 'hot'"),
+        ({"max_tokens": 1.5}, "'sampling.max_tokens' must be a whole number, got 1.5"),
+        ({"top_p": 2}, "'sampling' is not valid: --top-p must be in (0, 1], got 2"),
+    ],
+)
+def test_a_saved_sampling_that_cannot_be_used_is_named(tmp_path, sampling, problem):
+    from mlxkv.errors import UserError
+    from tui.conversations import read_conversation
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"messages": [], "sampling": sampling}))
+    with pytest.raises(UserError) as e:
+        read_conversation(path)
+    assert str(e.value) == f"cannot load conversation {path}: {problem}"
 
 
 @sync

@@ -421,6 +421,7 @@ class ChatApp(App):
         stats, what = item.result
         await self._show_transcript()
         self._show_policy()
+        self._show_sampling()
         self.panel.reset_plot()
         self.panel.show(stats)
         n = len(self.engine.messages)

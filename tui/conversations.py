@@ -8,6 +8,7 @@ half-written one. Only files this store created are ever rewritten.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, fields
@@ -172,6 +173,29 @@ def check_policy(policy) -> str | None:
     return None
 
 
+SAVED_SAMPLING = ("temperature", "top_p", "repetition_penalty", "max_tokens")
+
+
+def check_sampling(sampling) -> str | None:
+    """What is wrong with a saved ``sampling`` object, or None."""
+    from mlxkv.engine.request import GenerationSettings
+
+    if not isinstance(sampling, dict):
+        return f"'sampling' must be an object, got {type(sampling).__name__}"
+    values = {k: sampling[k] for k in SAVED_SAMPLING if sampling.get(k) is not None}
+    for key, v in values.items():
+        whole = key == "max_tokens"
+        if isinstance(v, bool) or not isinstance(v, int if whole else int | float):
+            return f"'sampling.{key}' must be a {'whole ' if whole else ''}number, got {v!r}"
+        if not math.isfinite(v):
+            return f"'sampling.{key}' must be a finite number, got {v!r}"
+    try:
+        GenerationSettings(**values)
+    except UserError as e:
+        return f"'sampling' is not valid: {e}"
+    return None
+
+
 def _check(data, policy: bool) -> str | None:
     """What is wrong with a parsed conversation file (``policy``: its policy too), or None."""
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
@@ -184,6 +208,8 @@ def _check(data, policy: bool) -> str | None:
     for key in ("model", "model_arg", "system", "updated"):
         if data.get(key) is not None and not isinstance(data[key], str):
             return f"'{key}' must be a string, got {type(data[key]).__name__}"
+    if data.get("sampling") is not None and (problem := check_sampling(data["sampling"])):
+        return problem
     if policy and data.get("policy") is not None:
         return check_policy(data["policy"])
     return None

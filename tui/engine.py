@@ -19,6 +19,7 @@ from mlxkv.engine.sampling import chat_sampling
 from mlxkv.engine.session import GenerationSettings
 from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
+from tui.conversations import SAVED_SAMPLING
 
 
 class ChatGenerator(Protocol):
@@ -245,13 +246,7 @@ class ChatEngine:
     def to_dict(self) -> dict:
         data = self.chat.to_dict()
         data["model_arg"] = self.model_arg  # what to open again on resume
-        s = self.settings
-        data["sampling"] = {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "repetition_penalty": s.repetition_penalty,
-            "max_tokens": s.max_tokens,
-        }
+        data["sampling"] = {k: getattr(self.settings, k) for k in SAVED_SAMPLING}
         return data
 
     def save(self, path: Path) -> None:
@@ -264,13 +259,22 @@ class ChatEngine:
             raise UserError(f"cannot save to {path}: {e.strerror or e}") from None
 
     def restore(self, data: dict) -> None:
-        """Take the messages and system prompt of a conversation (read_conversation's
-        result); the cache is rebuilt on the next turn."""
+        """Take the messages, system prompt and sampling of a conversation
+        (read_conversation's result); the cache is rebuilt on the next turn."""
         self._mark()
         self.chat.system = data.get("system", "") or ""
         self._system = self.chat.system
         self.chat.messages = list(data["messages"])
         self.chat.generator.reset()
+        saved = data.get("sampling") or {}  # checked by read_conversation
+        values = {
+            k: saved[k]
+            for k in SAVED_SAMPLING
+            if saved.get(k) is not None and k not in self._given  # the command line wins
+        }
+        if values:
+            self.set_sampling(**values)
+            self.sampling_source = "saved conversation"
 
 
 def _encode(tokenizer, messages: list[dict]) -> list[int]:

@@ -199,6 +199,11 @@ async def test_save_clear_load(tmp_path):
         before = path.read_bytes()
         await send(app, pilot, f"/save {path}")  # never overwrites a file
         assert "exists" in notes(app)[-1] and path.read_bytes() == before
+        link = tmp_path / "link.json"  # a link to nothing: the save did create its target
+        link.symlink_to(tmp_path / "elsewhere.json")
+        await send(app, pilot, f"/save {link}")
+        assert notes(app)[-1] == f"{link} exists; give a new file name (nothing was overwritten)"
+        assert not (tmp_path / "elsewhere.json").exists()
         app.prompt.clear()
         await pilot.press("ctrl+l")
         await wait_idle(app, pilot)

@@ -251,10 +251,12 @@ class ChatEngine:
 
     def save(self, path: Path) -> None:
         path = Path(path)
-        if path.exists():
-            raise UserError(f"{path} exists; give a new file name (nothing was overwritten)")
         try:
             self.chat.save(path)
+        except FileExistsError:  # a file, or a link (even to nothing): never written through
+            raise UserError(
+                f"{path} exists; give a new file name (nothing was overwritten)"
+            ) from None
         except OSError as e:
             raise UserError(f"cannot save to {path}: {e.strerror or e}") from None
 

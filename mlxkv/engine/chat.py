@@ -81,15 +81,19 @@ class ChatSession:
         }
 
     def save(self, path: Path) -> None:
+        """Write the transcript to a new file (Markdown for .md, else JSON); an existing
+        file, or a link even to nothing, is never written through (FileExistsError)."""
         path = Path(path)
         if path.suffix == ".md":
             parts = [f"# Chat with {self.generator.loaded.name}\n"]
             if self.system:
                 parts.append(f"**system**: {self.system}\n")
             parts += [f"**{m['role']}**:\n\n{m['content']}\n" for m in self.messages]
-            path.write_text("\n".join(parts))
+            text = "\n".join(parts)
         else:
-            path.write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False))
+            text = json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+        with open(path, "x", encoding="utf-8") as f:  # O_CREAT|O_EXCL
+            f.write(text)
 
     def load(self, path: Path) -> None:
         """Load a JSON transcript; the cache is rebuilt on the next turn."""

@@ -232,6 +232,15 @@ def test_top_without_a_server_says_so_in_one_line():
     )
 
 
+def test_top_never_echoes_a_password_in_the_url():
+    done = top("http://me:s3cret@127.0.0.1:1/v1")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "mlxkv top: error: the URL holds a user or password; give http://127.0.0.1:1 and the "
+        "key with --api-key or MLXKV_API_KEY\n"
+    )
+
+
 def test_top_of_a_server_that_is_not_mlxkv_says_so_in_one_line(tmp_path):
     other = subprocess.Popen(
         [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1", "-d", str(tmp_path)],

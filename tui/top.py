@@ -47,9 +47,20 @@ def _interval(text: str) -> float:
 
 
 def run(args) -> int:
+    from urllib.parse import urlsplit, urlunsplit
+
     from tui.top_client import Unreachable, base_url, fetch
 
     url = base_url(args.url)
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:  # never echoed back
+        bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        print(
+            f"mlxkv top: error: the URL holds a user or password; give {bare} and the key "
+            "with --api-key or MLXKV_API_KEY",
+            file=sys.stderr,
+        )
+        return 2
     try:
         first = fetch(url, args.api_key)
     except Unreachable as e:

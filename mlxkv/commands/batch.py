@@ -248,12 +248,10 @@ def _characters(job) -> int:
 
 
 def _check_length(characters: int, most: int | None, loaded) -> None:
-    if most is not None and characters > most:
-        raise UserError(
-            f"the prompt is {characters} characters, more than the model's context "
-            f"of {loaded.context_length} tokens can hold; shorten it or use a "
-            "window (--kv-window)"
-        )
+    from mlxkv.engine.request import check_prompt_characters
+
+    fix = "shorten it or use a window (--kv-window)"
+    check_prompt_characters(characters, most, loaded.context_length, fix)
 
 
 def _settings(job, base):

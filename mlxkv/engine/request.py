@@ -64,6 +64,16 @@ def most_prompt_characters(tokenizer, context_length: int | None) -> int | None:
     return context_length * max(longest, 16)
 
 
+def check_prompt_characters(characters: int, most: int | None, context: int, fix: str) -> None:
+    """Refuse a prompt of more ``characters`` than ``most`` (most_prompt_characters), with
+    what to do about it (``fix``)."""
+    if most is not None and characters > most:
+        raise UserError(
+            f"the prompt is {characters} characters, more than the model's context of "
+            f"{context} tokens can hold; {fix}"
+        )
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0

@@ -859,7 +859,7 @@ class Scheduler:
                 continue
             if r.broken is None and self._take_token(r, token, _resolve(shown)):
                 ended.append(r)
-        broken = [r for r in rows if r.broken is not None and r not in ended]
+        broken = [r for r in rows if r.broken is not None]  # take_token skipped them
         if ended or broken:
             self._drop_rows(g, ended + broken)
         for r in broken:

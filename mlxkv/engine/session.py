@@ -35,7 +35,12 @@ from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.events import Event, Failed, Notice, Stats
 from mlxkv.engine.kv_stats import KVAccounting
-from mlxkv.engine.request import GenerationSettings, encode_prompt, most_prompt_characters
+from mlxkv.engine.request import (
+    GenerationSettings,
+    check_prompt_characters,
+    encode_prompt,
+    most_prompt_characters,
+)
 from mlxkv.engine.reuse import Checkpoint, cache_identity, keep_prefix, load_held, save_held
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.errors import UserError
@@ -187,13 +192,12 @@ class Session:
         context can hold in tokens (when it stops at the context, without a window)."""
         if self.overflow != "stop" or self.policy.window is not None:
             return
-        most = self._most_characters
-        if most is not None and characters > most:
-            raise UserError(
-                f"the prompt is {characters} characters, more than the model's context of "
-                f"{self.loaded.context_length} tokens can hold; shorten it (or clear the "
-                "chat), use a window (--kv-window) or --on-overflow slide"
-            )
+        check_prompt_characters(
+            characters,
+            self._most_characters,
+            self.loaded.context_length,
+            "shorten it (or clear the chat), use a window (--kv-window) or --on-overflow slide",
+        )
 
     @functools.cached_property
     def _most_characters(self) -> int | None:

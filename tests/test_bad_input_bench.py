@@ -103,3 +103,10 @@ def test_out_that_cannot_be_made_and_only_nothing(capsys, tmp_path, text):
     line = refused(capsys, "bench", "--text", str(text), "--only", "", "--out", str(tmp_path / "o"))
     assert line.startswith("mlxkv bench: error: --only names no section; use some of engine,")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "t.txt"]
+
+
+def test_a_model_that_cannot_resolve_is_refused_before_out_is_made(capsys, tmp_path, text):
+    out = tmp_path / "fresh"
+    line = refused(capsys, "bench", "--text", str(text), "--model", "bogus", "--out", str(out))
+    assert line.startswith("mlxkv bench: error: unknown model 'bogus': not a local folder,")
+    assert not out.exists()

@@ -105,6 +105,7 @@ def run(args) -> int:
 
     from mlxkv.bench.configs import all_configs
     from mlxkv.bench.scale import FULL, QUICK
+    from mlxkv.models.resolve import check_name
 
     scale = QUICK if args.quick else FULL
     for flag in ("repeats", "workers", "kept", "stream_tokens"):
@@ -138,6 +139,7 @@ def run(args) -> int:
         else ("mlxkv bench " + shlex.join(a for a in _argv(args)))
     )
     _check_text(Path(args.text))
+    check_name(args.model)  # a model that cannot resolve fails before --out is made
     out = Path(args.out)
     _check_out(out)
     try:

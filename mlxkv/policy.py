@@ -190,3 +190,65 @@ class KVPolicy:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def uses_kivi(policy: KVPolicy) -> bool:
+    """Whether keys are stored per channel along tokens (KIVI) under ``policy``."""
+    return policy.key_bits is not None and policy.key_scheme == "kivi"
+
+
+def check_layers(
+    name: str,
+    policy: KVPolicy,
+    *,
+    growing: bool,
+    composite: bool = False,
+    mla: bool = False,
+    learned_sinks: bool = False,
+    head_dims: tuple[int, ...] = (),
+) -> None:
+    """The refusals that depend only on what the model's growing attention layers are: one
+    rule for the engine (read off the loaded model) and the plan (read off config.json).
+
+    ``growing``: whether any layer's cache grows with the sequence; ``composite``: whether
+    the model's attention caches sit in CacheLists; ``head_dims``: the key and value head
+    dimensions of the growing layers."""
+    if policy.window is None and policy.bits is None:
+        return
+    if not growing:
+        why = (
+            "its attention caches are composite (CacheList) and must stay aligned"
+            if composite
+            else "it has no attention layer whose cache grows with the sequence"
+        )
+        raise PolicyError(f"{name}: --kv-window/--kv-bits do not apply: {why}")
+    if policy.bits is not None:
+        if mla:
+            raise PolicyError(
+                f"{name}: --kv-bits is not supported for MLA latent caches "
+                "(the decoupled RoPE key is read unquantized); drop --kv-bits"
+            )
+        if learned_sinks:
+            raise PolicyError(
+                f"{name}: --kv-bits is not supported: its attention uses learned sink "
+                "logits, which mlx-lm's quantized attention does not support"
+            )
+        groups = []
+        if policy.key_bits is not None and not uses_kivi(policy):  # KIVI groups run along tokens
+            groups.append(("--kv-group-size", policy.group_size))
+        if policy.value_bits is not None:
+            same = policy.value_group_size == policy.group_size
+            vflag = "--kv-group-size" if same else "--kv-value-group-size"
+            groups.append((vflag, policy.value_group_size))
+        for flag, g in groups:
+            bad = [d for d in head_dims if d % g]
+            if bad:
+                raise PolicyError(
+                    f"{name}: {flag} {g} does not divide the head "
+                    f"dimension {bad[0]}; use a group size that divides it"
+                )
+    if policy.sinks and mla:
+        raise PolicyError(
+            f"{name}: --kv-sinks needs re-positioning keys, but MLA stores the RoPE "
+            "key apart from the latent; use --kv-sinks 0 for a plain window"
+        )

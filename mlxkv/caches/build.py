@@ -28,8 +28,8 @@ from mlxkv.caches.rotation import (
 )
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
 from mlxkv.errors import one_line
-from mlxkv.memory.policy_bytes import uses_kivi
-from mlxkv.policy import KVPolicy, PolicyError
+from mlxkv.memory.probe import has_learned_sinks, is_mla
+from mlxkv.policy import KVPolicy, PolicyError, check_layers, uses_kivi
 
 
 @dataclass
@@ -76,10 +76,8 @@ def _layer_info(layer: nn.Module, index: int) -> LayerInfo:
     ropes, dims = [], []
     nope = False
     for _, m in layer.named_modules():
-        if getattr(m, "kv_lora_rank", None):
-            info.mla = True
-        if isinstance(getattr(m, "sinks", None), mx.array):
-            info.learned_sinks = True
+        info.mla = info.mla or is_mla(m)
+        info.learned_sinks = info.learned_sinks or has_learned_sinks(m)
         if getattr(m, "use_rope", 1) in (False, 0) or type(m).__name__ == "NoPE":
             nope = True  # llama4/exaone use_rope flags, smollm3's NoPE stand-in
         hd = getattr(m, "head_dim", None)
@@ -128,8 +126,14 @@ def _infos(model, n_caches: int) -> dict[int, LayerInfo]:
     return {i: merged for i in range(n_caches)}
 
 
-def plan_policy(model, policy: KVPolicy, caches: list | None = None) -> PolicyPlan:
-    """Check ``policy`` against ``model``; raise :class:`PolicyError` if it cannot be honoured."""
+def plan_policy(
+    model, policy: KVPolicy, caches: list | None = None, head_dims: tuple | None = None
+) -> PolicyPlan:
+    """Check ``policy`` against ``model``; raise :class:`PolicyError` if it cannot be honoured.
+
+    ``head_dims``: the growing caches' key and value widths, as :func:`cache_head_dims`
+    reads them (default: the attention modules' ``head_dim`` attributes, which some
+    mlx-lm models do not keep)."""
     caches = base_caches(model) if caches is None else caches
     name = model_name(model)
     plan = PolicyPlan(policy)
@@ -140,48 +144,20 @@ def plan_policy(model, policy: KVPolicy, caches: list | None = None) -> PolicyPl
             plan.layers[i] = infos[i]
         else:
             plan.untouched[i] = type(c).__name__
-    bounded = policy.window is not None or policy.bits is not None
-    if not bounded:
-        return plan
-    if not plan.growing:
-        composite = any(isinstance(c, CacheList) for c in caches)
-        why = (
-            "its attention caches are composite (CacheList) and must stay aligned"
-            if composite
-            else "it has no attention layer whose cache grows with the sequence"
-        )
-        raise PolicyError(f"{name}: --kv-window/--kv-bits do not apply: {why}")
-    for i in plan.growing:
-        info = plan.layers[i]
-        if policy.bits is not None:
-            if info.mla:
-                raise PolicyError(
-                    f"{name}: --kv-bits is not supported for MLA latent caches "
-                    "(the decoupled RoPE key is read unquantized); drop --kv-bits"
-                )
-            if info.learned_sinks:
-                raise PolicyError(
-                    f"{name}: --kv-bits is not supported: its attention uses learned sink "
-                    "logits, which mlx-lm's quantized attention does not support"
-                )
-            same = policy.value_group_size == policy.group_size
-            vflag = "--kv-group-size" if same else "--kv-value-group-size"
-            groups = [(vflag, policy.value_group_size)]
-            if not uses_kivi(policy):  # KIVI key groups run along tokens, not head_dim
-                groups.insert(0, ("--kv-group-size", policy.group_size))
-            for flag, g in groups:
-                bad = [d for d in info.head_dims if d % g]
-                if bad:
-                    raise PolicyError(
-                        f"{name}: {flag} {g} does not divide the head "
-                        f"dimension {bad[0]}; use a group size that divides it"
-                    )
-        if policy.sinks:
-            if info.mla:
-                raise PolicyError(
-                    f"{name}: --kv-sinks needs re-positioning keys, but MLA stores the RoPE "
-                    "key apart from the latent; use --kv-sinks 0 for a plain window"
-                )
+    growing = [plan.layers[i] for i in plan.growing]
+    check_layers(
+        name,
+        policy,
+        growing=bool(growing),
+        composite=any(isinstance(c, CacheList) for c in caches),
+        mla=any(info.mla for info in growing),
+        learned_sinks=any(info.learned_sinks for info in growing),
+        head_dims=head_dims
+        if head_dims is not None
+        else tuple(sorted({d for info in growing for d in info.head_dims})),
+    )
+    if policy.sinks and policy.window is not None:
+        for info in growing:
             if info.rotation is None:
                 raise PolicyError(
                     f"{name}: cannot re-position attention sinks: {info.why_not}; "
@@ -197,9 +173,9 @@ def check_policy(model, policy: KVPolicy) -> PolicyPlan:
     the model (:func:`_dry_run`): some mlx-lm attention code reads the cache in ways only a
     plain ``KVCache`` supports, and that should fail here, not mid-answer.
     """
-    plan = plan_policy(model, policy)
     if policy.window is None and policy.bits is None:
-        return plan
+        return plan_policy(model, policy)
+    plan = plan_policy(model, policy, head_dims=cache_head_dims(model))
     name = model_name(model)
     # Name the flag to drop: try the window alone first when both are asked for.
     parts = [KVPolicy(window=policy.window, sinks=policy.sinks)] if policy.bits else []
@@ -217,6 +193,18 @@ def check_policy(model, policy: KVPolicy) -> PolicyPlan:
                 f"({why}); drop {flag}"
             ) from None
     return plan
+
+
+def cache_head_dims(model) -> tuple[int, ...]:
+    """The key and value widths the model's growing caches store, read off the shapes of
+    a lazy one-token step (nothing is computed), as the plan's probe reads them."""
+    caches = base_caches(model)
+    model(mx.array([[0]]), cache=caches)
+    dims = set()
+    for c in caches:
+        if _is_growing(c) and c.keys is not None:
+            dims |= {c.keys.shape[-1], c.values.shape[-1]}
+    return tuple(sorted(dims))
 
 
 def _dry_run(model, policy: KVPolicy) -> None:

@@ -15,7 +15,7 @@ from mlxkv.memory.source import ModelSource, from_path
 from mlxkv.memory.system import SystemMemory, system_memory
 from mlxkv.memory.weights import Weights, from_hub, from_layout, from_local
 from mlxkv.memory.working_set import WiredAdvice, load_wired_limit, wired_advice
-from mlxkv.policy import KVPolicy, PolicyError
+from mlxkv.policy import KVPolicy, check_layers
 
 DEFAULT_CONTEXT = 4096
 
@@ -72,32 +72,16 @@ def _weights(src: ModelSource, layout: Layout, wdtype: str, dequantize: bool, no
 
 def check_policy(layout: Layout, policy: KVPolicy) -> None:
     """The refusals of mlxkv.caches.plan_policy that the layout alone can decide."""
-    name = layout.model_type
     growing = [p for p in layout.specs() if p.grows]
-    if (policy.window is not None or policy.bits is not None) and not growing:
-        raise PolicyError(
-            f"{name}: --kv-window/--kv-bits do not apply: it has no attention "
-            "layer whose cache grows with the sequence"
-        )
-    mla = any(p.role == "mla" for p in growing)
-    if policy.bits is not None:
-        if mla:
-            raise PolicyError(
-                f"{name}: --kv-bits is not supported for MLA latent caches "
-                "(the decoupled RoPE key is read unquantized); drop --kv-bits"
-            )
-        bad = sorted({d for p in growing for d in (p.k_head_dim, p.v_head_dim)} - {0})
-        bad = [d for d in bad if d % policy.group_size]
-        if bad:
-            raise PolicyError(
-                f"{name}: --kv-group-size {policy.group_size} does not divide the head "
-                f"dimension {bad[0]}; use a group size that divides it"
-            )
-    if policy.sinks and mla:
-        raise PolicyError(
-            f"{name}: --kv-sinks needs re-positioning keys, but MLA stores the RoPE "
-            "key apart from the latent; use --kv-sinks 0 for a plain window"
-        )
+    check_layers(
+        layout.model_type,
+        policy,
+        growing=bool(growing),
+        composite=any(p.in_list for p in layout.specs()),
+        mla=layout.facts.mla,
+        learned_sinks=layout.facts.learned_sinks,
+        head_dims=tuple(sorted({d for p in growing for d in (p.k_head_dim, p.v_head_dim)} - {0})),
+    )
 
 
 def _window_note(layout: Layout, s: Setting) -> str | None:

@@ -112,6 +112,8 @@ class ModelFacts:
     float_params: int = 0  # floating parameters of the mlx-lm model (stored at weight dtype)
     fixed_param_bytes: int = 0  # packed quantized weights (uint32): dtype-independent
     quantized: bool = False
+    mla: bool = False  # low-rank (MLA) attention somewhere (probe.is_mla)
+    learned_sinks: bool = False  # attention sink logits somewhere (probe.has_learned_sinks)
 
 
 @dataclass(frozen=True)

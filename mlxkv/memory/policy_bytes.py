@@ -44,6 +44,8 @@ Rules (``S`` sinks, ``W`` window, ``n`` tokens seen):
 
 from __future__ import annotations
 
+from mlxkv.policy import uses_kivi
+
 STEP = 256
 
 
@@ -73,11 +75,6 @@ def _row(bits, group_size: int, head_dim: int, dtype_bytes: int) -> int:
     if bits is None:
         return head_dim * dtype_bytes
     return head_dim * bits // 32 * 4 + 2 * (head_dim // group_size) * dtype_bytes
-
-
-def uses_kivi(policy) -> bool:
-    """Whether keys are stored per channel along tokens (KIVI) under ``policy``."""
-    return policy.key_bits is not None and policy.key_scheme == "kivi"
 
 
 def kivi_ring_limit(window: int | None, group_size: int) -> int | None:

@@ -238,6 +238,20 @@ def _declared_window(view: dict) -> int | None:
     return None
 
 
+def is_mla(module) -> bool:
+    """An attention module with a low-rank (MLA) key/value projection: its keys carry the
+    RoPE part apart, so they are neither re-positioned nor quantized."""
+    return bool(getattr(module, "kv_lora_rank", None))
+
+
+def has_learned_sinks(module) -> bool:
+    """An attention module with learned sink logits (gpt-oss), which mlx-lm's quantized
+    attention does not take."""
+    import mlx.core as mx
+
+    return isinstance(getattr(module, "sinks", None), mx.array)
+
+
 def probe(config: dict) -> Layout:
     """Build mlx-lm's model for ``config`` lazily and read off every cache it makes."""
     module = module_name(config)
@@ -261,6 +275,8 @@ def probe(config: dict) -> Layout:
         dense_params = sum(p.size for _, p in tree_flatten(model.parameters()))
         quantized = _quantize(nn, model, config)
         model.eval()
+        modules = [m for _, m in model.named_modules()]
+        mla, learned_sinks = any(map(is_mla, modules)), any(map(has_learned_sinks, modules))
     except Exception as e:
         raise BadInput(
             f"config.json does not describe a valid '{module}' model for mlx-lm: {one_line(e)}"
@@ -312,6 +328,8 @@ def probe(config: dict) -> Layout:
         float_params=float_params,
         fixed_param_bytes=fixed_bytes,
         quantized=quantized,
+        mla=mla,
+        learned_sinks=learned_sinks,
     )
     return Layout(config["model_type"], module, tuple(layers), facts)
 

@@ -366,11 +366,7 @@ def test_wiring_at_load_is_a_no_op_without_metal():
     assert wire_for_load(10 * GiB) is None
 
 
-def test_fit_offers_keys_4_values_2_where_the_policy_splits_widths(capsys):
-    from mlxkv.memory.fit import splits_widths
-
-    if not splits_widths():
-        pytest.skip("KVPolicy has no separate key/value widths here")
+def test_fit_offers_keys_4_values_2(capsys):
     argv = [LLAMA31_4BIT, *MAC16, "--context", "131072"]
     _, d = plan_json(capsys, *argv, "--fit")
     split = [s for s in d["suggestions"] if "--kv-key-bits" in s["flags"]]
@@ -391,3 +387,16 @@ def test_bad_backend_or_weight_bits_is_one_line(capsys):
         assert run_plan(LLAMA31, *argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+def test_fit_flags_added_to_a_command_with_key_and_value_widths_take_effect(capsys):
+    """--kv-key-bits/--kv-value-bits override --kv-bits: a suggested --kv-bits 4 added to
+    such a command changed nothing and did not fit."""
+    argv = [LLAMA31, *MAC16, "--context", "40000", "--weight-bits", "4", "--batch", "2"]
+    argv += ["--kv-key-bits", "8", "--kv-value-bits", "8"]
+    _, d = plan_json(capsys, *argv, "--fit")
+    widths = [s for s in d["suggestions"] if "--kv-value-bits" in s["flags"]]
+    assert widths and not [s for s in d["suggestions"] if "--kv-bits" in s["flags"]]
+    for s in [s for s in d["suggestions"] if "--hosts" not in s["flags"]]:
+        code, again = plan_json(capsys, *argv, *s["flags"])  # added at the end, as typed
+        assert code == 0 and again["total_bytes"] == s["total_bytes"], s["flags"]

@@ -47,11 +47,8 @@ def _policies(est) -> list[tuple[str, object]]:
         ("full", KVPolicy()),
         (f"sink {sinks} + window {window}", KVPolicy(window=window, sinks=sinks)),
         ("4-bit KV", KVPolicy(bits=4)),
+        ("keys 4 / values 2", KVPolicy(key_bits=4, value_bits=2)),
     ]
-    from mlxkv.memory.fit import splits_widths
-
-    if splits_widths():
-        out.append(("keys 4 / values 2", KVPolicy(**{"key_bits": 4, "value_bits": 2})))
     seen, unique = set(), []
     for name, p in out:
         if p not in seen:

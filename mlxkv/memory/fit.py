@@ -8,7 +8,7 @@ would run it (no full cache past the trained context). Ordered by measured quali
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from mlxkv.memory.budget import Budget, Setting, budget, max_batch, max_context
 from mlxkv.memory.context import past_trained_context
@@ -56,19 +56,12 @@ def _round(n: int) -> int:
     return n // ROUND * ROUND if n >= 2 * ROUND else n
 
 
-def splits_widths() -> bool:
-    """Whether KVPolicy takes separate key and value widths (``--kv-key-bits``)."""
-    return "key_bits" in {f.name for f in fields(KVPolicy)}
-
-
 def _widths(p: KVPolicy) -> tuple[int | None, int | None]:
-    return (getattr(p, "key_bits", p.bits), getattr(p, "value_bits", p.bits))
+    return p.key_bits, p.value_bits
 
 
 def _with_widths(p: KVPolicy, key: int | None, value: int | None) -> KVPolicy:
-    if splits_widths():
-        return replace(p, bits=None, key_bits=key, value_bits=value)
-    return replace(p, bits=key)
+    return replace(p, bits=None, key_bits=key, value_bits=value)
 
 
 def _policy_flags(base: KVPolicy, p: KVPolicy) -> list[str]:
@@ -79,7 +72,9 @@ def _policy_flags(base: KVPolicy, p: KVPolicy) -> list[str]:
         flags += ["--kv-sinks", str(p.sinks)]
     key, value = _widths(p)
     if (key, value) != _widths(base):
-        if key == value:
+        # A quantized command may hold --kv-key-bits/--kv-value-bits, which override
+        # --kv-bits: name the same flags, so that adding them takes effect.
+        if key == value and base.bits is None:
             flags += ["--kv-bits", str(key)]
         else:
             flags += ["--kv-key-bits", str(key), "--kv-value-bits", str(value)]
@@ -87,8 +82,8 @@ def _policy_flags(base: KVPolicy, p: KVPolicy) -> list[str]:
 
 
 def _cheaper_widths(base: KVPolicy) -> list[tuple[int | None, int | None]]:
-    """The base's key/value widths, then 8/8, 4/4 and (where supported) 4/2 when smaller."""
-    options = [(8, 8), (4, 4)] + ([(4, 2)] if splits_widths() else [])
+    """The base's key/value widths, then 8/8, 4/4 and 4/2 where smaller."""
+    options = [(8, 8), (4, 4), (4, 2)]
     key, value = _widths(base)
     now = (key or 16) + (value or 16)
     return [(key, value)] + [(k, v) for k, v in options if k + v < now]

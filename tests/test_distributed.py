@@ -31,6 +31,7 @@ TIMEOUT = 900  # a shared 2-core machine makes every collective slow; never hang
 # Ring ports come from here: below Linux's ephemeral range (32768-60999), so no outgoing
 # connection is handed one of them between the check and the ranks' bind.
 PORTS = range(20000, 32000)
+CONFIGS = Path(__file__).parent / "data" / "configs" / "published"
 
 
 def free_ports(n: int) -> int:
@@ -250,7 +251,8 @@ def test_a_split_that_cannot_work_is_refused_in_one_line(cli, default_model_path
     assert plan.returncode == 2 and plan.stdout == ""
     assert plan.stderr.strip() == (
         "mlxkv plan: error: tensor parallelism over 2 hosts needs attention heads divisible "
-        "by 2; the model has 9: use a host count that divides 9, or --shard pipeline"
+        "by 2; the model has 9: use a host count that divides 9 (mlx-lm has no pipeline "
+        "split for llama)"
     )
     gen = launch(2, "generate", "--prompt", "hi", "--max-tokens", "2", timeout=300)
     # mlx.launch itself exits 0 whatever its ranks do: the ranks' stderr is what a user sees.
@@ -280,6 +282,38 @@ def test_plan_hosts_bad_flags_are_one_line_errors(cli, default_model_path, tiny_
         assert out.returncode == 2, (flags, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (flags, out.stderr)
+
+
+def test_auto_splits_by_layers_where_the_heads_do_not_divide(cli, tiny_qwen2):
+    """4 heads do not split 3 ways; qwen2 has pipeline(): auto takes it (it said to use
+    --shard pipeline instead)."""
+    out = cli("plan", str(tiny_qwen2), "--hosts", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["shard"] == "pipeline"
+    out = cli("plan", str(tiny_qwen2), "--hosts", "3", "--shard", "tensor")
+    assert out.returncode == 2 and out.stderr == (
+        "mlxkv plan: error: tensor parallelism over 3 hosts needs attention heads divisible "
+        "by 3; the model has 4: use a host count that divides 4, or --shard pipeline\n"
+    )
+
+
+def test_packed_weights_that_do_not_split_are_one_line(cli, tmp_path):
+    """gpt-oss-20b in 4 bits: its experts' 45 groups of 64 do not split 2 ways. --hosts was
+    a traceback, and --fit's host search crashed on it."""
+    cfg = json.loads((CONFIGS / "gpt-oss-20b.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg["quantization"] = {"bits": 4, "group_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    mac = ["--backend", "metal", "--memory", "16GB"]
+    out = cli("plan", str(tmp_path / "config.json"), *mac, "--hosts", "2")
+    assert out.returncode == 2 and out.stderr == (
+        "mlxkv plan: error: mlx-lm cannot split gpt_oss's weights 2 ways by tensor "
+        "(ValueError: Array split does not result in sub arrays with equal size: attempting 2 "
+        "splits along axis -1 for shape (32,2880,45)); use another host count\n"
+    )
+    out = cli("plan", str(tmp_path / "config.json"), *mac, "--context", "131072", "--fit")
+    assert out.returncode == 1 and out.stderr == ""  # no host count splits it either
+    assert out.stdout.endswith("--fit: no setting mlxkv can change makes it fit\n")
 
 
 def test_plan_hosts_uses_each_hosts_memory(cli, default_model_path):

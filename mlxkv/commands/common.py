@@ -278,8 +278,8 @@ def add_shard_flag(p: argparse.ArgumentParser, choices=("auto", "tensor", "pipel
         default=choices[0],
         help=f"under mlx.launch: how the ranks share the work (default {choices[0]}): {data}"
         "tensor = each layer's heads split over the ranks (mlx-lm's shard()); pipeline = the "
-        "layers split over the ranks; auto = tensor where the model has shard(), else "
-        "pipeline. Ignored in a single process",
+        "layers split over the ranks; auto = tensor where the model has shard() and its "
+        "heads divide by the ranks, else pipeline. Ignored in a single process",
     )
 
 

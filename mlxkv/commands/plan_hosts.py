@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "--memory then takes one size for all or one per host: 64GB,32GB,...")  # fmt: skip
     a("--shard", metavar="MODE", help="how --hosts split the model: tensor "
       "(KV heads split N ways), pipeline (layers split N ways) or auto (tensor where "
-      "mlx-lm's model has shard())")  # fmt: skip
+      "mlx-lm's model has shard() and its heads divide N ways, else pipeline)")  # fmt: skip
 
 
 def run(args, estimate) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mlxkv.errors import one_line
 from mlxkv.memory.config import BadInput, text_view
 from mlxkv.memory.layout import Layout
 from mlxkv.memory.weights import Weights
@@ -71,7 +72,7 @@ def check_split(config: dict, n: int, mode: str) -> None:
         if count and count % n:
             raise BadInput(
                 f"tensor parallelism over {n} hosts needs {what} divisible by {n}; the model "
-                f"has {count}: use a host count that divides {count}, or --shard pipeline"
+                f"has {count}: use a host count that divides {count}"
             )
 
 
@@ -150,7 +151,7 @@ def host_weights(
         if not dequantize:
             _quantize(nn, model, config)
         if n > 1:
-            model.shard(StandInGroup(rank, n))
+            shard(model, StandInGroup(rank, n), config.get("model_type", "the model"))
         total, params = _param_bytes(model, wb, mx)
         out.append(Weights(total, None, params, how))
     return out
@@ -188,18 +189,25 @@ class PipelineWeights:
 
 def split_support(config: dict) -> dict[str, bool]:
     """Which splits mlx-lm's model class for ``config`` offers (built lazily, no weights)."""
-    model = _build(config)
+    return splits_of(_build(config))
+
+
+def splits_of(model) -> dict[str, bool]:
+    """Which splits mlx-lm gives ``model``: ``shard()`` (tensor), ``model.pipeline()``."""
     return {
         "tensor": hasattr(model, "shard"),
         "pipeline": hasattr(model, "model") and hasattr(model.model, "pipeline"),
     }
 
 
-def choose_split(config: dict, mode: str, n: int) -> str:
-    """``auto`` -> tensor where the model has ``shard()``, else pipeline; BadInput when the
-    model cannot be split ``n`` ways that way."""
-    can = split_support(config)
+def choose_split(config: dict, mode: str, n: int, can: dict[str, bool] | None = None) -> str:
+    """``auto`` -> tensor where the model has ``shard()`` and splits ``n`` ways so, else
+    pipeline; BadInput (one line) when the model cannot be split ``n`` ways that way.
+    ``can``: :func:`splits_of` the model, where it is built already."""
+    can = split_support(config) if can is None else can
     model_type = config.get("model_type", "this model")
+    if mode not in ("auto", *SPLIT_MODES):
+        raise BadInput(f"--shard must be one of auto, {', '.join(SPLIT_MODES)}, got '{mode}'")
     if mode == "auto":
         if not (can["tensor"] or can["pipeline"]):
             raise BadInput(
@@ -207,15 +215,40 @@ def choose_split(config: dict, mode: str, n: int) -> str:
                 "nor model.pipeline(); it runs on one host only"
             )
         mode = "tensor" if can["tensor"] else "pipeline"
-    if mode not in SPLIT_MODES:
-        raise BadInput(f"--shard must be one of auto, {', '.join(SPLIT_MODES)}, got '{mode}'")
+        if mode == "tensor" and can["pipeline"]:
+            try:
+                check_split(config, n, mode)
+            except BadInput:
+                mode = "pipeline"  # the heads do not divide n ways: split the layers
     if not can[mode]:
         what = "shard()" if mode == "tensor" else "model.pipeline()"
         other = "pipeline" if mode == "tensor" else "tensor"
         hint = f"; try --shard {other}" if can[other] else "; it runs on one host only"
         raise BadInput(f"{model_type} has no {what} in mlx-lm: it cannot be split by {mode}{hint}")
-    check_split(config, n, mode)
+    try:
+        check_split(config, n, mode)
+    except BadInput as e:
+        if mode == "pipeline":
+            raise
+        hint = (
+            ", or --shard pipeline"
+            if can["pipeline"]
+            else f" (mlx-lm has no pipeline split for {model_type})"
+        )
+        raise BadInput(f"{e}{hint}") from None
     return mode
+
+
+def shard(model, group, model_type: str) -> None:
+    """``model.shard(group)``, its refusal one line: mlx-lm splits packed (quantized)
+    weights along their groups, which need not divide ``group.size()`` ways."""
+    try:
+        model.shard(group)
+    except ValueError as e:
+        raise BadInput(
+            f"mlx-lm cannot split {model_type}'s weights {group.size()} ways by tensor "
+            f"({one_line(e).rstrip('.')}); use another host count"
+        ) from None
 
 
 def host_memories(spec: str | None, n: int) -> list[str | None]:
@@ -339,7 +372,10 @@ def fewest_hosts(
         if table is not None:
             weights = [table.rank(*r) for r in pipeline_split(len(table.layers), n)]
         else:
-            weights = host_weights(config, n, mode, wdtype, dequantize)
+            try:
+                weights = host_weights(config, n, mode, wdtype, dequantize)
+            except BadInput:
+                continue  # packed weights that do not split n ways: try more hosts
         hp = _plan(layout, setting, mode, [mem] * n, weights, search=False)
         if hp.fits:
             return hp

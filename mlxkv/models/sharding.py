@@ -10,49 +10,14 @@ last ones). Nothing is evaluated before the split, so each rank materializes onl
 
 from __future__ import annotations
 
-from mlxkv.errors import UserError
-
-SHARD_MODES = ("auto", "tensor", "pipeline")
-
-
-def supports(model) -> dict[str, bool]:
-    return {
-        "tensor": hasattr(model, "shard"),
-        "pipeline": hasattr(model, "model") and hasattr(model.model, "pipeline"),
-    }
-
-
-def choose_mode(model, mode: str) -> str:
-    """``auto`` -> tensor where ``shard()`` exists, else pipeline; refuse what cannot be done."""
-    if mode not in SHARD_MODES:
-        raise UserError(f"--shard must be one of {', '.join(SHARD_MODES)}, got '{mode}'")
-    can = supports(model)
-    name = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
-    if mode == "auto":
-        if can["tensor"]:
-            return "tensor"
-        if can["pipeline"]:
-            return "pipeline"
-        raise UserError(
-            f"{name} cannot be split across ranks: mlx-lm gives it neither shard() nor "
-            "pipeline(); run it on one machine"
-        )
-    if not can[mode]:
-        other = "pipeline" if mode == "tensor" else "tensor"
-        hint = f"; try --shard {other}" if can[other] else "; run it on one machine"
-        what = "shard()" if mode == "tensor" else "model.pipeline()"
-        raise UserError(f"{name} has no {what} in mlx-lm, so --shard {mode} is impossible{hint}")
-    return mode
-
 
 def shard_model(model, config: dict, group, mode: str) -> str:
     """Split ``model`` (lazy, unevaluated) over ``group``; returns the mode used."""
-    from mlxkv.memory.hosts import check_split
+    from mlxkv.memory.hosts import choose_split, shard, splits_of
 
-    mode = choose_mode(model, mode)
-    check_split(config, group.size(), mode)
+    mode = choose_split(config, mode, group.size(), can=splits_of(model))
     if mode == "tensor":
-        model.shard(group)
+        shard(model, group, config.get("model_type", "the model"))
     else:
         model.model.pipeline(group)
     return mode

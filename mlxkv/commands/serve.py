@@ -70,7 +70,7 @@ def add_arguments(p) -> None:
         default=10.0,
         metavar="S",
         help="on SIGTERM/Ctrl+C, seconds the answers in flight get to finish before they are "
-        "cut with an error (default 10)",
+        "cut with an error (default 10); a second signal cuts them at once",
     )
     g.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
     m = p.add_argument_group("memory and the prefix cache")

@@ -136,9 +136,11 @@ class Bridge:
         if self.draining:
             return
         self.draining = True
-        asyncio.get_running_loop().call_later(grace, self._cut)
+        asyncio.get_running_loop().call_later(grace, self.cut)
 
-    def _cut(self) -> None:
+    def cut(self) -> None:
+        """Cut every run left with the shutting_down error (at the end of the grace, or at
+        once on a second Ctrl+C)."""
         for run in list(self.live):
             run.shutdown = True
             run.cancel()

@@ -13,6 +13,7 @@ import uvicorn
 
 from mlxkv.errors import UserError
 from mlxkv.server.bridge import Bridge
+from mlxkv.server.errors import APIError
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -46,6 +47,7 @@ class _Server(uvicorn.Server):
         self.bridge = bridge
         self.grace = grace
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.cutting = False
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -66,15 +68,53 @@ class _Server(uvicorn.Server):
                 signal.signal(s, handler)
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit and self.loop is not None:
+        if self.loop is not None and not self.should_exit:
             self.loop.call_soon_threadsafe(self.bridge.drain, self.grace)
+        elif self.loop is not None and not self.cutting:
+            # A second signal (uvicorn offers "CTRL+C to force quit"): cut the answers now,
+            # each with its shutting_down error; a force quit would cancel them mid-write
+            # (a traceback each, a bare 500). A third Ctrl+C still forces the quit.
+            self.cutting = True
+            self.loop.call_soon_threadsafe(self.bridge.cut)
+            return
         super().handle_exit(sig, frame)
+
+
+class _AnswerCancelled:
+    """The app, with a request uvicorn cancels (at the end of its shutdown timeout: a client
+    still sending its body; or a forced quit) answered 503 shutting_down in the OpenAI shape
+    where nothing was sent yet, and a started response ended, instead of a traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if scope["type"] != "http":
+                raise
+            try:
+                if started:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    error = APIError(503, "the server is shutting down", code="shutting_down")
+                    await error.response()(scope, receive, send)
+            except Exception:  # the connection is gone too
+                pass
 
 
 def serve(app, bridge: Bridge, sock: socket.socket, grace: float, access_log: bool = True):
     """Serve until a signal; the answers in flight get ``grace`` seconds to finish."""
     config = uvicorn.Config(
-        app,
+        _AnswerCancelled(app),
         lifespan="off",
         log_level="info",
         access_log=access_log,

@@ -217,3 +217,31 @@ def test_sigterm_lets_answers_finish_then_cuts_the_rest(server):
     assert cut["error"]["message"].startswith("the server is shutting down; this answer was cut")
     assert server.log().rstrip().endswith("mlxkv: server stopped")
     assert "Traceback" not in server.log()
+
+
+def _no_answer_fits() -> str:
+    r = serve_cli("--port", "0", "--memory", "1MB")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_a_budget_where_no_answer_fits_is_refused_at_start():
+    """--memory 1MB started a server that refused every request (400, blaming max_tokens)."""
+    line = _no_answer_fits()
+    assert line.startswith(
+        "mlxkv serve: error: --memory 1MB leaves 0.00 GiB for the KV cache after the weights "
+        "(0.50 GiB) and runtime ("
+    )
+    assert "less than one answer of --max-tokens 512 needs (0.03 GiB, full)" in line
+    assert line.endswith("GiB, or lower --max-tokens")
+
+
+@pytest.mark.slow
+def test_the_budget_the_refusal_names_is_enough(tmp_path):
+    enough = _no_answer_fits().split("raise --memory to at least ")[1].split(",")[0]
+    server = Server(tmp_path, "--memory", enough)
+    try:
+        r = server.http("POST", "/v1/completions", json={"prompt": "Hi"})  # max_tokens left out
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()

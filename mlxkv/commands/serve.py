@@ -3,6 +3,7 @@ mlxkv/server/)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -171,6 +172,7 @@ def _memory_and_prefixes(args, loaded, policy):
 
     budget = system_memory(args.memory, backend()).available
     memory = MemoryBudget(loaded, budget, args.max_batch, 512)
+    _check_one_answer_fits(args, memory, policy)
     free = max(budget - memory.base(), 0)
     limit = free // 2
     if args.prefix_cache_bytes is not None:
@@ -193,6 +195,26 @@ def _memory_and_prefixes(args, loaded, policy):
         + (f", files in {disk.folder} ({len(disk.files)} kept)" if disk else "")
     )
     return memory, PrefixCache(limit, loaded.model, disk, status)
+
+
+def _check_one_answer_fits(args, memory, policy) -> None:
+    """Refuse a budget in which a request that leaves max_tokens out (the server's
+    --max-tokens) never fits, even with a one-token prompt: every such request would be
+    refused, blaming a max_tokens its client never sent."""
+    from mlxkv.memory.budget import gib
+
+    need = memory.reservation(policy, 1 + args.max_tokens)
+    room = memory.budget - memory.base()
+    if need <= room:
+        return
+    given = f"--memory {args.memory}" if args.memory else "this machine's memory budget"
+    raise UserError(
+        f"{given} leaves {gib(max(room, 0))} for the KV cache after the weights "
+        f"({gib(memory.fixed.weights)}) and runtime ({gib(memory.fixed.runtime)}), less than "
+        f"one answer of --max-tokens {args.max_tokens} needs ({gib(need)}, "
+        f"{policy.describe()}); raise --memory to at least "
+        f"{math.ceil((memory.base() + need) / 2**28) / 4:g}GiB, or lower --max-tokens"
+    )
 
 
 def _names(loaded) -> tuple[str, set[str]]:

@@ -154,3 +154,26 @@ def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(defau
     done = _answer(s, follow, max_tokens=2)
     assert done.stats.prompt_tokens_cached == len(newest.tokens)
     assert disk.hits == 1
+
+
+def test_a_write_left_by_a_killed_server_is_removed_at_start(tmp_path):
+    """A server killed mid-write left ``.prefix-*.safetensors.*.tmp`` (35 MB in the case
+    found), which no limit counted and no run removed. A write still going (touched
+    recently), and files that are not this cache's, stay."""
+    import os
+    import time
+
+    from mlxkv.engine.prefix_cache import ABANDONED_AFTER
+
+    old = tmp_path / ".prefix-0123abcd.safetensors.x1y2z3.tmp"
+    going = tmp_path / ".prefix-4567ef01.safetensors.a1b2c3.tmp"
+    mine = [tmp_path / ".prefix-notes.tmp", tmp_path / "prefix-draft.safetensors.tmp"]
+    for p in (old, going, *mine):
+        p.write_bytes(b"x" * 100)
+    then = time.time() - ABANDONED_AFTER - 5
+    for p in (old, *mine):
+        os.utime(p, (then, then))
+    log: list[str] = []
+    DiskTier(tmp_path, 1 << 20, {"model_id": "m", "dtype": "float32"}, log.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (going, *mine))
+    assert log == [f"prefix cache: removed {old.name} (an unfinished write of a stopped server)"]

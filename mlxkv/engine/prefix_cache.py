@@ -72,6 +72,24 @@ class DiskFile:
     used: float
 
 
+ABANDONED_AFTER = 60.0  # seconds: a write in progress touches its file far more often
+
+
+def _abandoned_write(path: Path) -> bool:
+    """The temporary file of a write this cache began (``files.atomic_file`` names it
+    ``.prefix-*.safetensors.*.tmp``) that nobody has touched for a while: its server was
+    killed mid-write, and the file would hold disk space no limit counts."""
+    name = path.name
+    if not (
+        name.startswith(f".{FILE_PREFIX}") and ".safetensors." in name and name.endswith(".tmp")
+    ):
+        return False
+    try:
+        return time.time() - path.stat().st_mtime > ABANDONED_AFTER
+    except OSError:
+        return False
+
+
 class DiskTier:
     """Entries as safetensors files in ``folder`` (see the module docstring)."""
 
@@ -93,6 +111,9 @@ class DiskTier:
         from mlxkv.caches.persist import read_metadata
 
         for path in sorted(self.folder.iterdir()):
+            if _abandoned_write(path):
+                self._remove(path, "an unfinished write of a stopped server")
+                continue
             if path.suffix != ".safetensors":
                 continue
             try:
@@ -138,10 +159,16 @@ class DiskTier:
             oldest = min(self.files.values(), key=lambda f: f.used)
             del self.files[oldest.path]
             if oldest.path.name.startswith(FILE_PREFIX):
-                try:
-                    oldest.path.unlink()
-                except OSError as e:
-                    self.log(f"prefix cache: cannot remove {oldest.path.name}: {e}")
+                self._remove(oldest.path)
+
+    def _remove(self, path: Path, why: str | None = None) -> None:
+        try:
+            path.unlink()
+        except OSError as e:
+            self.log(f"prefix cache: cannot remove {path.name}: {e}")
+            return
+        if why:
+            self.log(f"prefix cache: removed {path.name} ({why})")
 
     def best(self, policy: KVPolicy, ids: list[int]) -> DiskFile | None:
         want = policy.to_dict()

@@ -240,6 +240,10 @@ def test_shared_prefix_is_prefilled_once_with_the_same_answers(default_model, po
     got = {r.key: r for r in runner.run(reqs)}
     assert runner.prefixes.hits == 3
     assert runner.prefixes.prefilled_tokens > 64  # the template's head and the document
+    # as each request's usage counts them: prefilled + cached = prompt tokens
+    sched = runner.scheduler
+    total = sum(r.prompt_tokens for r in got.values())
+    assert sched.prompt_tokens_prefilled + sched.prompt_tokens_cached == total
     for i, q in enumerate(asks):
         session = ChatSession(Session(default_model, runner.policy), settings)
         ref = [e for e in session.send(q) if isinstance(e, Finished)][0]

@@ -665,7 +665,8 @@ class Scheduler:
                     self._boundary(job)
             else:
                 job.caches, job.done = self._fresh_caches(job)
-                job.cached = 0  # a shared prefix counts as prefilled for this batch
+                job.cached = 0  # a shared prefix counts as prefilled for each request in it
+                self.prompt_tokens_prefilled += job.done
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         job.sampler = sampler_for(s)
         max_tokens, capped = token_budget(

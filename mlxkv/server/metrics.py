@@ -30,7 +30,11 @@ MEMORY_GAUGES = {
 # name (after mlxkv_, before _total) -> (status key, help)
 COUNTERS = {
     "requests_finished": ("requests_finished", "requests that ended"),
-    "prompt_tokens_prefilled": ("prompt_tokens_prefilled", "prompt tokens run through the model"),
+    "prompt_tokens_prefilled": (
+        "prompt_tokens_prefilled",
+        "prompt tokens prefilled, not served from a cache (a prefix shared by a batch counts "
+        "for each request in it)",
+    ),
     "prompt_tokens_cached": ("prompt_tokens_cached", "prompt tokens served from a cache"),
     "tokens_generated": ("tokens_generated", "tokens generated"),
     "scheduler_steps": ("steps", "scheduler rounds"),

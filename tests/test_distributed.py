@@ -459,3 +459,45 @@ def test_batch_over_a_tensor_split_model_writes_the_single_process_records(tmp_p
     assert "error:" not in three.stderr and "Traceback" not in three.stderr, three.stderr
     single = {r["id"]: r["text"] for r in read_records(tmp_path / "one.jsonl")}
     assert {r["id"]: r["text"] for r in read_records(out)} == single
+
+
+def test_stdin_under_mlx_launch_is_refused_not_waited_on(tmp_path):
+    """mlx.launch hands its stdin on to the ranks and never closes it: reading '-' hung
+    with no output until killed."""
+    env = {**os.environ, **ONE_THREAD}
+    for args, what in (
+        (("batch", "-", "-o", str(tmp_path / "out.jsonl")), "the input"),
+        (("generate", "--prompt", "-"), "--prompt"),
+    ):
+        run = subprocess.run(
+            launch_cmd(2, *args), input='{"prompt": "hi"}\n', capture_output=True, text=True,
+            env=env, timeout=TIMEOUT,
+        )  # fmt: skip
+        assert (
+            f"mlxkv {args[0]}: error: {what} '-' reads stdin, which mlx.launch never closes for "
+            "its ranks; give the input as a file\n"
+        ) in run.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_ranks_started_with_other_options_are_refused(tmp_path):
+    """Rank 1 with its own cache window answered its share of the prompts under it, and
+    the records said rank 0's full cache."""
+    wrapper = tmp_path / "mlxkv-rank"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$MLX_RANK" = 1 ]; then exec {BIN / "mlxkv"} "$@" --kv-window 8; fi\n'
+        f'exec {BIN / "mlxkv"} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "yo"}\n')
+    cmd = launch_cmd(2, "batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"))
+    cmd[cmd.index(str(BIN / "mlxkv"))] = str(wrapper)
+    run = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, **ONE_THREAD}, timeout=TIMEOUT
+    )
+    assert (
+        "mlxkv batch: error: rank 1 was started with other options than rank 0; run the same "
+        "mlxkv command on every rank\n"
+    ) in run.stderr
+    assert not (tmp_path / "out.jsonl").exists()

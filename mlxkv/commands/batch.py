@@ -26,6 +26,7 @@ from mlxkv.commands.common import (
     settings_from_args,
     status,
 )
+from mlxkv.engine.distributed import check_stdin_unused
 from mlxkv.errors import UserError
 
 HELP = "generate for every line of a JSONL file, batched and resumable"
@@ -307,7 +308,8 @@ def run(args) -> int:
     base = replace(settings_from_args(args), grammar=grammar)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
-    cluster = join_cluster()
+    check_stdin_unused(args.input == "-", "the input")
+    cluster = join_cluster(args)
     if cluster is not None and not cluster.leader:
         return _follow(args, policy, cluster)  # never touches the input or output files
     if args.output == "-":

@@ -283,13 +283,16 @@ def add_shard_flag(p: argparse.ArgumentParser, choices=("auto", "tensor", "pipel
     )
 
 
-def join_cluster():
-    """The distributed group when run under mlx.launch (None otherwise); only rank 0 then
-    writes output and progress."""
+def join_cluster(args):
+    """The distributed group when run under mlx.launch (None otherwise), every rank checked
+    to run the same command (``args``); only rank 0 then writes output and progress."""
     global _quiet
-    from mlxkv.engine.distributed import join, quiet_followers
+    from mlxkv.engine.distributed import check_same_command, join, quiet_followers
 
     cluster = join()
+    if cluster is not None:
+        plain = (str, int, float, bool, list, tuple, type(None))
+        check_same_command(cluster, {k: v for k, v in vars(args).items() if isinstance(v, plain)})
     quiet_followers(cluster)
     _quiet = cluster is not None and not cluster.leader
     return cluster

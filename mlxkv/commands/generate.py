@@ -28,6 +28,7 @@ from mlxkv.commands.common import (
     status,
 )
 from mlxkv.engine.conversation import conversation_problem
+from mlxkv.engine.distributed import check_stdin_unused
 from mlxkv.errors import UserError
 from mlxkv.files import check_text, parse_json, read_text
 
@@ -171,6 +172,7 @@ def run(args) -> int:
     from mlxkv.engine.session import Session
 
     _check_input(args)
+    check_stdin_unused(args.prompt == "-", "--prompt")
     policy = policy_from_args(args)
     settings = replace(settings_from_args(args), grammar=grammar_from_args(args)[1])
     messages = _read_messages(args.messages) if args.messages is not None else None
@@ -183,7 +185,7 @@ def run(args) -> int:
     cache_file = Path(args.prompt_cache) if args.prompt_cache else None
     if cache_file is not None:
         _check_cache_file(cache_file)
-    cluster = join_cluster()
+    cluster = join_cluster(args)
     if cluster is not None and cache_file is not None:
         raise UserError("--prompt-cache works in one process; drop it under mlx.launch")
     if cluster is not None:

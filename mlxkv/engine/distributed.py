@@ -99,6 +99,34 @@ def lost_peer_message(e: BaseException) -> str:
     )
 
 
+def check_stdin_unused(uses_stdin: bool, what: str) -> None:
+    """Refuse ``-`` (stdin) under mlx.launch: it hands its own stdin on to the ranks and
+    never closes it, so reading it waits forever."""
+    if uses_stdin and launched():
+        raise UserError(
+            f"{what} '-' reads stdin, which mlx.launch never closes for its ranks; "
+            "give the input as a file"
+        )
+
+
+def check_same_command(cluster: Cluster, options: dict) -> None:
+    """Refuse to run unless every rank has the same ``options`` (the parsed command line):
+    a rank with another cache policy or model would answer its share differently, and its
+    records would carry rank 0's settings."""
+    import hashlib
+
+    text = json.dumps(options, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).digest()
+    mine = [int.from_bytes(digest[i : i + 7], "little") for i in (0, 7)]  # fits int64
+    rows = gather_ints(cluster, mine)
+    other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
+    if other is not None:
+        raise UserError(
+            f"rank {other} was started with other options than rank 0; run the same mlxkv "
+            "command on every rank"
+        )
+
+
 def broadcast_int(cluster: Cluster, value: int) -> int:
     """Rank 0's ``value`` on every rank."""
     import mlx.core as mx

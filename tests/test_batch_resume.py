@@ -147,6 +147,19 @@ def test_records_of_another_input_are_foreign():
     assert plan_resume(es, [beyond]).foreign == [beyond]
 
 
+def test_an_error_record_of_a_line_fixed_or_deleted_is_no_ones():
+    """Line 2 was not JSON (an error record without an id); the user deleted it, as the
+    hint to fix the input lines suggests: resuming was refused as another input's file."""
+    a, broken, c = _entry(1, "a"), ResumeEntry(2, None, "f" * 16, runnable=False), _entry(3, "c")
+    records = [_rec(a), _rec(broken, error=True), _rec(c)]
+    fixed = [_entry(1, "a"), _entry(2, "c")]  # line 2 deleted: c moves up
+    plan = plan_resume(fixed, records)
+    assert (plan.run, plan.done, plan.foreign) == ([], [1, 2], [])
+    # with nothing else matching, the file is still another input's
+    alone = plan_resume([_entry(1, "x")], [_rec(broken, error=True)])
+    assert alone.foreign == [_rec(broken, error=True)] and alone.run == [1]
+
+
 # -- read_records: the file check, before anything changes ---------------------------------------
 REC = json.dumps({"id": "a", "line": 1, "text": "x", "fp": "f"})
 

@@ -190,10 +190,10 @@ def _plan(entries, log, context, args):
     plan = plan_resume(resume, log.existing, retry_errors=args.retry_errors)
     if plan.foreign:
         r = plan.foreign[0]
-        what = f"id {r.id!r}" if r.id is not None else f"line {r.line}"
+        what = f"id {r.id!r}" if r.id is not None else f"line {r.line}, without an id"
         raise UserError(
-            f"output {log.path} holds {len(plan.foreign)} records for lines that "
-            f"{_input_name(args)} does not have (first: {what}); it belongs to another "
+            f"output {log.path} holds {len(plan.foreign)} records that match no line of "
+            f"{_input_name(args)} (first: {what}); it belongs to another "
             "input, so it is left untouched (give another -o file)"
         )
     if plan.changed and args.resume == "strict":

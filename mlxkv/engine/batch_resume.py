@@ -86,6 +86,8 @@ def match_records(
 
     A record belongs to the input line with its line number when that line has the same id
     (or both have none); otherwise to the first line with its id (the input was reordered).
+    An error record without an id (a line that was not a usable object) that matches no
+    line is no one's once another record matches: its line was fixed, moved or deleted.
     """
     by_line = {e.line: e for e in entries}
     first_of_id: dict[tuple, int] = {}
@@ -105,6 +107,8 @@ def match_records(
             last[first_of_id[_id_key(r.id)]] = r
         else:
             foreign.append(r)
+    if last:
+        foreign = [r for r in foreign if not (r.error and r.id is None)]
     return last, foreign
 
 

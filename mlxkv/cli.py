@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # an environment variable (MLXKV_BLAS, MLXKV_MODELS, ...)
         print(f"mlxkv: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C while the BLAS or the commands load
+        print("mlxkv: interrupted", file=sys.stderr)
+        return 130
     if extra:
         print(
             f"mlxkv {args.command}: error: {unknown_argument(parser, args.command, extra)}",

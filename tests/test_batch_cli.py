@@ -283,6 +283,30 @@ def test_kill_9_then_resume(tmp_path, default_model_path):
         assert done_before >= 2
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_run_saying_which_records_are_safe(tmp_path, default_model_path, sig):
+    """SIGTERM (timeout, systemd, schedulers) ended the run with 143 and not a word."""
+    lines = [{"id": i, "prompt": "Write a long story about a dragon."} for i in range(2)]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "mlxkv", "batch", str(inp), "-o", str(out), "--batch-size", "1"]
+    cmd += ["--max-tokens", "4000", "--no-progress"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    err = ""
+    while "2 prompts, batch size 1" not in err:  # the model is loaded and running
+        line = proc.stderr.readline()
+        assert line, err
+        err += line
+    proc.send_signal(sig)
+    err += proc.stderr.read()
+    assert proc.wait(120) == 130
+    assert err.endswith(
+        f"mlxkv: interrupted: 0 records are safe in {out}; re-run to resume\n"
+        "mlxkv batch: interrupted\n"
+    )
+
+
 # -- prompt text: template, system prompts, --raw ---------------------------------------------
 class _EchoTemplate:
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):

@@ -298,6 +298,19 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM stops the run as Ctrl+C does: the line saying which records are safe, exit
+    130 (it ended the process silently, 143)."""
+    import signal
+    import threading
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 # -- the command -----------------------------------------------------------------------------
 def run(args) -> int:
     from mlxkv.engine.batch_input import read_input
@@ -312,6 +325,8 @@ def run(args) -> int:
     cluster = join_cluster(args)
     if cluster is not None and not cluster.leader:
         return _follow(args, policy, cluster)  # never touches the input or output files
+    if cluster is None:
+        _interrupt_on_sigterm()  # timeout, systemd and schedulers stop a run with SIGTERM
     if args.output == "-":
         raise UserError(
             "-o - would be a file named '-': records go to a file, which a rerun resumes; "
@@ -346,6 +361,9 @@ def run(args) -> int:
             status(f"nothing left to run; {len(bad)} error records written to {out}")
             return _finish(args, policy, log, [], bad, plan, 0.0, None)
         return _generate(args, policy, base, log, jobs, bad, fps, plan, cluster)
+    except KeyboardInterrupt:
+        status(f"interrupted: {log.records} records are safe in {log.path}; re-run to resume")
+        raise
     finally:
         log.close()
 
@@ -456,7 +474,6 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
             progress.update(r.error is None, r.generation_tokens)
     except KeyboardInterrupt:
         progress.clear()
-        status(f"interrupted: {log.records} records are safe in {log.path}; re-run to resume")
         raise
     except RuntimeError as e:
         if cluster is None:

@@ -244,3 +244,37 @@ def test_layouts_cache_follows_no_planted_link_and_survives_deep_json(tmp_path, 
     path.symlink_to(victim)  # a link at the cache's own name: read as garbage, not written
     assert store.layout_for(cfg) == first
     assert victim.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ({"w": {"shape": [2], "data_offsets": [0, 4]}}, "has no dtype safetensors defines"),
+        ({"w": {"dtype": "X99", "shape": [2], "data_offsets": [0, 4]}}, "(got 'X99')"),
+        ({"w": {"dtype": "F16", "shape": ["a"], "data_offsets": [0, 4]}}, "a shape that is not"),
+        ({"w": {"dtype": "F16", "shape": [-2], "data_offsets": [0, 4]}}, "a shape that is not"),
+        ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]}}, "no valid data_offsets"),
+        ({"w": {"dtype": "F16", "shape": [9], "data_offsets": [0, 4]}}, "do not match its shape"),
+        ({"w": [1, 2]}, "is not a table"),
+        ({}, "holds no tensors"),
+    ],
+)
+def test_a_crafted_weight_table_is_one_line_in_plan_and_generate(tmp_path, capsys, entry, words):
+    """A missing dtype was a KeyError traceback; a negative shape planned -0.00 GiB of
+    weights, and an empty table 0, as fitting."""
+    import json
+    import shutil
+    import struct
+
+    from tests.bad_input import refused
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(LLAMA, folder / "config.json")
+    table = json.dumps(entry).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(table)) + table + bytes(4))
+    for command in ("plan", "generate"):
+        args = [str(folder)] if command == "plan" else ["--model", str(folder), "-p", "hi"]
+        line = refused(capsys, command, *args)
+        assert line.startswith(f"mlxkv {command}: error: {folder / 'model.safetensors'}")
+        assert words in line

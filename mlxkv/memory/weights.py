@@ -12,38 +12,14 @@ dequantized by mlx-lm's sanitize, their block scales dropped.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxkv.errors import UserError
-from mlxkv.files import open_regular, parse_json
 from mlxkv.memory.dtypes import dtype_bytes
+from mlxkv.safetensors_table import DTYPES, Tensor, read_table
 
 # safetensors dtype -> (bytes per element, is a floating weight the engine may cast)
-_ST_DTYPES = {
-    "F64": (8, True),
-    "F32": (4, True),
-    "F16": (2, True),
-    "BF16": (2, True),
-    "F8_E4M3": (1, True),
-    "F8_E5M2": (1, True),
-    "I64": (8, False),
-    "I32": (4, False),
-    "U32": (4, False),
-    "I16": (2, False),
-    "U16": (2, False),
-    "I8": (1, False),
-    "U8": (1, False),
-    "BOOL": (1, False),
-}
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    dtype: str  # safetensors spelling
-    numel: int
+_ST_DTYPES = DTYPES
 
 
 @dataclass(frozen=True)
@@ -56,23 +32,7 @@ class Weights:
 
 def read_header(path: Path) -> list[Tensor]:
     """Tensors of one safetensors file from its JSON header (reads a few KB, not the data)."""
-    f, size = open_regular(path, "weight file")
-    with f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if 8 + n > size or n > 256 << 20:
-            raise UserError(f"{path} is not a complete safetensors file")
-        header = parse_json(f.read(n).decode("utf-8", "replace"), str(path), max_depth=4)
-    if not isinstance(header, dict) or not all(
-        isinstance(v, dict)
-        for k, v in header.items()
-        if k != "__metadata__"  # MLX writes null
-    ):
-        raise UserError(f"{path} is not a safetensors file (its header is not a table)")
-    return [
-        Tensor(name, info["dtype"], _numel(info["shape"]))
-        for name, info in header.items()
-        if name != "__metadata__"
-    ]
+    return read_table(path)[0]
 
 
 def _numel(shape) -> int:
@@ -136,7 +96,7 @@ def from_hub(repo: str, config: dict, weight_dtype: str, dequantize: bool) -> We
 
     meta = get_safetensors_metadata(repo)
     tensors = [
-        Tensor(name, info.dtype, _numel(info.shape))
+        Tensor(name, info.dtype, _numel(info.shape), 0)
         for fm in meta.files_metadata.values()
         for name, info in fm.tensors.items()
     ]

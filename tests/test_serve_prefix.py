@@ -174,7 +174,8 @@ def test_a_budget_for_two_reservations_runs_two_and_queues_the_third(default_mod
     max_tokens = 16  # two at once for about 16 steps (a second or two): seen waiting
     base, one = _predicted_reservation(default_model, 20 + max_tokens)
     budget = base + 2 * one + one // 2
-    s = Server(tmp_path / "admitted", "--memory", str(budget), "--prefix-cache-bytes", "0")
+    flags = ("--memory", str(budget), "--prefix-cache-bytes", "0", "--max-tokens", "16")
+    s = Server(tmp_path / "admitted", *flags)  # the server's default answer fits the budget
     try:
         assert s.status()["memory"]["budget_bytes"] == budget
         _, polls = _three_at_once(s, max_tokens)

@@ -229,10 +229,10 @@ def test_a_budget_where_no_answer_fits_is_refused_at_start():
     """--memory 1MB started a server that refused every request (400, blaming max_tokens)."""
     line = _no_answer_fits()
     assert line.startswith(
-        "mlxkv serve: error: --memory 1MB leaves 0.00 GiB for the KV cache after the weights "
+        "mlxkv serve: error: --memory 1MB leaves 0 MiB for the KV cache after the weights "
         "(0.50 GiB) and runtime ("
     )
-    assert "less than one answer of --max-tokens 512 needs (0.03 GiB, full)" in line
+    assert "less than one answer of --max-tokens 512 needs (34 MiB, full)" in line
     assert line.endswith("GiB, or lower --max-tokens")
 
 

@@ -208,10 +208,14 @@ def _check_one_answer_fits(args, memory, policy) -> None:
     if need <= room:
         return
     given = f"--memory {args.memory}" if args.memory else "this machine's memory budget"
+
+    def mib(n: int) -> str:  # KV sizes here are far below a GiB
+        return f"{n / 2**20:,.0f} MiB"
+
     raise UserError(
-        f"{given} leaves {gib(max(room, 0))} for the KV cache after the weights "
+        f"{given} leaves {mib(max(room, 0))} for the KV cache after the weights "
         f"({gib(memory.fixed.weights)}) and runtime ({gib(memory.fixed.runtime)}), less than "
-        f"one answer of --max-tokens {args.max_tokens} needs ({gib(need)}, "
+        f"one answer of --max-tokens {args.max_tokens} needs ({mib(need)}, "
         f"{policy.describe()}); raise --memory to at least "
         f"{math.ceil((memory.base() + need) / 2**28) / 4:g}GiB, or lower --max-tokens"
     )

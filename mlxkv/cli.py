@@ -176,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if e.errno == errno.EACCES and e.filename is not None:  # a folder it may not enter
+            print(
+                f"mlxkv {args.command}: error: {os.fsdecode(e.filename)}: permission denied; "
+                "check its permissions (and its folders')",
+                file=sys.stderr,
+            )
+            return 2
         if not _is_stdout_error(e):
             raise
         _drop_stdout()

@@ -166,3 +166,58 @@ def test_config_that_never_ends_or_nests_deeply(capsys, tmp_path, kind):
         "big": "is 17 MiB, more than the 16 MiB allowed",
     }.get(kind, "is not a regular file")
     assert words in line
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 1e308,
+                              "original_max_position_embeddings": 8192}},
+            "rope_scaling.factor 1e+308 x original_max_position_embeddings 8192 is past any "
+            "model's context; fix config.json",
+        ),
+        (
+            {"max_position_embeddings": None, "max_seq_len": 10**15},
+            "max_seq_len is 1e+15 tokens, past any model's context; fix config.json",
+        ),
+    ],
+)  # fmt: skip
+def test_a_context_past_any_model_is_refused(tmp_path, capsys, change, words):
+    """A YaRN factor of 1e308 was an OverflowError traceback; 1e15 tokens was planned."""
+    config = json.loads(
+        (Path(__file__).parent / "data/configs/published/llama-3-8b.json").read_text()
+    )
+    config.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert refused(capsys, "plan", str(tmp_path / "config.json")) == f"mlxkv plan: error: {words}"
+
+
+def test_a_folder_it_may_not_enter_is_one_line(tmp_path):
+    """As a user without root: pathlib's is_dir raised PermissionError (a traceback) in
+    plan, generate and pull."""
+    import os
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) drops root's permission override")
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    folder.chmod(0)
+    try:
+        drop = [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+        if os.geteuid() != 0:
+            drop = []
+        for args in (["plan", str(folder)], ["generate", "-m", str(folder), "-p", "hi"]):
+            run = subprocess.run(
+                [*drop, sys.executable, "-m", "mlxkv", *args], capture_output=True, text=True,
+                timeout=120,
+            )  # fmt: skip
+            assert run.returncode == 2 and run.stderr == (
+                f"mlxkv {args[0]}: error: {folder / 'config.json'}: permission denied; check "
+                "its permissions (and its folders')\n"
+            )
+    finally:
+        folder.chmod(0o755)

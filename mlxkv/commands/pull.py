@@ -9,7 +9,10 @@ HELP = "download or convert a model; prints its local folder as the last line"
 
 def add_arguments(p) -> None:
     p.add_argument(
-        "model", nargs="?", default=None, help="alias, repo id, .gguf (default: default)"
+        "model",
+        nargs="?",
+        default=None,
+        help="alias, repo id, .gguf (default: the registry's default model)",
     )
 
 

@@ -13,29 +13,49 @@ windowed (``--kv-window``), which keeps every position the model attends to in r
 
 from __future__ import annotations
 
-from mlxkv.memory.config import text_view
+from mlxkv.memory.config import BadInput, text_view
 
 _SCALED = ("yarn", "dynamic", "longrope", "linear", "su", "llama3")
+MOST_CONTEXT = 2**40  # tokens: far past any model's, well within every integer used here
 
 
-def _positive(v) -> int | None:
+def _positive(v, tokens_of: str | None = None) -> int | None:
+    """``v`` as a positive int (None if it is none); ``tokens_of``: the field, when ``v``
+    counts tokens (and must be a context a model can have)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0:
         return None
+    if tokens_of:
+        _check_size(v, tokens_of)
     return int(v)
+
+
+def _check_size(tokens: float, what: str) -> None:
+    if tokens > MOST_CONTEXT:
+        raise BadInput(f"{what} is {tokens:.3g} tokens, past any model's context; fix config.json")
 
 
 def trained_context(config: dict) -> int | None:
     """Tokens the model was trained to attend over (None when the config does not say)."""
     view = text_view(config)
-    limit = _positive(view.get("max_position_embeddings")) or _positive(view.get("max_seq_len"))
+    limit = _positive(view.get("max_position_embeddings"), "max_position_embeddings") or _positive(
+        view.get("max_seq_len"), "max_seq_len"
+    )
     scaling = view.get("rope_scaling") or view.get("rope_parameters")
     if isinstance(scaling, dict):
         kind = scaling.get("rope_type") or scaling.get("type")
         factor = _positive(scaling.get("factor"))
-        original = _positive(scaling.get("original_max_position_embeddings"))
+        original = _positive(
+            scaling.get("original_max_position_embeddings"),
+            "rope_scaling.original_max_position_embeddings",
+        )
         if kind in _SCALED and factor and original:
-            extended = int(float(scaling["factor"]) * original)
-            limit = max(limit or 0, extended)
+            if float(scaling["factor"]) > MOST_CONTEXT / original:
+                raise BadInput(
+                    f"rope_scaling.factor {float(scaling['factor']):.3g} x "
+                    f"original_max_position_embeddings {original} is past any model's "
+                    "context; fix config.json"
+                )
+            limit = max(limit or 0, int(float(scaling["factor"]) * original))
     return limit
 
 

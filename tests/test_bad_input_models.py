@@ -140,3 +140,14 @@ def test_conversion_never_replaces_a_link_or_a_foreign_folder(tmp_path):
     with pytest.raises(UserError, match="was not made by mlxkv"):
         check_replaceable(victim)
     assert _unchanged(victim)
+
+
+@pytest.mark.parametrize("text", ["\\u001b]0;pwned\\u0007", "\\u001b[2J", "a\\nb", "\\u009b31m"])
+def test_registry_text_with_control_characters_is_refused(capsys, monkeypatch, tmp_path, text):
+    """A registry's params/attention went to the terminal as they were: escape codes set
+    the window title or cleared the screen."""
+    reg = tmp_path / "models.toml"
+    reg.write_text(CRAFTED.format(**GOOD) + f'params = "{text}"\n')
+    monkeypatch.setenv("MLXKV_MODELS", str(reg))
+    line = refused(capsys, "models")
+    assert line.endswith("invalid model registry (models.tiny.params holds a control character)")

@@ -83,6 +83,8 @@ def _entry(alias, m) -> ModelEntry:
     for k, v in strings.items():
         if not isinstance(v, str):
             raise ValueError(f"models.{alias}.{k} must be a string")
+        if any(c < " " or "\x7f" <= c <= "\x9f" for c in v):  # printed to a terminal
+            raise ValueError(f"models.{alias}.{k} holds a control character")
     if not _HF_REPO.match(strings["hf_repo"]) or ".." in strings["hf_repo"]:
         raise ValueError(f"models.{alias}.hf_repo {strings['hf_repo']!r} is not owner/name")
     off = m.get("offline")

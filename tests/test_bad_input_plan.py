@@ -221,3 +221,15 @@ def test_a_folder_it_may_not_enter_is_one_line(tmp_path):
             )
     finally:
         folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("group", [48, 100000])
+def test_a_quantization_group_mlx_cannot_pack_is_refused(tmp_path, capsys, group):
+    """No layer divides by 48: the 4-bit checkpoint was planned as 16 GB of bf16 weights."""
+    config = json.loads((PUBLISHED / "llama-3-8b.json").read_text())
+    config["quantization"] = {"bits": 4, "group_size": group}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert refused(capsys, "plan", str(tmp_path / "config.json")) == (
+        f"mlxkv plan: error: quantization.group_size {group!r} is not one MLX packs weights "
+        "in (32, 64, 128); fix config.json"
+    )

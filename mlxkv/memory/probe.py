@@ -27,6 +27,7 @@ from pathlib import Path
 from mlxkv.errors import one_line
 from mlxkv.memory.config import BadInput, text_view, validate
 from mlxkv.memory.layout import CacheSpec, LayerSpec, Layout, ModelFacts
+from mlxkv.policy import SUPPORTED_GROUP_SIZES
 
 PROBE_DTYPE = "float16"  # distinct from float32, so states the runtime pins to float32 show up
 _HELPERS = {
@@ -115,6 +116,17 @@ def module_name(config: dict) -> str:
             f"unknown model_type '{model_type}'; supported: " + ", ".join(supported_model_types())
         )
     return name
+
+
+def _check_quantization(config: dict) -> None:
+    q = config.get("quantization")
+    if isinstance(q, dict) and q.get("mode", "affine") == "affine":
+        group = q.get("group_size")
+        if group not in SUPPORTED_GROUP_SIZES:  # no layer would divide by it: planned unpacked
+            raise BadInput(
+                f"quantization.group_size {group!r} is not one MLX packs weights in (32, 64, "
+                "128); fix config.json"
+            )
 
 
 def _quantize(nn, model, config: dict) -> bool:
@@ -269,6 +281,7 @@ def probe(config: dict) -> Layout:
         cache_mod = importlib.import_module("mlx_lm.models.cache")
     except (Exception, SystemExit) as e:  # olmo.py calls sys.exit without ai2-olmo
         raise BadInput(f"mlx-lm cannot import model '{module}': {one_line(e)}") from None
+    _check_quantization(config)
     try:
         args = arch.ModelArgs.from_dict(config)
         model = arch.Model(args)

@@ -177,3 +177,32 @@ def test_a_write_left_by_a_killed_server_is_removed_at_start(tmp_path):
     DiskTier(tmp_path, 1 << 20, {"model_id": "m", "dtype": "float32"}, log.append)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (going, *mine))
     assert log == [f"prefix cache: removed {old.name} (an unfinished write of a stopped server)"]
+
+
+@pytest.mark.model
+def test_a_damaged_file_gives_way_to_the_next_that_holds_the_prompt(default_model, tmp_path):
+    """Two files with the same tokens, the damaged one ranked first: it was skipped and the
+    request missed the cache, though the good file held its prompt."""
+    from mlxkv.engine.reuse import cache_identity, save_held
+
+    identity = cache_identity(default_model)
+    policy = KVPolicy()
+    scheduler = Scheduler(default_model, policy, prefix_cache=PrefixCache(1 << 30))
+    ids = scheduler.encode(_render(default_model, [{"role": "user", "content": "Hello there"}]))
+    _answer(scheduler, ids, max_tokens=2)
+    entry = scheduler.prefix.entries[-1]
+    meta = dict(identity, policy=policy.to_dict())
+    damaged, good = tmp_path / "a-damaged.safetensors", tmp_path / "b-good.safetensors"
+    for path in (damaged, good):
+        save_held(path, entry.caches, entry.tokens, entry.checkpoint, meta)
+    data = bytearray(damaged.read_bytes())
+    data[-8:-4] = b"\xff\xff\xff\x7f"  # a NaN inside the tensors: only the digest sees it
+    damaged.write_bytes(bytes(data))
+    log: list[str] = []
+    disk = DiskTier(tmp_path, 1 << 30, identity, log.append)
+    assert list(disk.files) == [damaged, good]  # equal prefixes: the first one ranks first
+    cache = PrefixCache(1 << 30, default_model.model, disk, log.append)
+    held, caches = cache.take(policy, entry.tokens + ids[-1:])
+    assert held == len(entry.tokens) and caches is not None
+    assert [line.split(":")[1].strip() for line in log] == ["skipped a-damaged.safetensors"]
+    assert damaged.exists()  # skipped, never removed

@@ -235,15 +235,16 @@ class PrefixCache:
                 return self._hit(e, held, caches)
             best = max(best, held)
         if self.disk is not None and self.model is not None:
-            f = self.disk.best(policy, ids)
-            if f is not None and common_prefix(f.tokens, ids[:-1]) > 0:
+            while (f := self.disk.best(policy, ids)) is not None:
                 e = self.disk.load(f, self.model, policy)
-                if e is not None:
-                    self._add(e)
-                    self.make_room(0)
-                    held, caches = self._try(e, ids, copy_caches)
-                    if held:
-                        return self._hit(e, held, caches)
+                if e is None:
+                    continue  # damaged, now forgotten: the next best file may hold the prompt
+                self._add(e)
+                self.make_room(0)
+                held, caches = self._try(e, ids, copy_caches)
+                if held:
+                    return self._hit(e, held, caches)
+                break
         self.misses += 1
         return 0, None
 

@@ -206,3 +206,35 @@ def test_a_damaged_file_gives_way_to_the_next_that_holds_the_prompt(default_mode
     assert held == len(entry.tokens) and caches is not None
     assert [line.split(":")[1].strip() for line in log] == ["skipped a-damaged.safetensors"]
     assert damaged.exists()  # skipped, never removed
+
+
+def test_a_read_only_folder_is_read_and_said_once(tmp_path):
+    """A read-only --prefix-cache-dir logged a failed write twice per request, forever."""
+    import shutil
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) drops root's permission override")
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o555)
+    script = (
+        "import sys\n"
+        "from mlxkv.engine.prefix_cache import DiskTier\n"
+        "d = DiskTier(sys.argv[1], 1 << 20, {'model_id': 'm'}, print)\n"
+        "d.put(None)\n"  # not written: put returns before it reads the entry
+        "print(d.writable)\n"
+    )
+    try:
+        run = subprocess.run(
+            [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner", sys.executable,
+             "-c", script, str(folder)], capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        folder.chmod(0o755)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == (
+        f"prefix cache: {folder} is read-only: its files are read, none is written\nFalse\n"
+    )

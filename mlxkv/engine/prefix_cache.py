@@ -101,6 +101,9 @@ class DiskTier:
         self.files: dict[Path, DiskFile] = {}
         self.hits = self.writes = 0
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.writable = os.access(self.folder, os.W_OK)
+        if not self.writable:  # a shared, read-only cache still answers from its files
+            log(f"prefix cache: {self.folder} is read-only: its files are read, none is written")
         self._scan()
 
     @property
@@ -144,6 +147,8 @@ class DiskTier:
 
     def put(self, entry: Entry) -> None:
         """Write ``entry`` (replacing a file of the same tokens), then trim to the limit."""
+        if not self.writable:
+            return
         path = self.name(entry)
         meta = dict(self.identity, policy=entry.policy.to_dict())
         save_held(path, entry.caches, entry.tokens, entry.checkpoint, meta)
@@ -213,6 +218,7 @@ class PrefixCache:
         self.log = log
         self.entries: list[Entry] = []
         self.hits = self.misses = self.tokens_reused = 0
+        self._last_failure = ""
 
     @property
     def nbytes(self) -> int:
@@ -314,7 +320,10 @@ class PrefixCache:
         try:
             self.disk.put(e)
         except Exception as err:  # a full disk must not stop the server
-            self.log(f"prefix cache: could not write an entry to disk: {err}")
+            line = f"prefix cache: could not write an entry to disk: {err}"
+            if line != self._last_failure:  # once per cause, not once per request
+                self.log(line)
+            self._last_failure = line
 
     def flush(self) -> None:
         """Write every memory entry to disk (the server is stopping)."""

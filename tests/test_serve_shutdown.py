@@ -78,3 +78,34 @@ def test_a_client_still_sending_its_body_at_the_deadline_gets_a_503(tmp_path):
     assert server.proc.wait(120) == 0
     assert "Traceback" not in server.log()
     server.stop()
+
+
+@pytest.mark.slow
+def test_a_body_that_stops_arriving_gets_408(tmp_path):
+    """A client that sent its headers and a few bytes held its connection open for ever."""
+    from mlxkv.server.app import BODY_WAIT
+
+    server = Server(tmp_path)
+    url = urlsplit(server.url)
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=BODY_WAIT + 60) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 60\r\n\r\n{"messa'
+            )
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 408 ")
+        assert json.loads(body)["error"] == {
+            "message": f"the request body stopped arriving (nothing for {BODY_WAIT:g} s); send "
+            "it whole",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_timeout",
+        }
+        assert server.http("GET", "/health").status_code == 200
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.log()

@@ -69,6 +69,7 @@ FORMAT_PARAMS = {  # where each API asks for an answer's schema
     "api_generate": "format",
 }
 BLOCKS = ("messages", "responses")  # one answer, as a list of blocks or items
+BODY_WAIT = 30.0  # seconds a request body may pause before it gets 408
 OLLAMA = ("api_chat", "api_generate")
 
 
@@ -158,7 +159,19 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
+        parts = request.stream().__aiter__()
+        while True:
+            try:  # a client that stops mid-body would hold its connection for ever
+                chunk = await asyncio.wait_for(parts.__anext__(), BODY_WAIT)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(
+                    408,
+                    f"the request body stopped arriving (nothing for {BODY_WAIT:g} s); send it "
+                    "whole",
+                    code="request_timeout",
+                ) from None
             size += len(chunk)
             if size > limit:
                 raise too_big

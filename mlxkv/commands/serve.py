@@ -92,7 +92,7 @@ def add_arguments(p) -> None:
         "--prefix-cache-dir",
         metavar="DIR",
         help="folder for prefix-cache entries evicted from memory (default: "
-        "MLXKV_HOME/prefix-cache/<model>); 'none' keeps no files",
+        "MLXKV_HOME/prefix-cache/<model digest>); 'none' keeps no files",
     )
     m.add_argument(
         "--prefix-cache-disk-bytes",

@@ -776,11 +776,15 @@ def _log(env: Envelope, ask: Ask, choices: list[Choice], run: Run) -> None:
     s = done[0].stats
     reasons = ",".join(sorted({c.reason or "cancelled" for c in done}))
     who = f" user={ask.user!r}" if ask.user else ""
+    kv = (
+        f"KV {s.kv_tokens} tokens, {s.kv_bytes_actual} bytes (predicted {s.kv_bytes_predicted})"
+        if s.kv_bytes_predicted is not None
+        else "no KV (it never started)"
+    )
     print(
         f"mlxkv: {env.id} {len(done)} answer(s), {s.prompt_tokens} prompt tokens "
         f"({s.prompt_tokens_cached} cached), {sum(c.stats.generation_tokens for c in done)} "
-        f"generated, finish {reasons}; KV {s.kv_tokens} tokens, {s.kv_bytes_actual} bytes "
-        f"(predicted {s.kv_bytes_predicted}), {s.policy}{who}",
+        f"generated, finish {reasons}; {kv}, {s.policy}{who}",
         file=sys.stderr,
         flush=True,
     )

@@ -421,9 +421,9 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
 
         def stopped() -> str:
             return (
-                f"mlxkv batch: error: stopped: another rank exited (its error is above); "
-                f"{log.records} records are safe in {log.path}; run the same command again "
-                "to resume"
+                "mlxkv batch: error: stopped: another rank exited (its error, or mlx.launch's "
+                f"line about it, is above); {log.records} records are safe in {log.path}; run "
+                "the same command again to resume"
             )
 
         on_terminate(stopped)

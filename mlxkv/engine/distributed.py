@@ -95,7 +95,7 @@ def lost_peer_message(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (
         f"rank {rank} lost contact with the other ranks ({text}); another rank stopped, "
-        "see its error above"
+        "see its error (or mlx.launch's line about it) above"
     )
 
 

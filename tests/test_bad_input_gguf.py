@@ -21,6 +21,35 @@ def test_the_crafted_base_file_converts(tmp_path):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
 
 
+def test_two_conversions_into_one_folder_at_once_both_end_with_it(tmp_path):
+    """Two `mlxkv pull` at once: the second removed the first's folder in the making as
+    stale, and the first failed with a FileNotFoundError traceback."""
+    import threading
+
+    from mlxkv.models.gguf import MARKER, convert_gguf
+
+    f = tmp_path / "ok.gguf"
+    f.write_bytes(gguf(base_meta(), base_tensors()))
+    out, results = tmp_path / "models" / "tiny", []
+
+    def convert():
+        try:
+            results.append(convert_gguf(f, out))
+        except Exception as e:  # noqa: BLE001 - the failure is what the test reports
+            results.append(e)
+
+    threads = [threading.Thread(target=convert) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [out, out, out]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER]
+    )
+    assert [p.name for p in out.parent.iterdir() if p.name.endswith(".partial")] == []
+
+
 def _with(**changes):
     meta = base_meta()
     for k, v in changes.items():

@@ -207,14 +207,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
     (``content_key``, the source's digest, is recorded in its mlxkv_source.json).
 
     The folder is written under a temporary name beside ``out_dir`` and renamed at the
-    end: an interrupted conversion leaves nothing that looks like a model.
+    end: an interrupted conversion leaves nothing that looks like a model. One conversion
+    into ``out_dir`` runs at a time: a second (two ``mlxkv pull`` at once) waits, then
+    finds the folder the first made.
     """
-    import mlx.core as mx
+    import fcntl
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     check_replaceable(out_dir)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    source = {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "content": content_key}
+    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _made_from(out_dir) == source and (out_dir / "config.json").is_file():
+            return out_dir  # made while this one waited
+        return _convert(gguf_path, out_dir, source)
+
+
+def _made_from(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _convert(gguf_path: Path, out_dir: Path, source: dict) -> Path:
+    import mlx.core as mx
+
+    check_replaceable(out_dir)
     header = read_header(gguf_path)
     check_supported(header, gguf_path, SUPPORTED_ARCHITECTURES)
     check_llama(header, gguf_path)
@@ -247,11 +269,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        (tmp / MARKER).write_text(
-            json.dumps(
-                {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "content": content_key}
-            )
-        )
+        (tmp / MARKER).write_text(json.dumps(source))
         check_replaceable(out_dir)
         if out_dir.exists():
             shutil.rmtree(out_dir)

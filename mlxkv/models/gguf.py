@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -217,13 +218,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
     check_replaceable(out_dir)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file not found: {gguf_path}")
+    header = read_header(gguf_path)  # every refusal before anything is written
+    check_supported(header, gguf_path, SUPPORTED_ARCHITECTURES)
+    check_llama(header, gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     source = {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "content": content_key}
-    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    folder = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # on the models folder: no lock file is left
         if _made_from(out_dir) == source and (out_dir / "config.json").is_file():
             return out_dir  # made while this one waited
         return _convert(gguf_path, out_dir, source)
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def _made_from(out_dir: Path) -> dict | None:
@@ -237,9 +244,6 @@ def _convert(gguf_path: Path, out_dir: Path, source: dict) -> Path:
     import mlx.core as mx
 
     check_replaceable(out_dir)
-    header = read_header(gguf_path)
-    check_supported(header, gguf_path, SUPPORTED_ARCHITECTURES)
-    check_llama(header, gguf_path)
     try:
         weights, meta = mx.load(str(gguf_path), return_metadata=True)
     except Exception as e:  # MLX's loader reports corrupt data as a bare runtime error

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-HELP = "list the model registry and mark the models present locally"
+HELP = (
+    "list the model registry (models.toml; MLXKV_MODELS=FILE names your own) and mark the "
+    "models present locally"
+)
 
 
 def add_arguments(p) -> None:

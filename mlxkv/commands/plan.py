@@ -20,7 +20,8 @@ KV_DTYPES = ("float16", "bfloat16", "float32")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Numbers are parsed in run(): argparse's own errors print a usage block, not one line.
     a = parser.add_argument
-    a("model", metavar="MODEL", help="config.json file, model folder, registry alias or hub id")
+    a("model", metavar="MODEL", help="config.json file, model folder, registry alias, hub id, "
+      "or .gguf file (converted once, cached: it holds no config.json)")  # fmt: skip
     a("--context", metavar="N", help="tokens in the cache (prompt + reply); default 4096")
     a("--batch", metavar="B", help="sequences run together; default 1")
     a("--chunk", metavar="N", help="prefill chunk size (tokens per model call); default 512")

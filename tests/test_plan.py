@@ -107,7 +107,7 @@ def test_bad_inputs(tmp_path, capsys):
     base = json.loads((PUBLISHED / "llama-2-7b.json").read_text())
     cases = {
         "wrong_type": ({**base, "num_hidden_layers": "32"}, "'num_hidden_layers'"),
-        "unknown": ({**base, "model_type": "llamaX"}, "unknown model_type 'llamaX'; supported:"),
+        "unknown": ({**base, "model_type": "llamaX"}, "model_type 'llamaX' (did you mean 'llama'"),
         "heads": ({**base, "num_attention_heads": 30}, "not divisible by 'num_attention_heads'"),
         "kv_heads": ({**base, "num_key_value_heads": 5}, "'num_key_value_heads'"),
         "negative": ({**base, "hidden_size": -4096}, "'hidden_size' must be positive"),

@@ -102,7 +102,7 @@ def _estimate(args):
         args.memory,
         search=True,
         on=args.backend,
-        weight_bits=_int(args.weight_bits, "--weight-bits", None, 1),
+        weight_bits=_int(args.weight_bits, "--weight-bits", None, 2),
     )
 
 

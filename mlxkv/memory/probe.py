@@ -112,8 +112,14 @@ def module_name(config: dict) -> str:
             break
     name = name or remap.get(model_type, model_type)
     if name not in {p.stem for p in _models_dir().glob("*.py")} - _HELPERS:
+        import difflib
+
+        types = supported_model_types()
+        near = difflib.get_close_matches(str(model_type), types, n=3)
+        hint = f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
         raise BadInput(
-            f"unknown model_type '{model_type}'; supported: " + ", ".join(supported_model_types())
+            f"unknown model_type {str(model_type)[:60]!r}{hint}: the installed mlx-lm runs "
+            f"{len(types)} types, not this one; fix config.json or upgrade mlx-lm"
         )
     return name
 

@@ -28,7 +28,8 @@ def from_path(path: Path, name: str | None = None, how: str | None = None) -> Mo
         cfg = path / "config.json"
         if not cfg.is_file():
             raise BadInput(f"{path} is a folder without config.json")
-        return ModelSource(name or path.name, load_config(cfg), path, None, how or "local folder")
+        shown = name or path.resolve().name  # "." names the folder it is
+        return ModelSource(shown, load_config(cfg), path, None, how or "local folder")
     default = path.parent.name if path.name == "config.json" else path.stem
     return ModelSource(
         name or default or str(path), load_config(path), path.parent, None, how or "config file"

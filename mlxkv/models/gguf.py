@@ -203,6 +203,13 @@ def check_replaceable(out_dir: Path) -> None:
         )
 
 
+def gguf_missing(path: Path) -> str:
+    """Why ``path`` (a name ending .gguf that is no regular file) cannot be read."""
+    if path.exists():
+        return f"{path} is not a regular file; give a .gguf file"
+    return f"GGUF file not found: {path}"
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None) -> Path:
     """Convert ``gguf_path`` into the MLX model folder ``out_dir`` atomically
     (``content_key``, the source's digest, is recorded in its mlxkv_source.json).
@@ -217,7 +224,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, content_key: str | None = None)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     check_replaceable(out_dir)
     if not gguf_path.is_file():
-        raise UserError(f"GGUF file not found: {gguf_path}")
+        raise UserError(gguf_missing(gguf_path))
     header = read_header(gguf_path)  # every refusal before anything is written
     check_supported(header, gguf_path, SUPPORTED_ARCHITECTURES)
     check_llama(header, gguf_path)

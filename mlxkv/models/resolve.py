@@ -158,10 +158,10 @@ def _recorded_content(folder: Path):
 def _gguf(path: Path, on_status: Callable[[str], None] = lambda _m: None) -> ResolvedModel:
     """A GGUF file, converted once: the cache is keyed on the file's content, never on its
     name (two files called model.gguf are two models)."""
-    from mlxkv.models.gguf import convert_gguf
+    from mlxkv.models.gguf import convert_gguf, gguf_missing
 
     if not path.is_file():
-        raise UserError(f"GGUF file not found: {path}")
+        raise UserError(gguf_missing(path))
     try:
         key = gguf_content_key(path)
     except OSError as e:
@@ -227,7 +227,9 @@ def _classify(name: str):
         return "folder", path
     if name.lower().endswith(".gguf"):
         if not path.is_file():
-            raise UserError(f"GGUF file not found: {path}")
+            from mlxkv.models.gguf import gguf_missing
+
+            raise UserError(gguf_missing(path))
         return "gguf", path
     entry = registry.lookup(name)
     if entry:

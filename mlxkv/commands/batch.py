@@ -67,8 +67,8 @@ the batch allocated next to the memory model's prediction.
 
 Exit status: 0 every line is answered by a result, 1 OUT.jsonl answers some lines of this
 input with error records (written now or kept from before), 2 the run could not start
-(bad paths, empty or non-JSON input, a foreign output file, bad flags), 130 interrupted
-(re-run to resume).
+(bad paths, empty or non-JSON input, a foreign output file, bad flags), 130 interrupted by
+Ctrl+C or SIGTERM (re-run to resume).
 
 Under mlx.launch (see docs/distributed.md): --shard data (the default) gives every rank a
 whole model and splits the prompts; rank 0 reads the input and alone writes OUT.jsonl.

@@ -16,6 +16,7 @@ LAYERS = {
     "mlxkv.errors": 0,
     "mlxkv.paths": 0,
     "mlxkv.files": 0,
+    "mlxkv.safetensors_table": 0,
     "mlxkv.policy": 0,
     "mlxkv.backend": 0,
     "mlxkv": 0,  # the package's own __init__

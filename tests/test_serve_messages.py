@@ -230,6 +230,18 @@ BAD = [
         "the JSON schema cannot be used: Invalid type: nonsense",
     ),
     ({"container": "c_1"}, 400, "container: containers (code execution) are not supported"),
+    (
+        {"messages": [{"role": "user", "content": []}]},
+        400,
+        "messages[0]: all messages must have non-empty content except for the optional final "
+        "assistant message",
+    ),
+    (
+        {"messages": [*QUESTION, {"role": "assistant", "content": ""}, *QUESTION]},
+        400,
+        "messages[1]: all messages must have non-empty content except for the optional final "
+        "assistant message",
+    ),
     ({"stream": "yes"}, 400, 'stream must be true or false, got "yes"'),
     (
         {"kv": {"window": 4, "sinks": 8}},

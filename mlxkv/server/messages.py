@@ -273,6 +273,13 @@ def _messages(v) -> tuple[list[dict], bool]:
         if role not in ("user", "assistant"):
             raise bad(f"{where}.role must be 'user' or 'assistant', got {show(role)}", where)
         content = m.get("content")
+        final_assistant = role == "assistant" and i == len(v) - 1
+        if content in ("", []) and not final_assistant:  # as Anthropic's API refuses it
+            raise bad(
+                f"{where}: all messages must have non-empty content except for the optional "
+                "final assistant message",
+                f"{where}.content",
+            )
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):

@@ -49,13 +49,13 @@ def trained_context(config: dict) -> int | None:
             "rope_scaling.original_max_position_embeddings",
         )
         if kind in _SCALED and factor and original:
-            if float(scaling["factor"]) > MOST_CONTEXT / original:
+            scale = float(scaling["factor"])  # factor above is truncated: 1.5 would be 1
+            if scale > MOST_CONTEXT / original:
                 raise BadInput(
-                    f"rope_scaling.factor {float(scaling['factor']):.3g} x "
-                    f"original_max_position_embeddings {original} is past any model's "
-                    "context; fix config.json"
+                    f"rope_scaling.factor {scale:.3g} x original_max_position_embeddings "
+                    f"{original} is past any model's context; fix config.json"
                 )
-            limit = max(limit or 0, int(float(scaling["factor"]) * original))
+            limit = max(limit or 0, int(scale * original))
     return limit
 
 

@@ -18,9 +18,6 @@ from pathlib import Path
 from mlxkv.memory.dtypes import dtype_bytes
 from mlxkv.safetensors_table import DTYPES, Tensor, read_table
 
-# safetensors dtype -> (bytes per element, is a floating weight the engine may cast)
-_ST_DTYPES = DTYPES
-
 
 @dataclass(frozen=True)
 class Weights:
@@ -59,7 +56,7 @@ def from_tensors(
     wb = dtype_bytes(weight_dtype)
     total = file_total = params = 0
     for t in tensors:
-        size, floating = _ST_DTYPES.get(t.dtype, (4, False))
+        size, floating = DTYPES.get(t.dtype, (4, False))
         file_total += t.numel * size
         base = t.name.rsplit(".", 1)[0]
         if t.name.endswith("weight_scale_inv"):  # fp8 block scales: folded in at load

@@ -199,6 +199,18 @@ def test_weights_from_config_count():
     assert "parameter count" in w.source
 
 
+def test_gemma3_tied_head_counted_once():
+    """mlx-lm's Gemma 3 builds an lm_head and drops it while loading a checkpoint that has
+    none, as the published ones do: the plan counts the embedding table once."""
+    from mlxkv.memory.probe import probe
+    from mlxkv.memory.weights import from_layout
+
+    lay = _layout("gemma-3-4b-it.json")  # the language model of Gemma 3 4B: 3.88B
+    assert from_layout(lay.facts, "bfloat16", dequantize=False).params == 3_880_263_168
+    untied = probe(dict(load_config(PUBLISHED / "gemma-3-4b-it.json"), tie_word_embeddings=False))
+    assert untied.facts.dense_params - lay.facts.dense_params == 262_208 * 2_560  # the head
+
+
 # --- system ------------------------------------------------------------------------------
 
 

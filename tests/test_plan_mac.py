@@ -317,6 +317,8 @@ def _quantized_by_mlx_lm(family: str, recipe: str):
     predicate = mixed_quant_predicate_builder(mixed, model, group) if mixed else None
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its bits per weight
         model, qconfig = quantize_model(model, config, group, bits, quant_predicate=predicate)
+    if "lm_head" in model:  # a checkpoint with a head of its own says so (Gemma 3 ties by default)
+        qconfig["tie_word_embeddings"] = False
     return model, {**qconfig, "torch_dtype": "bfloat16"}
 
 
@@ -338,6 +340,28 @@ def test_packed_weights_equal_mlx_lms_own_quantization(family, recipe, tmp_path,
         mx.save_safetensors(str(tmp_path / "model.safetensors"), params)
         _, d = plan_json(capsys, str(tmp_path), *metal)
         assert d["weights_bytes"] == expected and "safetensors" in d["weights_source"]
+
+
+def test_a_gemma3_checkpoint_without_a_head_as_mlx_lm_loads_it(tmp_path, capsys):
+    """Published Gemma 3 checkpoints tie the embeddings and hold no lm_head; mlx-lm builds
+    one and drops it while loading. The plan from config.json alone counts what mlx-lm
+    holds after loading such a checkpoint."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, qconfig = _quantized_by_mlx_lm("gemma3_text", "4-bit")
+    del qconfig["tie_word_embeddings"]
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(qconfig))
+    weights = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("lm_head.")}
+    mx.save_safetensors(str(tmp_path / "ckpt" / "model.safetensors"), weights)
+    loaded, _ = load_model(tmp_path / "ckpt")
+    held = sum(p.nbytes for _, p in tree_flatten(loaded.parameters()))
+    (tmp_path / "config.json").write_text(json.dumps(qconfig))
+    metal = ["--backend", "metal", "--memory", "64GB"]
+    _, d = plan_json(capsys, str(tmp_path / "config.json"), *metal)
+    assert d["weights_bytes"] == held < sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
 def test_a_layer_the_config_keeps_unquantized(tmp_path, capsys):

@@ -135,6 +135,26 @@ def _check_quantization(config: dict) -> None:
             )
 
 
+def _load_tied(model, config: dict, view: dict) -> None:
+    """Some mlx-lm models (Gemma 3, RecurrentGemma) build an ``lm_head`` whatever the config
+    says and drop it in ``sanitize`` when the checkpoint has none, as the published ones
+    (tied embeddings, the config's default) do not. Load a checkpoint without a head the
+    same way, unless the config says the embeddings are not tied: the embedding table is
+    then counted once, as it is held."""
+    from mlx.utils import tree_flatten
+
+    if False in (config.get("tie_word_embeddings"), view.get("tie_word_embeddings")):
+        return
+    params = dict(tree_flatten(model.parameters()))
+    checkpoint = {k: v for k, v in params.items() if ".lm_head." not in f".{k}"}
+    if len(checkpoint) == len(params) or not hasattr(model, "sanitize"):
+        return
+    try:
+        model.sanitize(checkpoint)
+    except Exception:  # a sanitize that needs more of a real checkpoint: the head stays
+        pass
+
+
 def _quantize(nn, model, config: dict) -> bool:
     """Quantize the (lazy) model the way the checkpoint is, so parameter bytes are packed.
 
@@ -291,6 +311,7 @@ def probe(config: dict) -> Layout:
     try:
         args = arch.ModelArgs.from_dict(config)
         model = arch.Model(args)
+        _load_tied(model, config, view)
         dense_params = sum(p.size for _, p in tree_flatten(model.parameters()))
         quantized = _quantize(nn, model, config)
         model.eval()

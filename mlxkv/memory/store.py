@@ -16,7 +16,7 @@ from mlxkv.files import MiB, atomic_write, parse_json, read_text
 from mlxkv.memory.layout import Layout
 from mlxkv.paths import home
 
-LAYOUT_VERSION = 2  # bump when Layout's meaning changes
+LAYOUT_VERSION = 3  # bump when Layout's meaning changes
 
 
 def _mlx_lm_version() -> str:

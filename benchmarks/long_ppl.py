@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         f"context {ctx}, window {args.window} + sinks {args.sinks}, chunk {args.chunk}, "
         f"BLAS {blas()}"
     )
-    print(f"| policy | ppl 0-{ctx} | ppl {ctx}-{n} | ppl last 2048 | KV MiB | s |")
+    past = f"ppl {ctx + 1}-{n}" if n > ctx else "ppl past context"
+    print(f"| policy | ppl 1-{min(ctx, n)} | {past} | ppl last 2048 | KV MiB | s |")
     print("|---|---|---|---|---|---|")
     for name in names:
         caches = build_caches(loaded.model, name, args.window, args.sinks)
@@ -110,8 +111,10 @@ def main(argv=None) -> int:
             "seconds": secs,
         }
         print(
-            f"| {name} | {row['ppl_in_context']:.2f} | {row['ppl_past_context']:.2f} | "
-            f"{row['ppl_last_2048']:.2f} | {kv:.1f} | {secs:.0f} |",
+            (
+                f"| {name} | {row['ppl_in_context']:.2f} | {row['ppl_past_context']:.2f} | "
+                f"{row['ppl_last_2048']:.2f} | {kv:.1f} | {secs:.0f} |"
+            ).replace("| nan |", "| - |"),  # nothing past the context
             flush=True,
         )
         if args.json:

@@ -121,7 +121,15 @@ def atomic_write_with(path, write: Callable[[io.BufferedWriter], None], **kw) ->
 
 
 def _size(n: int) -> str:
-    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n} bytes"
+    return f"{n / MiB:.2f}".rstrip("0").rstrip(".") + " MiB" if n >= MiB else f"{n} bytes"
+
+
+def _over(size: int, limit: int) -> str:
+    """'1.05 MiB, more than the 1 MiB allowed', in bytes where the MiB would read the same."""
+    a, b = _size(size), _size(limit)
+    if a == b:
+        a, b = f"{size:,} bytes", f"{limit:,} bytes"
+    return f"{a}, more than the {b} allowed"
 
 
 def open_regular(path, what: str = "file"):
@@ -150,7 +158,7 @@ def read_bytes(path, limit: int, what: str = "file") -> bytes:
     f, size = open_regular(path, what)
     with f:
         if size > limit:
-            raise UserError(f"{what} {path} is {_size(size)}, more than the {_size(limit)} allowed")
+            raise UserError(f"{what} {path} is {_over(size, limit)}")
         try:
             data = f.read(limit + 1)
         except OSError as e:

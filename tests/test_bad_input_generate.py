@@ -57,7 +57,8 @@ def test_bad_flags(capsys, flags, words):
                                   "Invalid type: nonsense"),
         (b"\xff{}", "--json-schema {path} is not UTF-8 text (byte 0)"),
         (b"[" * 100 + b"]" * 100, "--json-schema {path} nests arrays/objects deeper than 64"),
-        (b" " * (1 << 20) + b"{}", "--json-schema {path} is 1 MiB, more than the 1 MiB allowed"),
+        (b" " * (1 << 20) + b"{}", "--json-schema {path} is 1,048,578 bytes, more than the "
+                                   "1,048,576 bytes allowed"),
     ],
 )  # fmt: skip
 def test_a_json_schema_file_that_cannot_be_used(capsys, tmp_path, content, words):

@@ -329,7 +329,7 @@ def _quality(res):
         "was when the token arrived. The full cache cannot go past the context; a bounded "
         "cache is judged past it against the full cache below it. mlx-lm's "
         "`RotatingKVCache` hides its `keep` slots from multi-token chunks (see "
-        "DESIGN.md), which is why its sinks do not help a chunked stream.\n",
+        "docs/cache-quality.md), which is why its sinks do not help a chunked stream.\n",
         _table(["config", "tokens", f"ppl below {ctx}", f"ppl past {ctx}", "ppl all"], rows),
         "\n![loss over position](bench-loss.png)\n"
         if "bench-loss.png" in res.get("plots", [])

@@ -48,7 +48,7 @@ Output records: {"id", "line", "text", "finish_reason", "prompt_tokens",
 "generation_tokens", "latency_s", "prompt_tps", "generation_tps", "fp"}; a line that
 cannot run becomes {"id" (if known), "line", "error", "fp"} and the run goes on. "fp" is a
 fingerprint of what produced the record: the line itself, the model, dtype, cache policy,
-sampling flags, --system and --raw.
+sampling flags, --system, --raw and --json-schema.
 
 Resume: re-run the same command. A line whose record is in OUT.jsonl with the same
 fingerprint is skipped. A line whose prompt, messages or settings changed since (or a run

@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--out", default="bench-out", metavar="DIR", help="output folder (default: bench-out)"
     )
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (~1-2 min)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (under a minute)")
     p.add_argument("--model", "-m", default=None, help="model (default: the registry default)")
     p.add_argument(
         "--only",

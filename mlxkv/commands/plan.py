@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk", metavar="N", help="prefill chunk size (tokens per model call); default 512")
     a("--kv-window", metavar="W", help="keep the last W tokens of growing layers")
     a("--kv-sinks", metavar="S", help="attention-sink tokens kept with a window; default 4")
-    a("--kv-bits", metavar="b", help="quantize growing layers' keys and values to b bits (2-8): "
-      "keys per channel in groups of tokens (KIVI), values per token")  # fmt: skip
+    a("--kv-bits", metavar="b", help="quantize growing layers' keys and values to b bits "
+      "(2, 3, 4, 5, 6 or 8): keys per channel in groups of tokens (KIVI), values per "
+      "token")  # fmt: skip
     a("--kv-key-bits", metavar="b", help="bits for keys only (overrides --kv-bits)")
     a("--kv-value-bits", metavar="b", help="bits for values only (overrides --kv-bits)")
     a("--kv-group-size", metavar="g", help="quantization group size; default 64")

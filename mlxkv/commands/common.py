@@ -115,7 +115,12 @@ def add_generation_flags(
     penalty default to None: the caller takes them from the model (see
     mlxkv.engine.sampling) and only what the user typed overrides that."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"tokens to generate at most; default {max_tokens}",
+    )
     if model_sampling:
         where = "default: the model's generation_config.json, else "
         g.add_argument(

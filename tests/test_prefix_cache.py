@@ -238,3 +238,22 @@ def test_a_read_only_folder_is_read_and_said_once(tmp_path):
     assert run.stdout == (
         f"prefix cache: {folder} is read-only: its files are read, none is written\nFalse\n"
     )
+
+
+def test_kept_prefixes_give_way_to_the_memory_budget(default_model):
+    """A finished window request leaves its caches and its turn-boundary copy, about twice
+    the reservation its end frees: the prefix cache lets go of what does not fit, so
+    weights + runtime + kept prefixes stay within the budget with nothing running (the copy
+    goes first: the caches still serve every prompt that extends the answer)."""
+    from mlxkv.engine.admission import MemoryBudget
+
+    policy = KVPolicy(window=64, sinks=4)
+    ids = Scheduler(default_model).encode("Tell me about the sea. " * 4)
+    settings = GenerationSettings(max_tokens=8)
+    probe = MemoryBudget(default_model, None, 4, 512)
+    budget = probe.base() + probe.reservation(policy, len(ids) + 8) + (1 << 20)
+    memory = MemoryBudget(default_model, budget, 4, 512)
+    cache = PrefixCache(1 << 30)
+    s = Scheduler(default_model, policy, prefix_cache=cache, memory=memory)
+    assert isinstance(list(s.submit(Request(ids, settings)).events())[-1], Finished)
+    assert 0 < cache.nbytes and memory.base() + cache.nbytes <= budget, cache.nbytes

@@ -186,3 +186,49 @@ def test_penalties_and_logit_bias_give_mlx_lms_tokens_in_a_batch(default_model):
         assert got[name] == ref[: len(got[name])] and len(got[name]) in (len(ref), n), name
     assert got["repetition"] != got["plain"] and got["openai"] != got["plain"]
     assert comma in got["plain"] and comma not in got["openai"]
+
+
+def _active_mib() -> float:
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    return mx.get_active_memory() / 2**20
+
+
+def test_rows_in_a_batch_hold_the_batch_caches_only(default_model):
+    """A request that joins a batch lets its own caches go (the batch holds copies): the
+    memory held while four rows decode is the batch's, not twice it."""
+    settings = GenerationSettings(max_tokens=24)
+    sched = Scheduler(default_model, KVPolicy(), max_batch=4, share_prefix=False)
+    before = _active_mib()
+    stories = [f"Write a long story about a {a}." for a in ("dog", "cat", "bird", "fish")]
+    handles = [sched.submit(Request(_ids(default_model, q), settings)) for q in stories]
+    held = batch = None
+    for ev in handles[0].events():  # this thread drives the loop
+        if isinstance(ev, TokenDelta) and ev.stats.generation_tokens == 12:
+            rows = sched.status()["running"]
+            assert len(rows) == 4 and {r["batch_rows"] for r in rows} == {4}
+            held, batch = _active_mib() - before, ev.stats.kv_bytes_actual / 2**20
+    for h in handles[1:]:
+        _collect(h)
+    assert batch == 4 * 11.25  # four rows of 256 slots x 46,080 bytes
+    assert held < batch + 8, (held, batch)  # the single caches too would be 2 x 45 MiB
+
+
+def test_a_policy_per_request_pins_no_memory(default_model):
+    """Requests under policies never seen before, one after another: once each has ended
+    the scheduler holds no KV for it (a policy's shared-prefix slot held the first
+    request's caches for the server's lifetime)."""
+    settings = GenerationSettings(max_tokens=4)
+    sched = Scheduler(default_model, KVPolicy())
+    ids = _ids(default_model, QUESTIONS[0])
+    _collect(sched.submit(Request(ids, settings)))  # warm: MLX's own first-use buffers
+    before = _active_mib()
+    for window in range(300, 304):
+        policy = KVPolicy(window=window, sinks=4)
+        assert isinstance(
+            _collect(sched.submit(Request(ids, settings, policy=policy)))[-1], Finished
+        )
+    assert _active_mib() - before < 1, _active_mib() - before

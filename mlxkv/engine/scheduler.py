@@ -154,7 +154,8 @@ class _Job:
         self.session = req.session
         self.total = len(self.ids)
         self.caches: list | None = None  # its single-sequence caches (None once batched)
-        self.kv: KVAccounting | None = None
+        self.kv: KVAccounting | None = None  # its caches' figures (None once batched)
+        self.batch_kv: dict | None = None  # its row's last figures, when it left a batch
         self.cached = self.done = 0  # prompt tokens reused / in the caches
         self.boundary = self.total
         self.finish: FinishRule | None = None
@@ -336,6 +337,7 @@ class Scheduler:
             worked = True
         if worked:
             self.steps += 1
+            self._fit_prefixes()
             if self.idle:
                 import mlx.core as mx
 
@@ -498,6 +500,16 @@ class Scheduler:
             self.prefix.make_room(over + kept)
             return True
         return False  # it waits for running requests; evicting prefixes now would not help
+
+    def _fit_prefixes(self) -> None:
+        """Kept prefixes give way to the budget: a finished request's entry (its caches and
+        a turn-boundary copy) can outgrow the reservation its end frees."""
+        m = self.memory
+        if self.prefix is None or m is None or m.budget is None:
+            return
+        over = m.base() + self._reserved() + self.prefix.nbytes - m.budget
+        if over > 0:
+            self.prefix.make_room(over)
 
     # -- admission ---------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -708,8 +720,10 @@ class Scheduler:
     def _fresh_caches(self, job: _Job) -> tuple[list, int]:
         from mlxkv.caches import make_caches
 
-        def new():
-            return make_caches(self.loaded.model, job.policy)
+        model, policy = self.loaded.model, job.policy
+
+        def new():  # holds no request: the shared prefix outlives the one that made it
+            return make_caches(model, policy)
 
         if job.req.prompt_logprobs is not None:  # scored: every token goes through the model
             return new(), 0
@@ -723,9 +737,14 @@ class Scheduler:
         held, caches = prefixes.lookup(
             job.ids, others, lambda c, ids, a, b: prefill(self.loaded.model, c, ids, a, b, step)
         )
-        if caches is None:
-            return new(), 0
-        return copy_caches(caches), held
+        caches = new() if caches is None else copy_caches(caches)
+        # a shared prefix serves the requests waiting now, outside every reservation: one
+        # that no waiting request can use is let go (a policy per request must not pin one)
+        waiting = {j.policy for j in self._waiting}
+        for p, shared in self._prefixes.items():
+            if p not in waiting:
+                shared.release()
+        return caches, held
 
     def _prefill_chunk(self, job: _Job) -> None:
         """Feed the next prompt chunk; the last one gives the first answer token."""
@@ -815,12 +834,12 @@ class Scheduler:
             g = self._groups[key] = _Group(key, job.policy)
         elif g.caches is None:  # a lone row meets a second: they become a batch
             g.caches = merge_rows([g.rows[0].caches, job.caches])
-            g.rows[0].caches = None
-            job.caches = None
+            g.rows[0].caches = g.rows[0].kv = None  # the batch holds copies of them
+            job.caches = job.kv = None
         else:
             for i, c in enumerate(g.caches):
                 c.extend_rows([job.caches[i]])
-            job.caches = None
+            job.caches = job.kv = None
         job.group = g
         g.rows.append(job)
         first = mx.array([job.next_input])
@@ -923,6 +942,9 @@ class Scheduler:
         import mlx.core as mx
 
         for i, r in enumerate(g.rows):
+            if r in jobs and g.caches is not None:  # its figures as it leaves the batch
+                r.row = i
+                r.batch_kv = self._batch_kv(g, r)
             if r in jobs and r.keep:
                 self._keep(r, r.caches if g.caches is None else _split(g.caches, i))
         keep = [i for i, r in enumerate(g.rows) if r not in jobs]
@@ -981,12 +1003,14 @@ class Scheduler:
             policy=job.describe,
         )
         g = job.group
-        if g is None or g.caches is None:
-            return job.kv.snapshot(stats) if job.kv is not None else stats
-        return self._batch_stats(g, job, stats)
+        if g is not None and g.caches is not None:
+            return replace(stats, **self._batch_kv(g, job))
+        if job.kv is not None:
+            return job.kv.snapshot(stats)
+        return replace(stats, **job.batch_kv) if job.batch_kv else stats
 
-    def _batch_stats(self, g: _Group, job: _Job, stats: Stats) -> Stats:
-        """A batched row: its own token counters, and the bytes of the whole batch."""
+    def _batch_kv(self, g: _Group, job: _Job) -> dict:
+        """A batched row's KV figures: its own token counters, the bytes of the whole batch."""
         import mlx.core as mx
 
         from mlxkv.memory.predictor import batch_allocated
@@ -1000,8 +1024,7 @@ class Scheduler:
             predicted = batch_allocated(self.loaded.layout, g.policy, rows_seen, self.loaded.dtype)
             g.kv_bytes = (self.steps, sum(x.nbytes for x in g.caches), predicted)
         _, actual, predicted = g.kv_bytes
-        return replace(
-            stats,
+        return dict(
             kv_tokens=kept,
             kv_evicted=seen - kept,
             kv_tokens_seen=seen,
@@ -1075,6 +1098,10 @@ class SharedPrefixes:
         self.caches: list | None = None
         self.hits = 0
         self.prefilled_tokens = 0
+
+    def release(self) -> None:
+        """Let the prefix's caches go (its counters stay)."""
+        self.ids, self.caches = [], None
 
     def lookup(self, ids: list[int], others: list[list[int]], prefill) -> tuple[int, list | None]:
         """(tokens the returned caches hold, caches to copy) for prompt ``ids``; (0, None)

@@ -680,6 +680,7 @@ class Scheduler:
                 job.cached = 0  # a shared prefix counts as prefilled for each request in it
                 self.prompt_tokens_prefilled += job.done
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
+        self._release_shared_prefixes()
         job.sampler = sampler_for(s)
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
@@ -737,14 +738,15 @@ class Scheduler:
         held, caches = prefixes.lookup(
             job.ids, others, lambda c, ids, a, b: prefill(self.loaded.model, c, ids, a, b, step)
         )
-        caches = new() if caches is None else copy_caches(caches)
-        # a shared prefix serves the requests waiting now, outside every reservation: one
-        # that no waiting request can use is let go (a policy per request must not pin one)
+        return (new(), 0) if caches is None else (copy_caches(caches), held)
+
+    def _release_shared_prefixes(self) -> None:
+        """A shared prefix serves the requests waiting now, outside every reservation: one
+        that no waiting request can use is let go (a policy per request must not pin one)."""
         waiting = {j.policy for j in self._waiting}
-        for p, shared in self._prefixes.items():
-            if p not in waiting:
+        for policy, shared in self._prefixes.items():
+            if policy not in waiting:
                 shared.release()
-        return caches, held
 
     def _prefill_chunk(self, job: _Job) -> None:
         """Feed the next prompt chunk; the last one gives the first answer token."""

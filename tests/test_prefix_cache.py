@@ -257,3 +257,30 @@ def test_kept_prefixes_give_way_to_the_memory_budget(default_model):
     s = Scheduler(default_model, policy, prefix_cache=cache, memory=memory)
     assert isinstance(list(s.submit(Request(ids, settings)).events())[-1], Finished)
     assert 0 < cache.nbytes and memory.base() + cache.nbytes <= budget, cache.nbytes
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("policy", [KVPolicy(), KVPolicy(window=100, sinks=4, bits=4)])
+def test_rows_kept_from_a_batch_hold_their_own_bytes_only(default_model, policy):
+    """Four requests decode as one batch and each row is kept as it ends; with room for
+    one entry, what MLX holds afterwards is that entry's bytes (a row kept as a view of
+    the batch's buffers held all four rows' worth)."""
+    import gc
+
+    ids = [(7 * i + 100) % 40000 for i in range(300)]
+    gc.collect()
+    before = mx.get_active_memory()
+    probe = Scheduler(default_model, policy)
+    row = _answer(probe, ids, max_tokens=4).stats.kv_bytes_actual
+    cache = PrefixCache(row + (1 << 20))  # room for one kept row
+    s = Scheduler(default_model, policy, prefix_cache=cache)
+    handles = [
+        s.submit(Request(ids + [i + 200], GenerationSettings(max_tokens=6))) for i in range(4)
+    ]
+    for h in handles:
+        assert isinstance(list(h.events())[-1], Finished)
+    del handles, probe
+    gc.collect()
+    assert len(cache.entries) == 1
+    held = mx.get_active_memory() - before
+    assert held <= cache.nbytes + (1 << 20), (held, cache.nbytes)

@@ -284,3 +284,23 @@ def test_rows_kept_from_a_batch_hold_their_own_bytes_only(default_model, policy)
     assert len(cache.entries) == 1
     held = mx.get_active_memory() - before
     assert held <= cache.nbytes + (1 << 20), (held, cache.nbytes)
+
+
+@pytest.mark.model
+def test_an_edited_turn_reuses_what_precedes_the_edit(default_model):
+    """A chat client re-sends a conversation with its third question edited, under a window
+    that has evicted since: the kept turn-boundary copy, taken before the window evicted,
+    trims back to the edit, and the answer is the one an uncached request gets."""
+    policy = KVPolicy(window=64, sinks=4)
+    s = Scheduler(default_model, policy, prefix_cache=PrefixCache(1 << 30))
+    messages = [{"role": "system", "content": "You are terse."}]
+    for q in ("Name a fruit.", "Name a colour.", "Name a city.", "Name a dog.", "Name a cat."):
+        messages.append({"role": "user", "content": q})
+        answer = _answer(s, s.encode(_render(default_model, messages)))
+        messages.append({"role": "assistant", "content": answer.text})
+    edited = s.encode(
+        _render(default_model, [*messages[:5], {"role": "user", "content": "Name a river."}])
+    )
+    first = _answer(s, edited)
+    assert first.stats.prompt_tokens_cached > 0
+    assert first.text == _answer(Scheduler(default_model, policy), edited).text

@@ -43,10 +43,12 @@ def keep_prefix(caches: list, tokens: list[int], checkpoint: Checkpoint | None, 
         del tokens[want:]
         return want
     cp = checkpoint
-    if cp is not None and len(cp.tokens) <= want and ids[: len(cp.tokens)] == cp.tokens:
+    if cp is not None and common_prefix(cp.tokens, ids[:-1]) > 0:
         restore(caches, cp.states)
         tokens[:] = cp.tokens
-        return keep_prefix(caches, tokens, None, ids)  # and trim the rest, if the copy holds more
+        # then trimmed to what it shares with ids, where it can be (a copy taken before
+        # the window evicted trims back to an edit made before it)
+        return keep_prefix(caches, tokens, None, ids)
     return None
 
 

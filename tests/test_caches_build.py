@@ -249,3 +249,31 @@ def test_quantized_attention_runs_where_the_cache_computes_it():
     got = model(tokens[:, 6:], cache=caches)[0, -1]
     ref = model(tokens)[0, -1]
     assert mx.abs(got - ref).max().item() < 0.05  # 8-bit keys/values: close to exact
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [KVPolicy(window=64, sinks=4), KVPolicy(window=64, sinks=4, bits=4, group_size=32)],
+    ids=lambda p: p.describe(),
+)
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_what_mlx_holds_after_a_prompt_is_the_caches_bytes(policy, kv_heads):
+    """A sink cache copies the prompt's first keys aside: as a view of the chunk's keys that
+    copy held the whole chunk's keys (300 tokens a layer), outside the cache's bytes."""
+    import gc
+
+    model = tiny_llama(layers=2, hidden=256, kv_heads=kv_heads)
+    prompt = mx.array([[(5 * i + 1) % 64 for i in range(300)]])
+    mx.eval(model(prompt, cache=make_caches(model, policy)))  # MLX's own first-call buffers
+    caches = make_caches(model, policy)
+    gc.collect()
+    before = mx.get_active_memory()
+    out = model(prompt, cache=caches)
+    mx.eval(out, [c.state for c in caches])
+    del out
+    gc.collect()
+    from mlx.utils import tree_flatten
+
+    arrays = [x for c in caches for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
+    extra = mx.get_active_memory() - before - sum(c.nbytes for c in caches)
+    assert 0 <= extra < 4096 * len(arrays), extra  # the allocator's rounding of each buffer

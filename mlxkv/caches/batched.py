@@ -36,7 +36,6 @@ from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.rows import (
     BatchRowCounters,
-    own,
     pad_tokens,
     put_rows,
     put_young_sinks,
@@ -215,8 +214,8 @@ class BatchedKVCache(BatchRowCounters):
         if cls is FullKVCache:
             c = FullKVCache()
             if n and self.keys is not None:
-                c.keys = own(pad_tokens(self.keys[i : i + 1], st.round_up(n)))
-                c.values = own(pad_tokens(self.values[i : i + 1], st.round_up(n)))
+                c.keys = st.own(pad_tokens(self.keys[i : i + 1], st.round_up(n)))
+                c.values = st.own(pad_tokens(self.values[i : i + 1], st.round_up(n)))
                 c.offset = n
             return c
         state = dict(scalars)
@@ -226,12 +225,12 @@ class BatchedKVCache(BatchRowCounters):
         if n and self.keys is not None:
             idx = mx.array([i])
             cap = st.capacity(n, self.limit)
-            state["keys"] = own(pad_tokens(take_rows(self.keys, idx), cap))
-            state["values"] = own(pad_tokens(take_rows(self.values, idx), cap))
+            state["keys"] = st.own(pad_tokens(take_rows(self.keys, idx), cap))
+            state["values"] = st.own(pad_tokens(take_rows(self.values, idx), cap))
             if self.sinks:
-                state["sink_keys"] = own(self.sink_keys[i : i + 1])
+                state["sink_keys"] = st.own(self.sink_keys[i : i + 1])
             if self.kstore.offset is not None and not self._row_waits_for_offset(i):
-                state["key_offset"] = own(self.kstore.offset[i : i + 1])
+                state["key_offset"] = st.own(self.kstore.offset[i : i + 1])
         return cls.from_state(state)
 
     def _row_waits_for_offset(self, i: int) -> bool:

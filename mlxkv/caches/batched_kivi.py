@@ -22,7 +22,6 @@ from mlxkv.caches.attention import grouped_queries, weighted_values
 from mlxkv.caches.kivi import PIPELINE_KEYS, KiviKVCache
 from mlxkv.caches.rows import (
     BatchRowCounters,
-    own,
     pad_tokens,
     put_rows,
     put_young_sinks,
@@ -140,11 +139,11 @@ class BatchedKiviKVCache(BatchRowCounters):
             C = self.kstore.slots(self.n[i])
             idx = mx.array([i])
             if C:
-                state["ring"] = own(self.kstore.fit(take_rows(self.ring, idx), C))
-            state["residual"] = own(self.residual[i : i + 1])
-            state["values"] = own(pad_tokens(take_rows(self.values, idx), self.sinks + C))
+                state["ring"] = st.own(self.kstore.fit(take_rows(self.ring, idx), C))
+            state["residual"] = st.own(self.residual[i : i + 1])
+            state["values"] = st.own(pad_tokens(take_rows(self.values, idx), self.sinks + C))
             if self.sink_keys is not None:
-                state["sink_keys"] = own(self.sink_keys[i : i + 1])
+                state["sink_keys"] = st.own(self.sink_keys[i : i + 1])
         c = KiviKVCache.__new__(KiviKVCache)
         c.state = state
         return c

@@ -233,6 +233,7 @@ class KiviKVCache(SinkWindowCounters):
         if P < S:  # sink tokens: full precision keys, values in slots [0, S)
             self._ahead.clear()
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
+            self.sink_keys = st.own(self.sink_keys)  # not a view of the whole chunk's keys
             st.write(self.values, P, self.vstore.encode(values[..., : S - P, :]))
         self._last = None
         out = self._decode_step(keys, values) if N == 1 else self._chunk(keys, values)

@@ -70,12 +70,6 @@ def _each(s, f):
     return tuple(f(x) for x in s) if isinstance(s, (tuple, list)) else f(s)
 
 
-def own(s):
-    """``s`` in buffers of its own: a row or a token range of a batch is a view, which keeps
-    the whole batch's buffer alive as long as it lives (a kept prefix lives long)."""
-    return _each(s, mx.contiguous)
-
-
 def stack_rows(parts: list):
     """Concatenate stored tensors along the batch axis."""
     if isinstance(parts[0], (tuple, list)):

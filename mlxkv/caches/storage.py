@@ -207,6 +207,16 @@ def take(s, a: int, b: int):
     return tree_map(lambda x: x[..., a:b, :], s)
 
 
+def own(s):
+    """``s`` in buffers of its own. A slice is a view that keeps the array it was cut from
+    alive (a batch of rows, a prompt chunk's keys), and writing one over a whole array makes
+    that array the view. ``mx.contiguous`` keeps a view that is contiguous already; a
+    product is a new buffer."""
+    if isinstance(s, _TRIPLE):
+        return tuple(None if x is None else x * 1 for x in s)
+    return s * 1
+
+
 def write(s, a: int, v) -> None:
     """Write stored tokens ``v`` into slots [a, a + len) of ``s`` in place."""
     n = tokens_of(v)

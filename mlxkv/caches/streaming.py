@@ -400,6 +400,7 @@ class StreamingKVCache(SinkWindowCounters):
             self._ahead.clear()
             self._ensure(keys, values, min(P + N, self.limit))
             self.sink_keys[..., P : min(S, P + N), :] = keys[..., : S - P, :]
+            self.sink_keys = st.own(self.sink_keys)  # not a view of the whole chunk's keys
         if self._temporal(P, N):
             self._ensure(keys, values, P + N)
             st.write(self.keys, P, self.kstore.encode(keys))

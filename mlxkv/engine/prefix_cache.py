@@ -286,6 +286,9 @@ class PrefixCache:
         self.make_room(0)
 
     def _add(self, e: Entry) -> None:
+        for c in e.caches:
+            if hasattr(c, "drop_scratch"):
+                c.drop_scratch()
         e.nbytes = sum(c.nbytes for c in e.caches)
         if e.checkpoint is not None:
             e.nbytes += _state_bytes(e.checkpoint.states)

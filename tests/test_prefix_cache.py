@@ -329,3 +329,32 @@ def test_a_kept_sink_request_holds_its_counted_bytes(default_model):
     extra = mx.get_active_memory() - before - cache.nbytes
     # the allocator rounds each buffer up; the copy shares the sink keys with the caches
     assert abs(extra) < 4096 * len(arrays), extra
+
+
+@pytest.mark.model
+def test_a_repeated_window_request_counts_the_copy_it_holds(default_model):
+    """The same window request twice: the second starts from the first's kept caches and
+    takes its own turn-boundary copy, which no kept prefix holds; while it decodes, what
+    MLX holds beyond the first's kept entry is within its reservation and that copy."""
+    import gc
+
+    from mlxkv.engine.admission import MemoryBudget
+
+    policy = KVPolicy(window=64)  # no sinks: nothing else decoding computes ahead
+    ids = Scheduler(default_model).encode("Tell me a long story about the sea. " * 6)
+    _answer(Scheduler(default_model, policy), ids)  # MLX's own first-call buffers
+    gc.collect()
+    before = mx.get_active_memory()
+    cache = PrefixCache(1 << 30)
+    memory = MemoryBudget(default_model, 1 << 40, 4, 512)  # counts, never refuses
+    s = Scheduler(default_model, policy, prefix_cache=cache, memory=memory)
+    _answer(s, ids, max_tokens=40)
+    h = s.submit(Request(ids, GenerationSettings(max_tokens=40)))
+    worst = -(1 << 30)
+    while not h.done:
+        s.step()
+        m = s.status()["memory"]
+        gc.collect()
+        held = mx.get_active_memory() - before
+        worst = max(worst, held - m["reserved_bytes"] - m["prefix_cache_bytes"])
+    assert worst < 1 << 20, worst  # the allocator's rounding, a step's logits

@@ -39,7 +39,7 @@ FILE_PREFIX = "prefix-"  # names of the files this cache writes (and so may dele
 TRIES = 3  # candidates tried per lookup (a candidate's bound can overstate what it reuses)
 
 
-def _state_bytes(states) -> int:
+def state_bytes(states) -> int:
     from mlx.utils import tree_flatten
 
     return sum(x.nbytes for _, x in tree_flatten(states) if hasattr(x, "nbytes"))
@@ -291,7 +291,7 @@ class PrefixCache:
                 c.drop_scratch()
         e.nbytes = sum(c.nbytes for c in e.caches)
         if e.checkpoint is not None:
-            e.nbytes += _state_bytes(e.checkpoint.states)
+            e.nbytes += state_bytes(e.checkpoint.states)
         same = [o for o in self.entries if o.policy == e.policy and o.tokens == e.tokens]
         self.entries = [o for o in self.entries if not any(o is x for x in same)]
         self.entries.append(e)
@@ -306,7 +306,7 @@ class PrefixCache:
             copies = [e for e in self.entries if e.checkpoint is not None]
             if copies:
                 e = min(copies, key=lambda x: x.used)
-                size = _state_bytes(e.checkpoint.states)
+                size = state_bytes(e.checkpoint.states)
                 e.checkpoint = None
                 e.nbytes -= size
                 freed += size

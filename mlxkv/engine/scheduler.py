@@ -458,7 +458,8 @@ class Scheduler:
     # -- memory admission ----------------------------------------------------------------------
     def _reserved(self, extra: _Job | None = None) -> int:
         """KV bytes reserved by the running requests (and ``extra`` as if started): a batch
-        reserves its rows x its largest reservation (rows are padded to the longest)."""
+        reserves its rows x its largest reservation (rows are padded to the longest); and
+        the turn-boundary copies they hold that no kept prefix counts."""
         if self.memory is None:
             return sum(j.reserved for g in self._groups.values() for j in g.rows)
         groups: dict[object, tuple[KVPolicy, list[int]]] = {}
@@ -479,7 +480,20 @@ class Scheduler:
                 total += job.reserved
         for policy, limits in groups.values():
             total += self.memory.reservation(policy, max(limits), len(limits))
-        return total
+        return total + self._held_copies()
+
+    def _held_copies(self) -> int:
+        """Bytes of the turn-boundary copies running requests hold outside the prefix cache
+        (a copy is a cache's worth once its request writes past it)."""
+        from mlxkv.engine.prefix_cache import state_bytes
+
+        kept = {id(e.checkpoint) for e in self.prefix.entries} if self.prefix else set()
+        jobs = [j for g in self._groups.values() for j in g.rows] + [self._prefilling]
+        return sum(
+            state_bytes(j.checkpoint.states)
+            for j in jobs
+            if j is not None and j.checkpoint is not None and id(j.checkpoint) not in kept
+        )
 
     def _scoring(self, job: _Job) -> int:
         if job.req.prompt_logprobs is None or self.memory is None:
@@ -701,6 +715,8 @@ class Scheduler:
 
         tokens = job.ids[:-1]
         if not all(always_exact(c) for c in job.caches):
+            if not self._room_for_a_copy(job):
+                return  # no room for its copy: its next turn prefills what it cannot trim
             job.checkpoint = Checkpoint(list(tokens), snapshot(job.caches))
         if job.cached < len(tokens) and self._room_for_a_copy(job):
             self.prefix.put(job.policy, tokens, copy_caches(job.caches), job.checkpoint)

@@ -262,18 +262,25 @@ def test_what_mlx_holds_after_a_prompt_is_the_caches_bytes(policy, kv_heads):
     copy held the whole chunk's keys (300 tokens a layer), outside the cache's bytes."""
     import gc
 
+    from mlx.utils import tree_flatten
+
     model = tiny_llama(layers=2, hidden=256, kv_heads=kv_heads)
     prompt = mx.array([[(5 * i + 1) % 64 for i in range(300)]])
     mx.eval(model(prompt, cache=make_caches(model, policy)))  # MLX's own first-call buffers
-    caches = make_caches(model, policy)
-    gc.collect()
-    before = mx.get_active_memory()
-    out = model(prompt, cache=caches)
-    mx.eval(out, [c.state for c in caches])
-    del out
-    gc.collect()
-    from mlx.utils import tree_flatten
 
-    arrays = [x for c in caches for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
-    extra = mx.get_active_memory() - before - sum(c.nbytes for c in caches)
-    assert 0 <= extra < 4096 * len(arrays), extra  # the allocator's rounding of each buffer
+    def extra() -> tuple[int, int]:
+        caches = make_caches(model, policy)
+        gc.collect()
+        before = mx.get_active_memory()
+        out = model(prompt, cache=caches)
+        mx.eval(out, [c.state for c in caches])
+        del out
+        gc.collect()
+        arrays = [x for c in caches for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
+        held = mx.get_active_memory() - before - sum(c.nbytes for c in caches)
+        return held, 4096 * len(arrays)  # the allocator rounds each buffer up
+
+    # another thread of this worker (a test's scheduler winding down) can free or allocate
+    # inside one measurement: the cache's own excess shows in every one of three
+    tries = [extra() for _ in range(3)]
+    assert any(0 <= held < rounding for held, rounding in tries), tries

@@ -406,11 +406,6 @@ class KiviKVCache(SinkWindowCounters):
         )
 
     # ---- trim ----
-    def drop_scratch(self) -> None:
-        """Let go of what only decoding uses (the sink rotations computed ahead: for 32
-        steps, more than the sink keys themselves), for a cache kept idle."""
-        self._ahead.clear()
-
     def trimmable(self) -> int:
         """Tokens that can be removed exactly: those in the residual (the group being filled),
         or all of them while every token is a sink; none once the window has evicted."""

@@ -175,6 +175,12 @@ class SinkWindowCounters(_BaseCache):
     window: int | None
     sinks: int
     _n = _evicted = _base = 0
+    _ahead: ShiftsAhead  # decoding's sink rotations, several steps at a time
+
+    def drop_scratch(self) -> None:
+        """Let go of what only decoding uses (the sink rotations computed ahead: for 32
+        steps, more than the sink keys themselves), for a cache kept idle."""
+        self._ahead.clear()
 
     @property
     def offset(self) -> int:
@@ -485,11 +491,6 @@ class StreamingKVCache(SinkWindowCounters):
             ]
 
     # ---- trim / rewind ----
-    def drop_scratch(self) -> None:
-        """Let go of what only decoding uses (the sink rotations computed ahead: for 32
-        steps, more than the sink keys themselves), for a cache kept idle."""
-        self._ahead.clear()
-
     def trimmable(self) -> int:
         """Tokens that can be removed from the end *exactly*: leaving the cache as an uncached
         run over the remaining tokens would have left it.

@@ -494,3 +494,29 @@ async def test_load_of_a_file_with_wrong_types_is_one_line(tmp_path):
         assert notes(app)[-1] == (
             "cannot load conversation /dev/zero is not a regular file; name a regular file"
         )
+
+
+@sync
+async def test_panel_hides_on_a_narrow_terminal_and_f2_toggles_it():
+    """Below 80 columns the chat keeps the width; F2 shows or hides the panel at any width."""
+    app = fake_app()
+    async with app.run_test(size=(70, 30)) as pilot:
+        await wait_idle(app, pilot)
+        chat = app.query_one("#chat-col")
+        assert not app.panel.display and chat.size.width == 70
+        await pilot.press("f2")
+        await pilot.pause()
+        assert app.panel.display and chat.size.width == 70 - app.panel.outer_size.width
+        await pilot.press("f2")
+        await pilot.pause()
+        assert not app.panel.display and chat.size.width == 70
+        await pilot.resize_terminal(120, 30)
+        await pilot.pause()
+        assert not app.panel.display  # hidden by the user: it stays hidden when wide
+        await pilot.press("f2")
+        await pilot.pause()
+        assert app.panel.display and app.panel.outer_size.width == 46
+    wide = fake_app()
+    async with wide.run_test(size=SIZE) as pilot:
+        await wait_idle(wide, pilot)
+        assert wide.panel.display and wide.query_one("#chat-col").size.width == 120 - 46

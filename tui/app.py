@@ -40,6 +40,7 @@ ANSWERING = "answering ... Esc or Ctrl+C stops · you can keep typing"
 SHOWN = 50  # messages of a reopened conversation put on screen (the last ones)
 QUIT_WAIT = 10.0  # seconds quitting waits for the worker's job (a stopped answer) to end
 READY = "Enter send · Shift+Enter newline · Esc stop · /help · Ctrl+Q quit"
+PANEL_MIN_WIDTH = 80  # narrower, the KV panel (46 cells) would leave the chat under 34
 
 
 def _log_crash(job: str) -> str:
@@ -61,7 +62,11 @@ class ChatApp(App):
     #chat-col { width: 1fr; }
     #status { height: 1; padding: 0 1; color: $text-muted; }
     #status.busy { color: $warning; }
+    Screen.-narrow KVPanel, Screen.-panel-off KVPanel { display: none; }
+    Screen.-narrow.-panel-on KVPanel { display: block; }
     """
+    # The panel hides itself on a narrow terminal; F2 shows or hides it at any width.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (PANEL_MIN_WIDTH, "-wide")]
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         # Priority: the input box binds Ctrl+C (copy) and Ctrl+Y (redo) itself.
@@ -70,6 +75,7 @@ class ChatApp(App):
         Binding("ctrl+l", "clear", "Clear"),
         Binding("ctrl+y", "copy_last", "Copy answer", priority=True),
         Binding("f1", "help", "Help"),
+        Binding("f2", "toggle_panel", "KV panel"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -691,6 +697,11 @@ class ChatApp(App):
             return
         last.action_copy()
 
+    def action_toggle_panel(self) -> None:
+        shown = self.panel.display
+        self.main.set_class(shown, "-panel-off")
+        self.main.set_class(not shown, "-panel-on")
+
     async def action_help(self) -> None:
         await self.note(slash.help_text())
 
@@ -707,6 +718,7 @@ class ChatApp(App):
         yield SystemCommand("Save the transcript", "as JSON in this folder", lambda: self.save(""))
         yield SystemCommand("Kept conversations", "/history", self.show_history)
         yield SystemCommand("Keys and commands", "help", self.action_help)
+        yield SystemCommand("Show or hide the KV panel", "F2", self.action_toggle_panel)
         presets = {
             "full cache": "full",
             "sink 4 + window 256": "window=256 sinks=4 bits=none",

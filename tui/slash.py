@@ -33,6 +33,7 @@ KEYS = {
     "Ctrl+Y": "copy the last answer (c on a focused message)",
     "Ctrl+P": "command palette",
     "F1": "help",
+    "F2": "show / hide the KV panel (hidden below 80 columns)",
     "Ctrl+Q": "quit",
 }
 

@@ -283,11 +283,24 @@ BAD = [
         "the model's call gave",
     ),
     (
-        {"tools": [{"type": "web_search"}]},
+        {"tools": [{"type": "retrieval"}]},
         400,
         "tools[0].type",
         "tools[0] must be a function tool ({type: 'function', name, parameters}); "
-        "'web_search' tools are not supported",
+        "'retrieval' tools are not supported",
+    ),
+    (
+        {"tools": [{"type": "custom", "name": "patch", "format": {"type": "regex"}}]},
+        400,
+        "tools[0].format",
+        "tools[0].format must be {type: 'text'} or {type: 'grammar', syntax, definition}, "
+        'got {"type": "regex"}',
+    ),
+    (
+        {"text": {"verbosity": "terse"}},
+        400,
+        "text.verbosity",
+        'text.verbosity must be one of low, medium, high, got "terse"',
     ),
     (
         {"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_time"}},
@@ -512,3 +525,115 @@ def test_a_call_the_model_wrote_with_no_json_object_is_kept_as_written():
     with pytest.raises(APIError) as e:
         input_messages([call])
     assert e.value.param == "input[0].arguments"
+
+
+# -- Codex's tools: a custom (freeform) tool beside OpenAI's hosted ones -------------------
+PATCH_CALL = '{"name": "apply_patch","arguments": {"input":"*** Begin Patch"} }'
+PATCH_SCRIPT = f"Patching.<tool_call>{PATCH_CALL}</tool_call>"
+LARK = 'start: begin_patch\nbegin_patch: "*** Begin Patch"'
+APPLY_PATCH = {  # as Codex sends it
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": LARK},
+}
+HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "local_shell"}]
+# what the chat template is offered for APPLY_PATCH: a function of one string
+APPLY_PATCH_FN = {
+    "type": "function",
+    "function": {
+        "name": "apply_patch",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "input": {
+                    "type": "string",
+                    "description": f"Text matching this lark grammar:\n{LARK}",
+                }
+            },
+            "required": ["input"],
+        },
+        "description": "Edit files with a patch.",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def patch_built(tmp_path_factory, default_model_path):
+    out = tmp_path_factory.mktemp("patch_model")
+    return out, scripted_model(out, default_model_path, PATCH_SCRIPT, TEMPLATE, MARKERS)
+
+
+@pytest.fixture(scope="module")
+def patch_server(tmp_path_factory, patch_built):
+    yield from serving(tmp_path_factory.mktemp("serve_patch"), str(patch_built[0]), "--force")
+
+
+def test_codex_custom_and_hosted_tools(patch_server, patch_built):
+    """Codex's request: function and custom tools beside hosted ones, its client_metadata
+    and a verbosity. The template is offered the function and the custom tool (as a
+    function of one string), not the hosted tools; the model's call of the custom tool
+    comes back as a custom_tool_call item, whole and streamed, and goes on as input."""
+    folder, _ = patch_built
+    body = {
+        "model": patch_server.model,
+        "max_output_tokens": 64,
+        "input": ASK,
+        "tools": [TOOL, APPLY_PATCH, *HOSTED],
+        "client_metadata": {"x-codex-installation-id": "abc"},
+        "text": {"verbosity": "low"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+    }
+    r = post(patch_server, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["type"] for o in out["output"]] == ["message", "custom_tool_call"]
+    call = out["output"][1]
+    assert (call["name"], call["input"], call["status"]) == (
+        "apply_patch",
+        "*** Begin Patch",
+        "completed",
+    )
+    assert call["call_id"].startswith("call_") and call["id"].startswith("ctc_")
+    assert out["usage"]["input_tokens"] == len(
+        rendered(folder, ASK, tools=(WEATHER, APPLY_PATCH_FN))
+    )
+    assert [t["type"] for t in out["tools"]] == ["function", "custom", "web_search", "local_shell"]
+    assert out["tools"][1]["format"] == APPLY_PATCH["format"]
+    assert out["text"]["verbosity"] == "low"
+
+    ev = events(patch_server, {**body, "stream": True})
+    names = [n for n, _ in ev]
+    assert names[-1] == "response.completed"
+    assert [d["delta"] for n, d in ev if n == "response.custom_tool_call_input.delta"] == [
+        "*** Begin Patch"
+    ]
+    done = [d["item"] for n, d in ev if n == "response.output_item.done"]
+    assert [(i["type"], i.get("input")) for i in done] == [
+        ("message", None),
+        ("custom_tool_call", "*** Begin Patch"),
+    ]
+
+    # the next turn: the call and its output as input items, as Codex sends them
+    result = {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done"}
+    turn = {**body, "input": [*ASK, *out["output"], result]}
+    expected = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "Patching.",
+            "tool_calls": [
+                {
+                    "id": call["call_id"],
+                    "type": "function",
+                    "function": {"name": "apply_patch", "arguments": {"input": "*** Begin Patch"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "Done"},
+    ]
+    r = post(patch_server, turn)
+    assert r.status_code == 200, r.text
+    want = len(rendered(folder, expected, tools=(WEATHER, APPLY_PATCH_FN)))
+    assert r.json()["usage"]["input_tokens"] == want

@@ -42,6 +42,24 @@ LOGPROBS = "message.output_text.logprobs"
 INCLUDES = (LOGPROBS, "reasoning.encrypted_content")
 SUMMARIES = ("auto", "concise", "detailed")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# Tools that OpenAI's platform runs itself, or that only its own models are trained to
+# call: clients (Codex) list them with their function tools. The model here is not
+# offered them; the response echoes them.
+HOSTED_TOOLS = {
+    "file_search",
+    "computer_use",
+    "computer_use_preview",
+    "code_interpreter",
+    "image_generation",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "mcp",
+}
+# A custom (freeform) tool takes one string; the chat template offers it as a function
+# with this one parameter.
+CUSTOM_INPUT = "input"
+VERBOSITY = ("low", "medium", "high")
 
 COUNTED = {  # the fields of a token count (POST /v1/responses/input_tokens)
     "model",
@@ -71,6 +89,7 @@ HONOURED = COUNTED | {
     "service_tier",
     "background",
     "max_tool_calls",
+    "client_metadata",  # the client's own labels (Codex sends its installation id)
     # prompt-caching hints: the prefix cache matches requests by their tokens
     "prompt_cache_key",
     "prompt_cache_retention",
@@ -107,6 +126,7 @@ class Turn:
     previous: str | None = None
     store: bool = True
     truncate: bool = False  # truncation "auto": the oldest turns go where the input is too long
+    custom: frozenset[str] = frozenset()  # the names of custom tools: their calls are text
 
 
 def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple[Ask, Turn]:
@@ -132,7 +152,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         raise bad("previous_response_id must be a response id", "previous_response_id")
     tools, offered = _tools(body)
     effort, summary = _reasoning(body.get("reasoning"))
-    grammar, form = _text(body.get("text"))
+    grammar, form, verbosity = _text(body.get("text"))
     if tools.forced:
         if grammar is not None:
             raise bad(
@@ -167,7 +187,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         "reasoning": {"effort": effort.get("reasoning_effort"), "summary": summary},
         "store": body.get("store") is not False,
         "temperature": settings.temperature,
-        "text": {"format": form, "verbosity": "medium"},
+        "text": {"format": form, "verbosity": verbosity},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": offered,
         "top_logprobs": top,
@@ -191,7 +211,8 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         user=user,
         tools=tools,
     )
-    turn = Turn(request, items, messages, previous, request["store"], truncation == "auto")
+    custom = frozenset(t["name"] for t in offered if t["type"] == "custom")
+    turn = Turn(request, items, messages, previous, request["store"], truncation == "auto", custom)
     return ask, turn
 
 
@@ -286,26 +307,29 @@ def _reasoning(v) -> tuple[dict, str | None]:
     return {"reasoning_effort": effort, **off}, summary
 
 
-def _text(v) -> tuple[str | None, dict]:
+def _text(v) -> tuple[str | None, dict, str]:
     """``text``: its format as the grammar the answer is held to ({type: "text"} none,
     {type: "json_object"} any JSON object, {type: "json_schema", name, schema, strict,
-    description} JSON matching the schema), and the format the response echoes."""
+    description} JSON matching the schema), the format the response echoes, and the
+    verbosity it echoes (a hint to OpenAI's own models; the model here answers at its
+    own length)."""
     plain = {"type": "text"}
     if v is None:
-        return None, plain
+        return None, plain, "medium"
     if not isinstance(v, dict) or set(v) - {"format", "verbosity"}:
         raise bad("text must be an object {format, verbosity}", "text")
-    if v.get("verbosity") not in (None, "medium"):
+    verbosity = v.get("verbosity") or "medium"
+    if verbosity not in VERBOSITY:
         raise bad(
-            f"text.verbosity {show(v['verbosity'])} is not supported; leave it out",
+            f"text.verbosity must be one of {', '.join(VERBOSITY)}, got {show(verbosity)}",
             "text.verbosity",
         )
     form = v.get("format")
     kind = form.get("type") if isinstance(form, dict) else None
     if form is None or kind == "text":
-        return None, plain
+        return None, plain, verbosity
     if kind == "json_object":
-        return schema_grammar(None, "text.format"), {"type": "json_object"}
+        return schema_grammar(None, "text.format"), {"type": "json_object"}, verbosity
     if kind != "json_schema":
         raise bad(
             "text.format.type must be 'text', 'json_object' or 'json_schema', got "
@@ -325,14 +349,15 @@ def _text(v) -> tuple[str | None, dict]:
         raise bad("text.format.schema must be a JSON Schema object", "text.format.schema")
     if form.get("strict") is not None and not isinstance(form["strict"], bool):
         raise bad("text.format.strict must be true or false", "text.format.strict")
-    return schema_grammar(form["schema"], "text.format.schema"), dict(form)
+    return schema_grammar(form["schema"], "text.format.schema"), dict(form), verbosity
 
 
 # -- tools --------------------------------------------------------------------------------
 def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
     """``tools`` (function tools: {type: "function", name, description, parameters,
-    strict}), ``tool_choice`` and ``parallel_tool_calls``; and the tools as the response
-    echoes them.
+    strict}; custom tools: {type: "custom", name, description, format}, which take one
+    string; OpenAI's hosted tools, not offered), ``tool_choice`` and
+    ``parallel_tool_calls``; and the tools as the response echoes them.
 
     ``strict`` (true unless sent false, as OpenAI's API has it) holds a forced call's
     arguments to the schema; a call the model chooses to make is read as the model
@@ -348,6 +373,22 @@ def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         kind = t.get("type") if isinstance(t, dict) else None
+        if isinstance(kind, str) and (kind in HOSTED_TOOLS or kind.startswith("web_search")):
+            echoed.append(t)
+            continue
+        if kind == "custom":
+            fn = _custom_tool(t, where, seen)
+            functions.append({"type": "function", "function": fn})
+            form = t.get("format") or {"type": "text"}
+            echoed.append(
+                {
+                    "type": "custom",
+                    "name": fn["name"],
+                    "description": t.get("description"),
+                    "format": form,
+                }
+            )
+            continue
         if kind != "function":
             raise bad(
                 f"{where} must be a function tool ({{type: 'function', name, parameters}})"
@@ -377,6 +418,33 @@ def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
     return ToolUse(tools=functions, parallel=parallel is not False, forced=forced), echoed
 
 
+def _custom_tool(t: dict, where: str, seen: set[str]) -> dict:
+    """A custom tool as the function a chat template reads: one string parameter, whose
+    description carries the tool's format (a grammar's definition, say), so the model
+    knows what to write."""
+    for k in t:
+        if k not in ("type", "name", "description", "format"):
+            raise bad(f"{where}.{k} is not a field of a custom tool", f"{where}.{k}")
+    form = t.get("format")
+    if form is None:
+        form = {"type": "text"}
+    if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
+        raise bad(
+            f"{where}.format must be {{type: 'text'}} or {{type: 'grammar', syntax, "
+            f"definition}}, got {show(form)}",
+            f"{where}.format",
+        )
+    about = "Free text."
+    if form["type"] == "grammar":
+        syntax, definition = form.get("syntax"), form.get("definition")
+        if not isinstance(syntax, str) or not isinstance(definition, str):
+            raise bad(f"{where}.format: a grammar needs syntax and definition strings", where)
+        about = f"Text matching this {syntax} grammar:\n{definition}"
+    text = {"type": "string", "description": about}
+    schema = {"type": "object", "properties": {CUSTOM_INPUT: text}, "required": [CUSTOM_INPUT]}
+    return function_of({**t, "parameters": schema}, where, seen, "parameters")
+
+
 def _forced(choice, names: set[str]) -> str | None:
     if choice is None or choice in ("auto", "none"):
         return None
@@ -384,12 +452,12 @@ def _forced(choice, names: set[str]) -> str | None:
         if not names:
             raise bad("tool_choice 'required' needs tools to call", "tool_choice")
         return ANY
-    named = isinstance(choice, dict) and choice.get("type") == "function"
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
     name = choice.get("name") if named else None
     if not isinstance(name, str) or set(choice) - {"type", "name"}:
         raise bad(
-            "tool_choice must be 'auto', 'none', 'required' or {type: 'function', name}, got "
-            f"{show(choice)}",
+            "tool_choice must be 'auto', 'none', 'required' or {type: 'function' (or "
+            f"'custom'), name}}, got {show(choice)}",
             "tool_choice",
         )
     if name not in names:
@@ -422,7 +490,13 @@ def _items(v) -> list[dict]:
 
 
 def _item_id(kind) -> str:
-    prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    prefix = {
+        "function_call": "fc",
+        "function_call_output": "fco",
+        "custom_tool_call": "ctc",
+        "custom_tool_call_output": "ctco",
+        "reasoning": "rs",
+    }
     return new_id(prefix.get(kind, "msg")).replace("-", "_")
 
 
@@ -457,7 +531,10 @@ def input_messages(items: list[dict], written: bool = False) -> list[dict]:
             call = _call(item, where, written)
             turn = assistant()
             turn.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            turn = assistant()
+            turn.setdefault("tool_calls", []).append(_custom_call(item, where))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append(_call_output(item, where))
         elif kind == "reasoning":
             thought.append(_reasoning_text(item, where))
@@ -470,7 +547,7 @@ def input_messages(items: list[dict], written: bool = False) -> list[dict]:
         else:
             raise bad(
                 f"{where}: {show(kind)} items are not supported; this server takes message, "
-                "function_call, function_call_output and reasoning items",
+                "function_call, custom_tool_call, their outputs, and reasoning items",
                 f"{where}.type",
             )
     return out
@@ -530,6 +607,21 @@ def _call(item: dict, where: str, written: bool = False) -> dict:
             f"{where}.arguments",
         )
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def _custom_call(item: dict, where: str) -> dict:
+    """A custom tool's call: its text as the one argument the template was offered."""
+    _only(item, {"type", "id", "call_id", "name", "input", "status"}, where)
+    call_id, name, text = item.get("call_id"), item.get("name"), item.get("input")
+    if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+        raise bad(f"{where} must be {{type: 'custom_tool_call', call_id, name, input}}", where)
+    if not isinstance(text, str):
+        raise bad(f"{where}.input must be a string", f"{where}.input")
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": {CUSTOM_INPUT: text}},
+    }
 
 
 def _call_output(item: dict, where: str) -> dict:
@@ -731,6 +823,8 @@ class Reply:
 
     def _call(self, call: dict) -> list[tuple[str, dict]]:
         fn = call["function"]
+        if fn["name"] in self.turn.custom:
+            return self._custom_call(call["id"], fn["name"], _custom_input(fn["arguments"]))
         item = {
             "id": _item_id("function_call"),
             "type": "function_call",
@@ -760,6 +854,42 @@ class Reply:
                 "response.output_item.done", output_index=where["output_index"], item=_copy(item)
             ),
         ]
+
+    def _custom_call(self, call_id: str, name: str, text: str) -> list[tuple[str, dict]]:
+        item = {
+            "id": _item_id("custom_tool_call"),
+            "type": "custom_tool_call",
+            "status": "in_progress",
+            "call_id": call_id,
+            "name": name,
+            "input": "",
+        }
+        self.output.append(item)
+        where = {"item_id": item["id"], "output_index": len(self.output) - 1}
+        added = self._event(
+            "response.output_item.added", output_index=where["output_index"], item=_copy(item)
+        )
+        delta = self._event("response.custom_tool_call_input.delta", **where, delta=text)
+        item.update(input=text, status="completed")
+        return [
+            added,
+            delta,
+            self._event("response.custom_tool_call_input.done", **where, input=text),
+            self._event(
+                "response.output_item.done", output_index=where["output_index"], item=_copy(item)
+            ),
+        ]
+
+
+def _custom_input(arguments: str) -> str:
+    """The text of a custom tool's call, from the arguments the model wrote for its one
+    parameter (the text as written when they are not that)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    text = parsed.get(CUSTOM_INPUT) if isinstance(parsed, dict) else None
+    return text if isinstance(text, str) else arguments
 
 
 def _copy(obj: dict) -> dict:

@@ -516,6 +516,41 @@ def test_without_a_key_only_this_machine_is_served(server):
         assert server.http("GET", "/v1/models", headers=headers).status_code == 200
 
 
+LOCAL_PAGES = (
+    "http://localhost:3000",
+    "http://127.0.0.1:8000",
+    "http://[::1]:5173",
+    "app://obsidian.md",
+    "vscode-webview://1abc",
+    "tauri://localhost",
+    "file://",
+)
+
+
+def test_this_machines_pages_may_call_the_api_from_a_browser(server):
+    """A web UI on localhost or an app's page (Electron, Tauri, VS Code's webviews) gets its
+    CORS preflight answered and the answers' CORS header; a page elsewhere gets neither."""
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization",
+    }
+    for origin in LOCAL_PAGES:
+        for path in ("/v1/chat/completions", "/api/chat", "/v1/messages"):
+            r = server.http("OPTIONS", path, headers={"Origin": origin, **ask})
+            assert r.status_code == 200, (origin, path)
+            assert r.headers["access-control-allow-origin"] == origin
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert r.headers["access-control-allow-headers"] == "content-type, authorization"
+        body = {"messages": MSG, "max_tokens": 1}
+        r = server.http("POST", "/v1/chat/completions", headers={"Origin": origin}, json=body)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    for origin in ("http://evil.example", "null", "chrome-extension://abc"):
+        r = server.http("OPTIONS", "/v1/chat/completions", headers={"Origin": origin, **ask})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = server.http("GET", "/v1/models", headers={"Origin": origin})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+
+
 def test_models_health_and_status(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]

@@ -120,6 +120,21 @@ def test_the_key_is_required(server):
     assert server.status()["policy"] == "full, 4-bit (group 64), kivi keys"
 
 
+def test_with_a_key_any_page_may_call_the_api_with_it(server):
+    """The key guards the server, so CORS lets any page's script send it."""
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
+    origin = "https://chat.example"
+    r = server.http("OPTIONS", "/v1/chat/completions", headers={"Origin": origin, **ask})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    r = server.http("GET", "/v1/models", headers={"Origin": origin})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": origin})  # no key
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_anthropics_clients_send_the_key_as_x_api_key(server):
     """Anthropic's SDKs send "x-api-key: KEY": the key is taken there too, and a wrong
     one is refused in Anthropic's error shape on /v1/messages."""

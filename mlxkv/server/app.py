@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,7 +35,7 @@ from mlxkv.server.answers import (
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
-from mlxkv.server.local import foreign_source
+from mlxkv.server.local import foreign_source, is_local_origin
 from mlxkv.server.messages import Message, error_response, event, parse_messages
 from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json, show
 from mlxkv.server.reasoning import think_reader
@@ -654,10 +656,32 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/health", _guard(health), methods=["GET"]),
         Route("/", root, methods=["GET", "HEAD"]),
     ]
+    # Browser pages (a web UI, an editor's webview) may call the API: the preflight is
+    # answered and the answers carry CORS headers for the pages that may use it.
+    cors = Middleware(
+        _CORS,
+        anyone=served.api_key is not None,
+        allow_methods=["*"],
+        allow_headers=["*"],
+        max_age=600,
+    )
     return Starlette(
         routes=routes,
+        middleware=[cors],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
+
+
+class _CORS(CORSMiddleware):
+    """CORS for this machine's pages (``is_local_origin``) when the server has no API key,
+    for any page when it has one (the key guards it)."""
+
+    def __init__(self, app, anyone: bool, **kwargs):
+        super().__init__(app, **kwargs)
+        self.anyone = anyone
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return self.anyone or is_local_origin(origin)
 
 
 class _Stream(StreamingResponse):

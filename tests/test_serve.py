@@ -500,6 +500,23 @@ def test_the_openai_client_sees_the_errors(server):
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
+def test_a_participants_name_reaches_the_template(server, default_model):
+    """Multi-agent frameworks name each message's author (OpenAI's ``name``): the message
+    is taken and the template reads it."""
+    chat = [{"role": "user", "content": QUESTION, "name": "planner"}]
+    r = server.http("POST", "/v1/chat/completions", json={"messages": chat, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    tok = default_model.tokenizer
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    from mlxkv.engine.request import encode_prompt
+
+    assert r.json()["usage"]["prompt_tokens"] == len(encode_prompt(tok, text))
+    bad = [{"role": "user", "content": QUESTION, "name": 5}]
+    r = server.http("POST", "/v1/chat/completions", json={"messages": bad, "max_tokens": 1})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "messages[0].name must be a non-empty string"
+
+
 def test_without_a_key_only_this_machine_is_served(server):
     """A web page elsewhere (its Origin) or a DNS name rebound to 127.0.0.1 (its Host)."""
     for headers in (

@@ -166,6 +166,21 @@ def test_max_tokens_0_fills_the_cache_and_count_tokens_counts(server):
     assert (again.usage.input_tokens, again.usage.cache_read_input_tokens) == (1, n - 1)
 
 
+def test_claude_codes_context_management_changes_nothing(server):
+    """Claude Code asks to clear thinking while keeping all of it: the same prompt."""
+    keep = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    body = {"model": "smollm2-135m", "max_tokens": 4, "messages": QUESTION}
+    plain = post(server, body).json()
+    kept = post(server, {**body, "context_management": keep})
+    assert kept.status_code == 200, kept.text
+    total = plain["usage"]["input_tokens"] + plain["usage"]["cache_read_input_tokens"]
+    usage = kept.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == total
+    ask = {"model": "smollm2-135m", "messages": QUESTION, "context_management": keep}
+    count = post(server, ask, "/v1/messages/count_tokens")
+    assert count.json() == {"input_tokens": total}
+
+
 def test_the_anthropic_client_lists_the_model(server):
     page = client(server).models.list()
     assert [(m.id, m.type, m.display_name) for m in page.data] == [
@@ -189,6 +204,12 @@ BAD = [
     ({"max_tokens": None}, 400, "max_tokens: Field required (the most tokens to generate)"),
     ({"model": "claude-opus-4-6"}, 404, None),
     ({"frobnicate": 1}, 400, "frobnicate: Extra inputs are not permitted"),
+    (
+        {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+        400,
+        "context_management.edits[0]: only clear_thinking with keep 'all' (no change) is "
+        "supported; the model reads the messages as sent",
+    ),
     ({"temperature": 1.5}, 400, "temperature must be in [0, 1], got 1.5; 0 means greedy"),
     ({"stop_sequences": ["x"] * 65}, 400, "stop_sequences takes at most 64, got 65"),
     (

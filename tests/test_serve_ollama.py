@@ -165,7 +165,9 @@ def test_the_model_is_listed_shown_and_running(server, default_model):
     assert [(m.model, m.context_length, m.size_vram) for m in running] == [
         ("smollm2-135m", 8192, default_model.weights_bytes)
     ]
-    assert server.http("GET", "/api/version").json() == {"version": "0.1.0"}
+    assert shown.modelinfo["general.basename"] == "smollm2-135m"  # the name clients show
+    # the Ollama release whose API this matches: clients refuse a server older than theirs
+    assert server.http("GET", "/api/version").json() == {"version": "0.12.11"}
     probe = httpx.head(f"{server.url}/", timeout=60)  # no key needed, as /health
     assert (probe.status_code, httpx.get(f"{server.url}/").text) == (200, "mlxkv is running")
 
@@ -231,6 +233,11 @@ BAD = [
         "options.mirostat: this sampler is not supported; send 0 (off)",
     ),
     (
+        {"options": {"mirostat_tau": "high"}},
+        400,
+        'options.mirostat_tau must be a number, got "high"',
+    ),
+    (
         {"options": {"frob": 1}},
         400,
         "options.frob is not an option of this server; see docs/serve.md",
@@ -287,10 +294,12 @@ def test_bad_requests_get_ollamas_error_shape(server, extra, status, message):
 
 def test_ollamas_own_defaults_are_taken(server):
     """A client that sends every option at Ollama's default (a random seed, -1; a repeat
-    window of 64 with no repeat penalty) gets the answer of one that sends none."""
+    window of 64 with no repeat penalty; mirostat's knobs, with mirostat off) gets the
+    answer of one that sends none."""
     plain = {"model": "smollm2-135m", "messages": QUESTION, "stream": False}
     plain["options"] = {"temperature": 0, "num_predict": 6}
     defaults = {**plain["options"], "seed": -1, "repeat_last_n": 64, "repeat_penalty": 1}
+    defaults |= {"mirostat": 0, "mirostat_eta": 0.1, "mirostat_tau": 5.0}
     a = server.http("POST", "/api/chat", json=plain).json()
     b = server.http("POST", "/api/chat", json={**plain, "options": defaults}).json()
     assert b["message"]["content"] == a["message"]["content"] != ""
@@ -398,6 +407,12 @@ def test_thinking_and_a_tool_call_come_apart_from_the_answer(tool_server, built)
         {"role": "tool", "content": '{"sky": "clear"}', "name": "get_weather"},
     ]
     assert second["mlxkv"]["prompt_tokens"] == len(rendered(folder, expected))
+    # newer clients name the call a tool message answers (tool_call_id), as OpenAI's do
+    turn[-1]["tool_call_id"] = expected[-1]["tool_call_id"] = "call_1"
+    third = whole(
+        tool_server, "/api/chat", {"model": tool_server.model, "messages": turn, "tools": [WEATHER]}
+    )
+    assert third["mlxkv"]["prompt_tokens"] == len(rendered(folder, expected))
 
 
 def test_think_false_reaches_the_template(tool_server, built):

@@ -565,16 +565,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 "parameters": "",
                 "template": template if isinstance(template, str) else "",
                 "details": ollama.details(served.facts),
-                "model_info": ollama.model_info(served.facts),
+                "model_info": ollama.model_info(served.facts, served.id),
                 "capabilities": abilities,
                 "modified_at": modified(),
             }
         )
 
     async def api_version(request: Request) -> Response:
-        from mlxkv import __version__
-
-        return JSONResponse({"version": __version__})
+        return JSONResponse({"version": ollama.API_VERSION})
 
     def model_card() -> dict:
         """The served model as both APIs list one (OpenAI's fields, then Anthropic's)."""

@@ -47,6 +47,7 @@ COUNTED = {  # the fields of a token count (POST /v1/messages/count_tokens)
     "speed",
     "user_profile_id",
     "cache_control",  # a hint: the prefix cache serves every request's prefix anyway
+    "context_management",  # only edits that change nothing (Claude Code's): see below
     "chat_template_kwargs",
 }
 HONOURED = COUNTED | {
@@ -100,6 +101,26 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 # -- requests -----------------------------------------------------------------------------
+def _context_management(v) -> None:
+    """``context_management``: the edits Anthropic's servers make to a long conversation
+    before the model reads it. Clearing thinking while keeping all of it (Claude Code sends
+    that) changes nothing; any other edit would, and is refused."""
+    if v is None:
+        return
+    edits = v.get("edits") if isinstance(v, dict) and set(v) <= {"edits"} else None
+    if not isinstance(edits, list):
+        raise bad("context_management must be {edits: [...]}", "context_management")
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        keeps_all = isinstance(kind, str) and kind.startswith("clear_thinking_")
+        if not (keeps_all and edit.get("keep") == "all"):
+            raise bad(
+                f"context_management.edits[{i}]: only clear_thinking with keep 'all' (no "
+                "change) is supported; the model reads the messages as sent",
+                "context_management",
+            )
+
+
 def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
     """A Messages request (or, ``counting``, a count_tokens request) as the server's Ask."""
     allowed = COUNTED if counting else HONOURED
@@ -115,6 +136,7 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
         if body.get("max_tokens") is None:
             raise bad("max_tokens: Field required (the most tokens to generate)", "max_tokens")
         max_tokens = int_field(body, "max_tokens", 0, 2**31 - 1, "0 only fills the cache")
+    _context_management(body.get("context_management"))
     messages, prefill = _messages(body["messages"])
     system = _system(body.get("system"))
     tools = _tools(body)

@@ -35,6 +35,9 @@ from mlxkv.server.params import (
 from mlxkv.server.tools import MAX_TOOLS, ToolUse, assistant_calls, function_of
 
 STREAM_MEDIA = "application/x-ndjson"
+# The Ollama release whose API this one matches (logprobs came in 0.12.11): clients check
+# /api/version before they use a server (VS Code's Copilot wants 0.6.4 or later).
+API_VERSION = "0.12.11"
 THINK_LEVELS = ("low", "medium", "high")
 
 COMMON = {"model", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
@@ -78,6 +81,7 @@ RUNTIME = {
 }
 # samplers that only their "off" value is accepted for
 OFF = {"mirostat": 0, "tfs_z": 1, "typical_p": 1}
+MIROSTAT_KNOBS = ("mirostat_eta", "mirostat_tau")  # no effect while mirostat is off
 REPEAT_LAST_N = 20  # the tokens repeat_penalty looks back over (mlx-lm's)
 
 
@@ -193,6 +197,9 @@ def _options(v, limits: Limits) -> tuple:
         elif name in OFF:
             if isinstance(x, bool) or x != OFF[name]:
                 raise bad(f"{where}: this sampler is not supported; send {OFF[name]} (off)", where)
+        elif name in MIROSTAT_KNOBS:
+            if isinstance(x, bool) or not isinstance(x, int | float):
+                raise bad(f"{where} must be a number, got {show(x)}", where)
         elif name == "repeat_last_n":  # Ollama's default (64) is sent with no penalty too
             if v.get("repeat_penalty") not in (None, 1) and x != REPEAT_LAST_N:
                 raise bad(
@@ -270,6 +277,17 @@ def _think(v) -> dict:
     raise bad(f"think must be true, false, or one of {', '.join(THINK_LEVELS)}, got {show(v)}")
 
 
+MESSAGE_FIELDS = (
+    "role",
+    "content",
+    "thinking",
+    "tool_calls",
+    "tool_name",
+    "tool_call_id",
+    "images",
+)
+
+
 def _messages(v) -> list[dict]:
     if v is None:
         return []
@@ -283,7 +301,7 @@ def _messages(v) -> list[dict]:
         for k, x in m.items():
             if k == "images" and x:
                 raise bad(f"{where}.images: images are not supported: the model reads text", where)
-            if k not in ("role", "content", "thinking", "tool_calls", "tool_name", "images"):
+            if k not in MESSAGE_FIELDS:
                 raise bad(f"{where}.{k} is not a field of a message", f"{where}.{k}")
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool"):
@@ -301,6 +319,10 @@ def _messages(v) -> list[dict]:
             message["tool_calls"] = assistant_calls(m["tool_calls"], where)
         if role == "tool" and m.get("tool_name") is not None:
             message["name"] = m["tool_name"]
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
     return out
 
@@ -440,11 +462,11 @@ def listing(name: str, facts: dict, modified: str) -> dict:
     }
 
 
-def model_info(facts: dict) -> dict:
+def model_info(facts: dict, name: str) -> dict:
     """``/api/show``'s ``model_info``: GGUF-style keys (what clients read the context length
-    from: ``<architecture>.context_length``)."""
+    from: ``<architecture>.context_length``; the name they show: ``general.basename``)."""
     arch = facts.get("family") or "unknown"
-    info = {"general.architecture": arch}
+    info = {"general.architecture": arch, "general.basename": name}
     if facts.get("parameter_count"):
         info["general.parameter_count"] = facts["parameter_count"]
     for key in ("context_length", "embedding_length", "block_count"):

@@ -546,7 +546,7 @@ def _message(m, where: str) -> dict:
             f"{where}.role must be one of {', '.join(ROLES)}, tool, got {show(role)}",
             param=f"{where}.role",
         )
-    allowed = {"role", "content"}
+    allowed = {"role", "content", "name"}
     if role == "tool":
         allowed.add("tool_call_id")
     if role == "assistant":
@@ -557,6 +557,11 @@ def _message(m, where: str) -> dict:
         raise bad(f"{where}.{k} is not supported; send role and content", f"{where}.{k}")
     calls = m.get("tool_calls")
     out = {"role": ROLES.get(role, role)}
+    name = m.get("name")
+    if name is not None:  # a participant's name: handed to the chat template, as OpenAI's
+        if not isinstance(name, str) or not name:
+            raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+        out["name"] = name
     if role == "assistant" and calls:
         # an assistant turn that called tools may have no text
         c = m.get("content")

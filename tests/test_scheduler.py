@@ -5,6 +5,7 @@ token for token as a session answers them alone."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -232,3 +233,38 @@ def test_a_policy_per_request_pins_no_memory(default_model):
             _collect(sched.submit(Request(ids, settings, policy=policy)))[-1], Finished
         )
     assert _active_mib() - before < 1, _active_mib() - before
+
+
+def test_an_open_ended_answer_reserves_its_memory_step_by_step(default_model):
+    """An answer with no limit of its own (OpenAI's default) reserves ``reserve_step``
+    tokens at a time: with no budget it runs past its first step to its cap; under a
+    budget it grows while the budget has room and ends ("length") where it has none, its
+    tokens those of an unlimited greedy answer up to there."""
+    from mlxkv.engine.admission import MemoryBudget
+
+    # greedy counting has no early EOS; 227 tokens, near the 256 at which the KV grows
+    ids = Scheduler(default_model).encode(", ".join(str(i) for i in range(1, 60)) + ",")
+    step, cap = 8, 20
+    open_ended = GenerationSettings(max_tokens=cap, open_ended=True)
+    sched = Scheduler(default_model, KVPolicy(), reserve_step=step)
+    free = sched.submit(Request(ids, open_ended))
+    while sched.step():
+        pass
+    done = _collect(free)[-1]
+    assert done.stats.finish_reason == "length" and done.stats.generation_tokens == cap
+
+    probe = MemoryBudget(default_model, None, 4, 512)
+    room = probe.reservation(KVPolicy(), 256)  # the KV of 256 tokens, not of 257
+    fits = max(k for k in range(9) if probe.reservation(KVPolicy(), len(ids) + k * step) <= room)
+    assert fits * step < 256 - len(ids) < (fits + 1) * step
+    memory = MemoryBudget(default_model, probe.base() + room, 4, 512)
+    sched = Scheduler(default_model, KVPolicy(), memory=memory, reserve_step=step)
+    held = sched.submit(Request(ids, replace(open_ended, max_tokens=4096)))
+    while sched.step():
+        pass
+    events = _collect(held)
+    done = events[-1]
+    assert isinstance(done, Finished) and done.stats.finish_reason == "length"
+    assert done.stats.generation_tokens == fits * step
+    tokens = [e.token for e in events if isinstance(e, TokenDelta)]
+    assert tokens == greedy_tokens(default_model, ids, fits * step, [])

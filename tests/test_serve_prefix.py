@@ -240,3 +240,27 @@ def test_bad_memory_flags_are_refused_before_loading(flags, message):
     )
     assert r.returncode == 2
     assert r.stderr == f"mlxkv serve: error: {message}\n"
+
+
+@pytest.mark.slow
+def test_an_answer_with_no_limit_runs_while_the_budget_has_room(default_model, tmp_path):
+    """A request that sets no max_tokens (OpenAI's and Ollama's "until the model stops")
+    runs past the 512 tokens it first reserves, one reservation step at a time, and ends
+    ("length", Ollama's too) where the budget has no room for the next step."""
+    ids = len(default_model.tokenizer.encode(COUNTING))
+    base, room = _predicted_reservation(default_model, 1280)  # 1,280 tokens of KV
+    assert _predicted_reservation(default_model, ids + 1024)[1] <= room
+    assert _predicted_reservation(default_model, ids + 1536)[1] > room
+    s = Server(tmp_path / "open", "--memory", str(base + room), "--prefix-cache-bytes", "0")
+    try:
+        body = {"prompt": COUNTING, "temperature": 0}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=600).json()
+        assert r["choices"][0]["finish_reason"] == "length"
+        assert r["usage"]["completion_tokens"] == 1024  # two steps of 512
+        chat = {"model": "smollm2-135m", "prompt": COUNTING, "raw": True, "stream": False}
+        chat["options"] = {"temperature": 0, "num_predict": -1}
+        r = httpx.post(f"{s.url}/api/generate", json=chat, timeout=600).json()
+        assert (r["done_reason"], r["eval_count"]) == ("length", 1024)
+        assert s.status()["memory"]["peak_bytes"] <= base + room
+    finally:
+        assert s.stop() == 0, s.log()

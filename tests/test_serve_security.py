@@ -234,8 +234,8 @@ def test_sigterm_lets_answers_finish_then_cuts_the_rest(server):
     assert "Traceback" not in server.log()
 
 
-def _no_answer_fits() -> str:
-    r = serve_cli("--port", "0", "--memory", "1MB")
+def _no_answer_fits(*flags: str) -> str:
+    r = serve_cli("--port", "0", "--memory", "1MB", *flags)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     return r.stderr.strip().splitlines()[-1]
 
@@ -247,7 +247,10 @@ def test_a_budget_where_no_answer_fits_is_refused_at_start():
         "mlxkv serve: error: --memory 1MB leaves 0 MiB for the KV cache after the weights "
         "(0.50 GiB) and runtime ("
     )
-    assert "less than one answer of --max-tokens 512 needs (34 MiB, full)" in line
+    assert "less than the first 512 tokens of an answer need (34 MiB, full)" in line
+    assert line.endswith("raise --memory to at least 1.25GiB")
+    line = _no_answer_fits("--max-tokens", "600")
+    assert "less than one answer of --max-tokens 600 needs (34 MiB, full)" in line
     assert line.endswith("GiB, or lower --max-tokens")
 
 

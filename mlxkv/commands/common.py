@@ -107,7 +107,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 def add_generation_flags(
     p: argparse.ArgumentParser,
-    max_tokens: int = 512,
+    max_tokens: int | None = 512,  # None: no limit unless given (serve)
     prefill_step: int = 512,
     model_sampling: bool = False,
 ) -> None:
@@ -119,7 +119,11 @@ def add_generation_flags(
         "--max-tokens",
         type=int,
         default=max_tokens,
-        help=f"tokens to generate at most; default {max_tokens}",
+        help=f"tokens to generate at most; default {max_tokens}"
+        if max_tokens is not None
+        else "tokens an answer whose request sets no limit generates at most (default: no "
+        "limit: until the model stops or its context is full, as OpenAI's and Ollama's "
+        "servers do)",
     )
     if model_sampling:
         where = "default: the model's generation_config.json, else "
@@ -240,8 +244,10 @@ def settings_from_args(args):
 
     check_generation_flags(args)
 
+    from mlxkv.engine.request import RESERVE_STEP
+
     return GenerationSettings(
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens or RESERVE_STEP,  # (None: serve's open-ended answers)
         temperature=0.0 if args.temp is None else args.temp,
         top_p=1.0 if args.top_p is None else args.top_p,
         min_p=args.min_p,

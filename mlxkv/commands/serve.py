@@ -101,7 +101,7 @@ def add_arguments(p) -> None:
         help="most bytes of files in --prefix-cache-dir (default 8GiB)",
     )
     add_cache_flags(p)
-    add_generation_flags(p, max_tokens=512)
+    add_generation_flags(p, max_tokens=None)
 
 
 def _check(args) -> str | None:
@@ -198,12 +198,15 @@ def _memory_and_prefixes(args, loaded, policy):
 
 
 def _check_one_answer_fits(args, memory, policy) -> None:
-    """Refuse a budget in which a request that leaves max_tokens out (the server's
-    --max-tokens) never fits, even with a one-token prompt: every such request would be
-    refused, blaming a max_tokens its client never sent."""
+    """Refuse a budget in which a request that leaves max_tokens out never fits, even with
+    a one-token prompt (its answer reserves --max-tokens, or the first RESERVE_STEP tokens
+    of an open-ended answer): every such request would be refused, blaming a max_tokens its
+    client never sent."""
+    from mlxkv.engine.request import RESERVE_STEP
     from mlxkv.memory.budget import gib
 
-    need = memory.reservation(policy, 1 + args.max_tokens)
+    answer = args.max_tokens or RESERVE_STEP
+    need = memory.reservation(policy, 1 + answer)
     room = memory.budget - memory.base()
     if need <= room:
         return
@@ -212,12 +215,17 @@ def _check_one_answer_fits(args, memory, policy) -> None:
     def mib(n: int) -> str:  # KV sizes here are far below a GiB
         return f"{n / 2**20:,.0f} MiB"
 
+    what = (
+        f"one answer of --max-tokens {answer} needs"
+        if args.max_tokens
+        else f"the first {answer} tokens of an answer need"
+    )
     raise UserError(
         f"{given} leaves {mib(max(room, 0))} for the KV cache after the weights "
         f"({gib(memory.fixed.weights)}) and runtime ({gib(memory.fixed.runtime)}), less than "
-        f"one answer of --max-tokens {args.max_tokens} needs ({mib(need)}, "
-        f"{policy.describe()}); raise --memory to at least "
-        f"{math.ceil((memory.base() + need) / 2**28) / 4:g}GiB, or lower --max-tokens"
+        f"{what} ({mib(need)}, {policy.describe()}); raise --memory to at least "
+        f"{math.ceil((memory.base() + need) / 2**28) / 4:g}GiB"
+        + (", or lower --max-tokens" if args.max_tokens else "")
     )
 
 
@@ -302,6 +310,7 @@ def run(args) -> int:
                 vocab_size=vocab if isinstance(vocab, int) else None,
                 context_length=loaded.context_length,
                 defaults=defaults,
+                open_ended=args.max_tokens is None,
             ),
             facts=_facts(loaded),
             max_batch=args.max_batch,

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from mlxkv.errors import UserError
 
+# The answer tokens the scheduler reserves memory for at a time when an answer has no limit
+# of its own (``open_ended``).
+RESERVE_STEP = 512
+
 
 @dataclass
 class GenerationSettings:
@@ -30,6 +34,10 @@ class GenerationSettings:
     # The most reasoning tokens a thinking model writes before its think block is closed
     # for it (engine/thinking.py); None: no limit
     think_budget: int | None = None
+    # No limit was asked (OpenAI's and Ollama's default): the answer runs until the model
+    # stops or ``max_tokens`` (the model's context) is reached; the scheduler reserves its
+    # memory RESERVE_STEP tokens at a time and ends it ("length") where memory runs out.
+    open_ended: bool = False
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -56,7 +56,7 @@ from mlxkv.engine.events import (
 )
 from mlxkv.engine.finish import FinishRule, token_budget
 from mlxkv.engine.kv_stats import KVAccounting
-from mlxkv.engine.request import GenerationSettings, common_prefix, encode_prompt
+from mlxkv.engine.request import RESERVE_STEP, GenerationSettings, common_prefix, encode_prompt
 from mlxkv.engine.reuse import Checkpoint
 from mlxkv.engine.samplers import processor_history, processors_for, sampler_for
 from mlxkv.errors import UserError
@@ -200,6 +200,7 @@ class Scheduler:
         prefill_budget: int = 512,  # prompt tokens a round prefills before it decodes
         prefix_cache=None,  # mlxkv.engine.prefix_cache.PrefixCache: reuse across requests
         memory=None,  # mlxkv.engine.admission.MemoryBudget: admit by KV reservations
+        reserve_step: int = RESERVE_STEP,  # an open-ended answer's reservation grows by it
     ):
         if max_batch < 1:
             raise UserError(f"--max-batch must be at least 1, got {max_batch}")
@@ -211,6 +212,7 @@ class Scheduler:
         self.observer = observer  # sees every batched decode step's caches (opt-in checks)
         self.prefix = prefix_cache
         self.memory = memory
+        self.reserve_step = reserve_step
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[_Job] = deque()
@@ -500,9 +502,10 @@ class Scheduler:
             return 0
         return self.memory.scoring(job.total, job.req.settings.prefill_step)
 
-    def _fits(self, job: _Job) -> bool:
-        """Whether ``job`` may start now under the memory budget (kept prefixes are
-        evicted to make room before it waits)."""
+    def _fits(self, job: _Job | None) -> bool:
+        """Whether ``job`` may start now under the memory budget (None: whether what runs
+        fits, after a reservation grew); kept prefixes are evicted to make room before it
+        waits."""
         m = self.memory
         if m is None or m.budget is None:
             return True
@@ -562,7 +565,10 @@ class Scheduler:
                 continue
             job = _Job(handle, policy)
             job.processors = processors
-            new, _ = token_budget(limit, policy.window, job.total, req.settings.max_tokens)
+            want = req.settings.max_tokens
+            if req.settings.open_ended:
+                want = min(want, self.reserve_step)
+            new, _ = token_budget(limit, policy.window, job.total, want)
             job.limit_tokens = job.total + new
             if self.memory is not None:
                 job.reserved = self.memory.reservation(policy, job.limit_tokens)
@@ -940,6 +946,8 @@ class Scheduler:
         delta, reason = job.finish.add(token)
         self.tokens_generated += 1
         n = len(job.finish.tokens)
+        if reason is None and job.total + n >= job.limit_tokens and not self._grow(job):
+            reason = "length"  # an open-ended answer whose memory ran out ends here
         if n > 1:
             job.generation_tps = (n - 1) / max(time.perf_counter() - job.first_token, 1e-9)
         if reason not in ("stop", "stop_string"):
@@ -949,6 +957,22 @@ class Scheduler:
         if reason is not None:
             self._end(job, reason)
             return True
+        return False
+
+    def _grow(self, job: _Job) -> bool:
+        """Reserve ``reserve_step`` more answer tokens for an open-ended answer that has
+        used its reservation, if the budget has room (kept prefixes give way)."""
+        if not job.req.settings.open_ended:
+            return True  # its reservation covers its max_tokens
+        before = job.limit_tokens, job.reserved
+        job.limit_tokens = min(
+            job.limit_tokens + self.reserve_step, job.total + job.finish.max_tokens
+        )
+        if self.memory is not None:
+            job.reserved = self.memory.reservation(job.policy, job.limit_tokens)
+        if self._fits(None):
+            return True
+        job.limit_tokens, job.reserved = before
         return False
 
     def _leave(self, g: _Group, jobs: list[_Job], reason: str) -> None:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
+from mlxkv.engine.request import RESERVE_STEP
 from mlxkv.models.fim import fim_format
 from mlxkv.policy import KVPolicy
 from mlxkv.server import metrics, ollama
@@ -234,7 +235,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             except APIError:  # a template that renders no conversation cut short
                 return None
 
-        room = context - answer_room(ask.settings.max_tokens, context)
+        s = ask.settings
+        room = context - answer_room(RESERVE_STEP if s.open_ended else s.max_tokens, context)
         kept = fitted(ask.messages, count, room)
         if kept is None:
             raise APIError(

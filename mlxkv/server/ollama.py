@@ -214,10 +214,9 @@ def _options(v, limits: Limits) -> tuple:
     if predict == 0:
         raise bad("options.num_predict 0 generates nothing; send at least 1, or -1", "options")
     # -1 (no limit) and -2 (fill the context): until the model stops or its context is full
-    unbounded = limits.context_length or 2**31 - 1
-    max_tokens = unbounded if predict is not None and predict < 0 else predict
+    unlimited = predict is not None and predict < 0
     try:
-        settings = settings_of(given, limits, max_tokens)
+        settings = settings_of(given, limits, None if unlimited else predict, unlimited)
     except APIError as e:
         raise bad(f"options.{e.message}", f"options.{e.param}" if e.param else "options") from None
     if stops:

@@ -130,6 +130,9 @@ class Limits:
     vocab_size: int | None = None  # token-id prompts must be below it
     context_length: int | None = None  # the model's trained context
     defaults: GenerationSettings = field(default_factory=GenerationSettings)
+    # a request that sets no limit runs until the model stops or its context is full (the
+    # server was started without --max-tokens); else defaults.max_tokens is its limit
+    open_ended: bool = False
 
 
 @dataclass
@@ -308,7 +311,11 @@ def _api_names(message: str) -> str:
     )
 
 
-def settings_of(body: dict, limits: Limits, max_tokens: int | None) -> GenerationSettings:
+def settings_of(
+    body: dict, limits: Limits, max_tokens: int | None, unlimited: bool = False
+) -> GenerationSettings:
+    """The sampling and limits of ``body``; ``max_tokens`` None: the request set no limit,
+    so the answer is open-ended where the server (or, ``unlimited``, the request) says so."""
     given = {
         "max_tokens": max_tokens,
         "temperature": number_field(body, "temperature", 0, 2, hint="0 means greedy"),
@@ -322,6 +329,8 @@ def settings_of(body: dict, limits: Limits, max_tokens: int | None) -> Generatio
         "seed": int_field(body, "seed", 0, SEED_MAX),
         "stop": _stop(body),
     }
+    if max_tokens is None and (unlimited or limits.open_ended):
+        given |= {"max_tokens": limits.context_length or 2**31 - 1, "open_ended": True}
     try:
         return replace(limits.defaults, **{k: v for k, v in given.items() if v is not None})
     except UserError as e:  # GenerationSettings' own checks (the ranges above cover them)

@@ -153,6 +153,15 @@ def open_regular(path, what: str = "file"):
     return os.fdopen(fd, "rb"), st.st_size
 
 
+def check_file(path, limit: int, what: str = "file") -> None:
+    """Refuse (one line) ``path`` unless it is a regular file of at most ``limit`` bytes:
+    for a file another library will read."""
+    f, size = open_regular(path, what)
+    f.close()
+    if size > limit:
+        raise UserError(f"{what} {path} is {_over(size, limit)}")
+
+
 def read_bytes(path, limit: int, what: str = "file") -> bytes:
     """The bytes of the regular file ``path``, refused (one line) above ``limit`` bytes."""
     f, size = open_regular(path, what)

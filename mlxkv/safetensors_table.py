@@ -3,19 +3,22 @@ without reading the data: an 8-byte length, then ``{name: {dtype, shape, data_of
 
 A crafted or damaged table must be one clear line, never a traceback deep in the memory
 model or MLX: every entry needs a dtype safetensors defines, a shape of non-negative
-integers and a byte range that matches it.
+integers and a byte range that matches it, and no two ranges may overlap (a small file
+whose tensors all name the same bytes would load as gigabytes).
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from mlxkv.errors import UserError
 from mlxkv.files import open_regular, parse_json
 
 HEADER_LIMIT = 256 << 20  # bytes of a safetensors JSON header
+MAX_DIMS = 8  # weights have at most 5 (a 3-D convolution's); a long list is a crafted one
 # safetensors dtype -> (bytes per element, floating)
 DTYPES = {
     "F64": (8, True),
@@ -42,6 +45,7 @@ class Tensor:
     dtype: str  # safetensors spelling
     numel: int
     end: int  # where its data ends, from the start of the data
+    start: int = 0  # where its data starts
 
 
 def read_table(path: Path) -> tuple[list[Tensor], int]:
@@ -63,6 +67,13 @@ def read_table(path: Path) -> tuple[list[Tensor], int]:
     tensors = [_tensor(path, name, info) for name, info in table.items() if name != "__metadata__"]
     if not tensors:
         raise UserError(f"{path} holds no tensors; it is not a model's weight file")
+    ordered = sorted(tensors, key=lambda t: (t.start, t.end))
+    for a, b in pairwise(ordered):
+        if b.start < a.end:
+            raise UserError(
+                f"{path}: tensors {a.name[:60]!r} and {b.name[:60]!r} share bytes; each "
+                f"tensor has its own in a safetensors file ({HINT})"
+            )
     return tensors, 8 + n + max((t.end for t in tensors), default=0)
 
 
@@ -77,6 +88,8 @@ def _tensor(path: Path, name: str, info) -> Tensor:
         raise bad(f"has no dtype safetensors defines (got {str(dtype)[:20]!r})")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad("has a shape that is not a list of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise bad(f"has {len(shape)} dimensions; weights have at most {MAX_DIMS}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -89,4 +102,4 @@ def _tensor(path: Path, name: str, info) -> Tensor:
         numel *= d
     if offsets[1] - offsets[0] != numel * DTYPES[dtype][0]:
         raise bad("has data_offsets that do not match its shape and dtype")
-    return Tensor(name, dtype, numel, offsets[1])
+    return Tensor(name, dtype, numel, offsets[1], offsets[0])

@@ -340,3 +340,29 @@ def test_save_keeps_the_files_mode_and_follows_no_planted_link(default_model, tm
     gen.save_cache(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert victim.read_bytes() == b"precious"
+
+
+def test_tensors_that_share_bytes_are_refused_before_mlx(saved, default_model, tmp_path):
+    """A small file whose header names its data many times loaded as gigabytes (300
+    extra entries over an 11.8 MB file took 3.4 GB) before its digest refused it."""
+    import json
+    import struct
+
+    src, _ = saved["full"]
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    for i in range(3):
+        header[f"0.z{i}"] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}
+    text = json.dumps(header).encode()
+    path = tmp_path / "shared.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    before = path.read_bytes()
+    gen = Session(default_model, KVPolicy())
+    with pytest.raises(CacheError) as e:
+        gen.load_cache(path)
+    assert (
+        str(e.value)
+        == "shared.safetensors is not a readable cache file (two tensors share bytes); delete it"
+    )
+    assert gen.tokens == [] and path.read_bytes() == before

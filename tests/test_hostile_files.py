@@ -256,6 +256,17 @@ def test_layouts_cache_follows_no_planted_link_and_survives_deep_json(tmp_path, 
         ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]}}, "no valid data_offsets"),
         ({"w": {"dtype": "F16", "shape": [9], "data_offsets": [0, 4]}}, "do not match its shape"),
         ({"w": [1, 2]}, "is not a table"),
+        (
+            {"w": {"dtype": "F16", "shape": [2**62] * 20000, "data_offsets": [0, 4]}},
+            "has 20000 dimensions; weights have at most 8",
+        ),
+        (
+            {
+                "w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+                "v": {"dtype": "F16", "shape": [1], "data_offsets": [2, 4]},
+            },
+            "tensors 'w' and 'v' share bytes",
+        ),
         ({}, "holds no tensors"),
     ],
 )
@@ -278,3 +289,38 @@ def test_a_crafted_weight_table_is_one_line_in_plan_and_generate(tmp_path, capsy
         line = refused(capsys, command, *args)
         assert line.startswith(f"mlxkv {command}: error: {folder / 'model.safetensors'}")
         assert words in line
+
+
+@pytest.mark.parametrize(
+    "name, kind, words",
+    [
+        ("generation_config.json", "fifo", "is not a regular file; name a regular file"),
+        ("tokenizer.json", "fifo", "is not a regular file; name a regular file"),
+        ("tokenizer.json", 300 << 20, "is 300 MiB, more than the 256 MiB allowed"),
+        ("chat_template.jinja", 5 << 20, "is 5 MiB, more than the 4 MiB allowed"),
+        ("tokenizer_config.json", "folder", "is a directory; name a regular file"),
+    ],
+)
+def test_a_model_file_that_is_no_file_or_huge_is_refused_before_it_is_read(
+    tmp_path, capsys, default_model_path, name, kind, words
+):
+    """A FIFO generation_config.json or tokenizer.json blocked the load for ever; a 2 GiB
+    generation_config.json took 4.3 GB and was then ignored."""
+    from tests.bad_input import refused
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in default_model_path.iterdir():
+        if f.name != name:
+            (folder / f.name).symlink_to(f)
+    target = folder / name
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "folder":
+        target.mkdir()
+    else:
+        with open(target, "wb") as f:
+            f.truncate(kind)  # sparse: no disk taken
+    line = refused(capsys, "generate", "--model", str(folder), "-p", "hi", "--max-tokens", "1")
+    assert line.startswith(f"mlxkv generate: error: the model's file {target}")
+    assert line.endswith(words)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from itertools import pairwise
 from pathlib import Path
 
 import mlx.core as mx
@@ -115,7 +116,8 @@ def _format_error(path, found) -> CacheError:
 def _read_header(f, size: int, path) -> tuple[dict, dict]:
     """The tensor table and the string metadata of a safetensors file, every entry
     checked: dtypes MLX knows, shapes of small non-negative ints, byte ranges that fit the
-    data and match the shape."""
+    data, match the shape and share no bytes (a small file naming its data many times
+    would load as gigabytes)."""
     head = f.read(8)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 2 <= n <= min(HEADER_LIMIT, size - 8):
@@ -155,6 +157,9 @@ def _read_header(f, size: int, path) -> tuple[dict, dict]:
         a, b = t["data_offsets"]
         if not 0 <= a <= b <= data or b - a != count * _DTYPES[t["dtype"]]:
             raise _bad(path, f"tensor {name} does not fit the file")
+    ranges = sorted(tuple(t["data_offsets"]) for t in table.values())
+    if any(b[0] < a[1] for a, b in pairwise(ranges)):
+        raise _bad(path, "two tensors share bytes")
     return table, meta
 
 

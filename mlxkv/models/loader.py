@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,22 @@ from pathlib import Path
 from mlxkv.errors import UserError, one_line
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+# The files mlx-lm and transformers read beside the weights, and the most each may hold
+# (several times the largest seen: Gemma 3's tokenizer.json is 33 MB). A FIFO among them
+# would block the load for ever, a huge one take gigabytes: both are refused first.
+MODEL_FILES = {
+    "tokenizer.json": 256 << 20,
+    "tokenizer.model": 64 << 20,
+    "vocab.json": 64 << 20,
+    "vocab.txt": 64 << 20,
+    "merges.txt": 64 << 20,
+    "tokenizer_config.json": 64 << 20,
+    "special_tokens_map.json": 16 << 20,
+    "added_tokens.json": 16 << 20,
+    "generation_config.json": 1 << 20,
+    "chat_template.jinja": 4 << 20,
+    "chat_template.json": 4 << 20,
+}
 
 
 @dataclass
@@ -32,6 +49,16 @@ class LoadedModel:
         from mlxkv.memory.context import trained_context
 
         return trained_context(self.config)
+
+
+def check_model_files(folder: Path) -> None:
+    """Refuse (one line) a tokenizer or config file of ``folder`` that is not a regular file
+    or is larger than MODEL_FILES allows, before any library reads it."""
+    from mlxkv.files import check_file
+
+    for name, limit in MODEL_FILES.items():
+        if os.path.lexists(folder / name):
+            check_file(folder / name, limit, "the model's file")
 
 
 def load(
@@ -63,6 +90,7 @@ def load(
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    check_model_files(Path(path))
     try:
         model, tokenizer, config = mlx_lm.load(str(path), lazy=True, return_config=True)
     except Exception as e:  # the folder's files are the user's: any failure is theirs

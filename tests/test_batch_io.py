@@ -142,6 +142,20 @@ def test_log_refuses_a_foreign_file_and_leaves_it_alone(tmp_path):
     assert out.read_text() == "my notes\nmore\n"
 
 
+@pytest.mark.parametrize(
+    "deep",
+    ["[" * 100000 + "]" * 100000, '{"line": 1, "x": ' + "[" * 100000],
+    ids=["list", "record"],
+)
+def test_log_refuses_a_deeply_nested_file_and_leaves_it_alone(tmp_path, deep):
+    """It was a RecursionError traceback."""
+    out = tmp_path / "out.jsonl"
+    out.write_text(deep + "\n")
+    with pytest.raises(UserError, match="not a batch record"):
+        ResultLog(out).open()
+    assert out.read_text() == deep + "\n"
+
+
 def test_log_missing_directory_and_directory_path(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         ResultLog(tmp_path / "missing" / "out.jsonl").open()

@@ -324,3 +324,24 @@ def test_a_model_file_that_is_no_file_or_huge_is_refused_before_it_is_read(
     line = refused(capsys, "generate", "--model", str(folder), "-p", "hi", "--max-tokens", "1")
     assert line.startswith(f"mlxkv generate: error: the model's file {target}")
     assert line.endswith(words)
+
+
+def test_a_tokenizer_that_panics_is_one_line(tmp_path, capsys, default_model_path):
+    """A tokenizer.json whose regex passes Oniguruma's backtracking limit made the Rust
+    tokenizer panic: a 138-line traceback (pyo3's PanicException is no Exception)."""
+    from tests.bad_input import refused
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in default_model_path.iterdir():
+        if f.name != "tokenizer.json":
+            (folder / f.name).symlink_to(f)
+    spec = json.loads((default_model_path / "tokenizer.json").read_text())
+    split = {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated"}
+    spec["pre_tokenizer"]["pretokenizers"].insert(0, {**split, "invert": False})
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    line = refused(capsys, "generate", "--model", str(folder), "-p", "a" * 40 + "b")
+    assert line == (
+        "mlxkv generate: error: the model's tokenizer failed on this text: PanicException: "
+        "Onig: Regex search error: retry-limit-in-match over"
+    )

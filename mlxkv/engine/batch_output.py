@@ -31,7 +31,7 @@ def parse_record(raw: bytes) -> ResumeRecord | None:
     """One output line -> the record it holds, or None if it is not a batch record."""
     try:
         rec = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return None
     if not isinstance(rec, dict):
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, one_line
 
 # The answer tokens the scheduler reserves memory for at a time when an answer has no limit
 # of its own (``open_ended``).
@@ -55,7 +55,14 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     template's output, say) already starts with it. Every front end encodes with this."""
     bos = getattr(tokenizer, "bos_token", None)
     add = bool(bos) and not text.startswith(bos)
-    return tokenizer.encode(text, add_special_tokens=add)
+    try:
+        return tokenizer.encode(text, add_special_tokens=add)
+    except BaseException as e:
+        # A tokenizer's Rust code that panics (a crafted tokenizer.json's regex past its
+        # backtracking limit) raises pyo3's PanicException, a BaseException.
+        if type(e).__name__ != "PanicException":
+            raise
+        raise UserError(f"the model's tokenizer failed on this text: {one_line(e)}") from None
 
 
 def most_prompt_characters(tokenizer, context_length: int | None) -> int | None:

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
 from mlxkv.engine.request import RESERVE_STEP
+from mlxkv.errors import UserError
 from mlxkv.models.fim import fim_format
 from mlxkv.policy import KVPolicy
 from mlxkv.server import metrics, ollama
@@ -195,7 +196,13 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         """The prompts as token ids (the chat template applied), and a chat prompt's text
         (not ``answer``: the messages as the start of a longer prompt); runs in a worker
         thread."""
-        encode = bridge.scheduler.encode
+
+        def encode(text: str) -> list[int]:
+            try:
+                return bridge.scheduler.encode(text)
+            except UserError as e:  # the tokenizer failed on this text
+                raise bad(str(e), "messages" if ask.messages else "prompt") from None
+
         if ask.kind == "completion":
             return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
         tools = {"tools": ask.tools.tools} if ask.tools.on else {}

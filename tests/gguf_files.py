@@ -66,18 +66,20 @@ def base_tensors() -> list:
     return t
 
 
-def gguf(meta: dict, tensors: list, align: int = 32) -> bytes:
+def gguf(meta: dict, tensors: list, align: int = 32, stacked: bool = False) -> bytes:
     """A GGUF file whose tensors are all zeros: ``(name, shape)`` for F32, or ``(name, shape,
-    ggml type id, data bytes)``; shapes in numpy order."""
+    ggml type id, data bytes)``; shapes in numpy order. ``stacked``: every tensor's data
+    starts at offset 0 (a crafted file naming the same bytes many times)."""
     out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
     for key, (vtype, v) in meta.items():
         out += _s(key) + struct.pack("<I", vtype) + _value(vtype, v)
-    offset = 0
+    offset = end = 0
     for name, shape, *typed in tensors:
         type_id, n = typed or (0, 4 * math.prod(shape))
         out += _s(name) + struct.pack("<I", len(shape))
         out += b"".join(struct.pack("<Q", d) for d in reversed(shape))
         out += struct.pack("<IQ", type_id, offset)
-        offset += (n + 31) // 32 * 32
+        end = max(end, offset + (n + 31) // 32 * 32)
+        offset = 0 if stacked else end
     out += b"\0" * (-len(out) % max(align, 1))
-    return out + b"\0" * offset
+    return out + b"\0" * end

@@ -94,6 +94,14 @@ CASES = {
         _with(llama__block_count=(U64, 10**9)),
         "'llama.block_count' must be a positive integer, not 1000000000",
     ),
+    "block count past the layer cap": (
+        _with(llama__block_count=(U32, 2000)),
+        "block_count is 2,000; mlxkv plans models of up to 1,024",
+    ),
+    "odd head size": (
+        _with(llama__rope__dimension_count=(U32, 3)),
+        "rope.dimension_count 3 is odd; rotary heads come in halves",
+    ),
     "more blocks than tensors": (
         _with(llama__block_count=(U32, 3)),
         "block_count is 3 but the file holds 1 layers",
@@ -156,6 +164,17 @@ def test_crafted_tensor_table_is_one_line(capsys, tmp_path, tensors, words):
     f = tmp_path / "m.gguf"
     f.write_bytes(gguf(base_meta(), tensors))
     assert words in refused(capsys, "pull", str(f))
+
+
+def test_tensors_that_share_bytes_are_refused_before_conversion(capsys, tmp_path):
+    """Every tensor at offset 0: a 1.2 MB file converted into 3 GB before its layer count
+    was refused, and the folder stayed."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(gguf(base_meta(), base_tensors(), stacked=True))
+    line = refused(capsys, "pull", str(f))
+    assert "GGUF tensors output_norm.weight and blk.0.attn_norm.weight share bytes" in line, line
+    models = tmp_path / "home" / "models"
+    assert not models.exists() or not any(models.iterdir())
 
 
 def test_ten_dimensions_never_reach_mlx(tmp_path):

@@ -12,9 +12,11 @@ import math
 import os
 import shutil
 import tempfile
+from itertools import pairwise
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.memory.config import MAX_LAYERS
 from mlxkv.models.gguf_header import GGUFArray, GGUFHeader, check_supported, read_header
 from mlxkv.models.gguf_tokenizer import build_tokenizer_files
 
@@ -137,6 +139,14 @@ def check_llama(header: GGUFHeader, path: Path) -> None:
     pos_float(f"{a}.rope.freq_base")
     if heads % kv_heads:
         raise _bad(path, f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if layers > MAX_LAYERS:  # refused now, not after gigabytes of conversion
+        raise _bad(path, f"block_count is {layers:,}; mlxkv plans models of up to {MAX_LAYERS:,}")
+    if head_dim % 2:
+        raise _bad(path, f"rope.dimension_count {head_dim} is odd; rotary heads come in halves")
+    ordered = sorted(header.tensors, key=lambda t: (t.offset, t.nbytes))
+    for x, y in pairwise(ordered):
+        if y.offset < x.offset + x.nbytes:  # a small file naming its data many times
+            raise _bad(path, f"tensors {x.name} and {y.name} share bytes")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, GGUFArray) or not tokens.of_strings or tokens.n == 0:
         raise _bad(path, "'tokenizer.ggml.tokens' must be a non-empty list of strings")

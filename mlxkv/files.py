@@ -61,9 +61,12 @@ def _check_target(path: Path, what: str, overwrite: bool) -> int | None:
 
 
 @contextlib.contextmanager
-def atomic_file(path, what: str = "file", overwrite: bool = True) -> Iterator[io.BufferedWriter]:
+def atomic_file(
+    path, what: str = "file", overwrite: bool = True, new_mode: int | None = None
+) -> Iterator[io.BufferedWriter]:
     """A binary file object whose content replaces ``path`` when the block ends without
-    an exception (else ``path`` is untouched and the temporary file is removed).
+    an exception (else ``path`` is untouched and the temporary file is removed). A file it
+    replaces keeps its mode; a new one gets ``new_mode`` (None: the umask's).
 
     Every failure (missing folder, full disk, read-only target) is a one-line
     :class:`UserError` naming ``what`` (e.g. ``"--prompt-cache"``) and the path."""
@@ -82,7 +85,9 @@ def atomic_file(path, what: str = "file", overwrite: bool = True) -> Iterator[io
             yield f
             f.flush()
             os.fsync(f.fileno())
-            os.fchmod(f.fileno(), mode if mode is not None else 0o666 & ~_umask())
+            if mode is None:
+                mode = new_mode if new_mode is not None else 0o666 & ~_umask()
+            os.fchmod(f.fileno(), mode)
         if overwrite:
             os.replace(tmp, path)
         else:
@@ -105,9 +110,11 @@ def atomic_file(path, what: str = "file", overwrite: bool = True) -> Iterator[io
                 os.unlink(tmp)
 
 
-def atomic_write(path, data: bytes | str, what: str = "file", overwrite: bool = True) -> None:
+def atomic_write(
+    path, data: bytes | str, what: str = "file", overwrite: bool = True, new_mode: int | None = None
+) -> None:
     """Replace ``path`` with ``data`` (str is written as UTF-8); see :func:`atomic_file`."""
-    with atomic_file(path, what, overwrite) as f:
+    with atomic_file(path, what, overwrite, new_mode) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 

@@ -5,6 +5,7 @@ exact about what the UI does. The KV figures themselves are checked on the real 
 from __future__ import annotations
 
 import json
+import stat
 
 import pytest
 from textual import events
@@ -476,6 +477,26 @@ async def test_resume_of_20000_messages_shows_the_last_ones(tmp_path):
         assert len(app.engine.messages) == 20_000
         await send(app, pilot, "/set temp nan")
         assert notes(app)[-1] == "/set temp: give a number 0 or more (0 = greedy), got nan"
+
+
+@sync
+async def test_a_resumed_conversation_made_read_only_is_kept_as_it_is(tmp_path):
+    """It was replaced (and made writable, 0600) at the next answer."""
+    store = ConversationStore(tmp_path)
+    path = store.save({"model": "fake-135m", "messages": [{"role": "user", "content": "hi"}]})
+    path.chmod(0o444)
+    before = path.read_bytes()
+    store.start()
+    app = fake_app(store=store, resume=store.resume(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_idle(app, pilot)
+        await send(app, pilot, "What is the capital of France?")
+        assert views(app)[-1] == ("assistant", "The capital of France is **Paris**.")
+        assert notes(app)[-1] == (
+            f"could not keep the conversation: conversation {path} is read-only; make it "
+            "writable (chmod u+w) or name another file"
+        )
+    assert path.read_bytes() == before and stat.S_IMODE(path.stat().st_mode) == 0o444
 
 
 @sync

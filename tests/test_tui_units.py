@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import stat
 
 import pytest
 
@@ -195,6 +196,7 @@ def test_conversation_store(tmp_path):
     store.start()
     other = store.save({**data, "messages": data["messages"][:1]})
     assert other != path and len(store.list()) == 2
+    assert stat.S_IMODE(other.stat().st_mode) == 0o600  # a conversation is private
 
 
 def test_markdown_export_is_not_a_conversation(tmp_path):

@@ -327,8 +327,9 @@ class ChatApp(App):
             return
         try:
             self.store.save(self.engine.to_dict())
-        except OSError as e:
-            await self.note(f"could not keep the conversation: {e.strerror or e}", "error")
+        except (UserError, OSError) as e:  # a full disk, a read-only file: the chat goes on
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            await self.note(f"could not keep the conversation: {why}", "error")
 
     def _mark_evicted(self, shares: list[float] | None) -> None:
         """Dim what the cache has dropped: the model no longer sees those tokens. ``shares``

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
 from mlxkv.errors import UserError
-from mlxkv.files import MiB, parse_json, read_text
+from mlxkv.files import MiB, atomic_write, parse_json, read_text
 from mlxkv.paths import home
 from mlxkv.policy import (
     DEFAULT_KEY_SCHEME,
@@ -32,21 +30,6 @@ MAX_BYTES = 64 * MiB  # a conversation file larger than this is refused before i
 
 def chats_dir() -> Path:
     return home() / "chats"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new file, whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)
@@ -91,7 +74,10 @@ class ConversationStore:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
             self.current = self.folder / f"chat-{stamp}{SUFFIX}"
         data = {**data, "updated": datetime.now().isoformat(timespec="seconds")}
-        atomic_write(self.current, json.dumps(data, indent=2, ensure_ascii=False))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(data, indent=2, ensure_ascii=False)
+        # a conversation is private (new files 0600); one the user made read-only is kept
+        atomic_write(self.current, text, "conversation", new_mode=0o600)
         return self.current
 
     def list(self) -> list[Saved]:

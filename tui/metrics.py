@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 
 from mlxkv.errors import UserError
-from mlxkv.files import MiB, parse_json, read_text
-from tui.conversations import atomic_write
+from mlxkv.files import MiB, atomic_write, parse_json, read_text
 
 MARK = "panel_renders"  # a key every metrics file holds
 MAX_BYTES = 16 * MiB  # a metrics file is a few KB; a larger one is not ours
@@ -43,4 +42,4 @@ def _is_metrics(p: Path) -> bool:
 
 
 def write_metrics(path: Path, data: dict) -> None:
-    atomic_write(path, json.dumps(data, indent=2))
+    atomic_write(path, json.dumps(data, indent=2), "--metrics")

@@ -165,9 +165,10 @@ def test_a_write_left_by_a_killed_server_is_removed_at_start(tmp_path):
 
     from mlxkv.engine.prefix_cache import ABANDONED_AFTER
 
-    old = tmp_path / ".prefix-0123abcd.safetensors.x1y2z3.tmp"
-    going = tmp_path / ".prefix-4567ef01.safetensors.a1b2c3.tmp"
+    old = tmp_path / f".prefix-{'0123abcd' * 4}.safetensors.x1y2z3_4.tmp"
+    going = tmp_path / f".prefix-{'4567ef01' * 4}.safetensors.a1b2c3d4.tmp"
     mine = [tmp_path / ".prefix-notes.tmp", tmp_path / "prefix-draft.safetensors.tmp"]
+    mine.append(tmp_path / ".prefix-notes.safetensors.old.tmp")  # a user's: it was removed
     for p in (old, going, *mine):
         p.write_bytes(b"x" * 100)
     then = time.time() - ABANDONED_AFTER - 5

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from mlxkv.engine.reuse import Checkpoint, keep_prefix, load_held, save_held
 from mlxkv.policy import KVPolicy
 
 FILE_PREFIX = "prefix-"  # names of the files this cache writes (and so may delete)
+OWN_FILE = re.compile(r"prefix-[0-9a-f]{32}\.safetensors")  # FILE_PREFIX, 32 hex digits
+# and files.atomic_file's temporary name for one (tempfile's 8 random characters)
+OWN_TEMPORARY = re.compile(r"\.prefix-[0-9a-f]{32}\.safetensors\.[a-z0-9_]{8}\.tmp")
 TRIES = 3  # candidates tried per lookup (a candidate's bound can overstate what it reuses)
 
 
@@ -76,13 +80,10 @@ ABANDONED_AFTER = 60.0  # seconds: a write in progress touches its file far more
 
 
 def _abandoned_write(path: Path) -> bool:
-    """The temporary file of a write this cache began (``files.atomic_file`` names it
-    ``.prefix-*.safetensors.*.tmp``) that nobody has touched for a while: its server was
-    killed mid-write, and the file would hold disk space no limit counts."""
-    name = path.name
-    if not (
-        name.startswith(f".{FILE_PREFIX}") and ".safetensors." in name and name.endswith(".tmp")
-    ):
+    """The temporary file of a write this cache began (OWN_TEMPORARY) that nobody has
+    touched for a while: its server was killed mid-write, and the file would hold disk
+    space no limit counts."""
+    if not OWN_TEMPORARY.fullmatch(path.name):
         return False
     try:
         return time.time() - path.stat().st_mtime > ABANDONED_AFTER
@@ -163,7 +164,7 @@ class DiskTier:
         while self.nbytes > self.limit and self.files:
             oldest = min(self.files.values(), key=lambda f: f.used)
             del self.files[oldest.path]
-            if oldest.path.name.startswith(FILE_PREFIX):
+            if OWN_FILE.fullmatch(oldest.path.name):
                 self._remove(oldest.path)
 
     def _remove(self, path: Path, why: str | None = None) -> None:

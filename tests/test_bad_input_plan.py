@@ -233,3 +233,34 @@ def test_a_quantization_group_mlx_cannot_pack_is_refused(tmp_path, capsys, group
         f"mlxkv plan: error: quantization.group_size {group!r} is not one MLX packs weights "
         "in (32, 64, 128); fix config.json"
     )
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        (
+            {"ffn_config": {"moe_num_experts": 100_000}},
+            "'ffn_config.moe_num_experts' is 100,000; mlxkv plans models of up to 4,096 experts "
+            "(published models have at most 512)",
+        ),
+        (
+            {"num_transformer_layers": 20_000},
+            "'num_transformer_layers' is 20,000; mlxkv plans models of up to 1,024 layers",
+        ),
+        (
+            {"num_query_heads": [4] * 20_000},
+            "'num_query_heads' holds 20,000 entries; mlxkv plans models whose lists have up to "
+            "4,096",
+        ),
+    ],
+)
+def test_counts_in_any_spelling_are_refused_before_mlx_lm_builds_the_model(tmp_path, config, words):
+    """A dbrx config with 100,000 experts took 4.2 GB and 47 s; an openelm one with 20,000
+    layers spelled num_transformer_layers, 4.5 GB and 41 s."""
+    cfg = tmp_path / "config.json"
+    text = json.dumps({**json.loads(LLAMA.read_text()), **config})
+    cfg.write_text(text)
+    out = plan_out(str(cfg), timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"mlxkv plan: error: {words}"), out.stderr
+    assert out.stderr.endswith(": fix config.json\n") and cfg.read_text() == text

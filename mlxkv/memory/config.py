@@ -8,6 +8,7 @@ only *read* through the merged text view.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from mlxkv.errors import UserError
@@ -44,7 +45,16 @@ _OPTIONAL_POSITIVE_INTS = ("sliding_window", "sliding_window_size", "attention_w
 # Planning builds mlx-lm's model lazily, so its cost grows with the layers (about 4 s for
 # 1,000 here); the largest published models have under 200.
 MAX_LAYERS = 1024
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# mlx-lm builds one module per expert as well (100,000 experts: 4.2 GB and 47 s); the
+# largest published models have 512. Every config key that counts layers or experts, in
+# whatever spelling a family uses (num_transformer_layers, moe_num_experts, ...), is held
+# to these, and every list to MAX_LIST (per-layer lists have one entry per layer).
+MAX_EXPERTS = 4096
+MAX_LIST = 4 * MAX_LAYERS
+_COUNTS = (
+    (re.compile(r"(^|_)layers?$"), MAX_LAYERS, "layers", "under 200"),
+    (re.compile(r"experts"), MAX_EXPERTS, "experts", "at most 512"),
+)
 
 
 CONFIG_LIMIT = 16 << 20  # bytes; the largest published config.json is under 100 KB
@@ -96,6 +106,30 @@ def _non_finite(value, where: str) -> str | None:
     return None
 
 
+def _check_counts(value, where: str) -> None:
+    """Refuse a layer or expert count, or a list, past what mlxkv plans (see MAX_LAYERS)."""
+    if isinstance(value, list):
+        if len(value) > MAX_LIST:
+            raise BadInput(
+                f"'{where}' holds {len(value):,} entries; mlxkv plans models whose lists have "
+                f"up to {MAX_LIST:,}: fix config.json"
+            )
+        for i, v in enumerate(value):
+            _check_counts(v, f"{where}[{i}]")
+        return
+    if not isinstance(value, dict):
+        return
+    for key, v in value.items():
+        at = f"{where}.{key}" if where else str(key)
+        for pattern, most, what, published in _COUNTS:
+            if _is_int(v) and v > most and pattern.search(str(key)):
+                raise BadInput(
+                    f"'{at}' is {v:,}; mlxkv plans models of up to {most:,} {what} "
+                    f"(published models have {published}): fix config.json"
+                )
+        _check_counts(v, at)
+
+
 def validate(config: dict) -> str:
     """Check the fields the memory model reads; return the model_type."""
     bad = _non_finite(config, "")
@@ -119,13 +153,7 @@ def validate(config: dict) -> str:
             raise BadInput(f"'{key}' must be an integer, got {type(v).__name__} {v!r}")
         if v <= 0:
             raise BadInput(f"'{key}' must be positive, got {v}")
-    for key in _LAYER_COUNTS:
-        v = view.get(key)
-        if _is_int(v) and v > MAX_LAYERS:
-            raise BadInput(
-                f"'{key}' is {v:,}; mlxkv plans models of up to {MAX_LAYERS:,} layers "
-                "(published models have under 200): fix config.json"
-            )
+    _check_counts(config, "")
     for key in _POSITIVE_NUMBERS:
         v = view.get(key)
         if v is None:

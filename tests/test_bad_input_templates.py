@@ -46,7 +46,14 @@ def _short_limit(monkeypatch):
         ("{{ '{:>1000000000}'.format(1) }}", "a width of a million or more"),
         ("{{ '%1000000000s' % 1 }}", "a width of a million or more"),
         ("{{ ('\\n' * 1000000)|indent(99999) }}", "it builds a string longer than"),
-        ("{{ ','.join(['x' * 1000000] * 1000) }}", "it builds a string longer than"),
+        ("{{ ','.join(['x' * 1000000] * 1000) }}", "it writes out a value of more than"),
+        # one big list held many times: nothing to build, gigabytes to write out (it took
+        # 84 s and 4.8 GB before the time limit could stop the C code writing it)
+        ("{% set a = [0] * 1000000 %}{{ [a] * 3000 }}", "it writes out a value of more than"),
+        ("{% set a = [0] * 1000000 %}{{ ([a] * 300)|tojson }}", "it writes out a value of"),
+        ("{% set a = [0] * 100000 %}{{ ([a] * 400)|sum(start=[]) }}", "it writes out a value"),
+        ("{% set a = [0] * 1000000 %}{{ '{}'.format([a] * 300) }}", "it writes out a value"),
+        ("{% set a = [0] * 1000000 %}{{ 'x' ~ [a] * 300 }}", "it writes out a value of"),
         (
             "{% set ns = namespace(x=10) %}{% for i in range(64) %}{% set ns.x = ns.x ** 2 %}"
             "{% endfor %}{{ ns.x }}",

@@ -53,6 +53,44 @@ def _check_size(x):
     return x
 
 
+def _weight(x) -> int:
+    """Characters and items that turning ``x`` into text would write, at least: a list
+    holding one big list a thousand times weighs a thousand of it (it costs nothing to
+    build, gigabytes to print). Stops counting past SIZE_LIMIT."""
+    seen: dict[int, int] = {}  # a value met again weighs what it did (no recount)
+
+    def weigh(v) -> int:
+        if isinstance(v, (str, bytes)):
+            return len(v)
+        if not isinstance(v, (list, tuple, dict)):
+            return 1
+        if id(v) in seen:
+            return seen[id(v)]
+        total = len(v)
+        for item in v.items() if isinstance(v, dict) else v:
+            total += weigh(item)
+            if total > SIZE_LIMIT:
+                break
+        seen[id(v)] = total
+        return total
+
+    try:
+        return weigh(x)
+    except RecursionError:
+        raise TemplateLimit("it builds a value nested too deeply") from None
+
+
+def _check_weight(x):
+    """``x``, unless writing it out would go past SIZE_LIMIT."""
+    if isinstance(x, (list, tuple, dict)) and _weight(x) > SIZE_LIMIT:
+        raise TemplateLimit(f"it writes out a value of more than {SIZE_LIMIT} items")
+    return x
+
+
+# filters that read a value without writing it out or copying it
+_CHEAP_FILTERS = {"length", "count", "first", "last", "default", "d", "int", "float", "abs"}
+
+
 def _check_args(args, kwargs) -> None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > INT_LIMIT:
@@ -86,6 +124,8 @@ def _guard(name: str, f):
     def guarded(*args, **kwargs):
         _check_args(args[skip + 1 :], kwargs)
         if len(args) > skip:
+            if name not in _CHEAP_FILTERS:  # tojson, string, sum, join ... write it out
+                _check_weight(args[skip])
             _grows(name, args[skip], args[skip + 1 :])
         return _check_size(f(*args, **kwargs))
 
@@ -113,6 +153,8 @@ def _environment():
         def checked_join(self, parts):
             if sum(_size(p) if isinstance(p, str) else 0 for p in parts) > SIZE_LIMIT:
                 raise TemplateLimit(f"it builds a string longer than {SIZE_LIMIT}")
+            for p in parts:
+                _check_weight(p)
             return _check_size("".join(map(str, parts)))
 
         def call_binop(self, context, operator, left, right):
@@ -130,8 +172,10 @@ def _environment():
             elif operator == "+":
                 if _size(left) + _size(right) > SIZE_LIMIT:
                     raise TemplateLimit(f"it builds a value longer than {SIZE_LIMIT}")
-            elif operator == "%" and isinstance(left, str) and _BIG_WIDTH.search(left):
-                raise TemplateLimit("it formats with a width of a million or more")
+            elif operator == "%" and isinstance(left, str):
+                if _BIG_WIDTH.search(left):
+                    raise TemplateLimit("it formats with a width of a million or more")
+                _check_weight(right)
             return _check_size(super().call_binop(context, operator, left, right))
 
         def getattr(self, obj, attribute):
@@ -141,9 +185,12 @@ def _environment():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's names)
             _check_args(args, kwargs)
-            owner = getattr(__obj, "__self__", None)
-            if isinstance(owner, str) and args:
-                name = getattr(__obj, "__name__", "")
+            method = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format
+            owner = getattr(method, "__self__", None)
+            if isinstance(owner, str) and (args or kwargs):  # format, join: write arguments
+                for a in (*args, *kwargs.values()):
+                    _check_weight(a)
+                name = getattr(method, "__name__", "")
                 if name == "join":
                     args = (list(args[0]), *args[1:])
                     _grows("join", args[0], (owner,))
@@ -163,6 +210,7 @@ def _environment():
         return datetime.now().strftime(fmt)
 
     env = BoundedEnvironment(
+        finalize=_check_weight,  # each {{ value }} before it is written out
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols],

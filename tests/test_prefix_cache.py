@@ -359,3 +359,27 @@ def test_a_repeated_window_request_counts_the_copy_it_holds(default_model):
         held = mx.get_active_memory() - before
         worst = max(worst, held - m["reserved_bytes"] - m["prefix_cache_bytes"])
     assert worst < 1 << 20, worst  # the allocator's rounding, a step's logits
+
+
+@pytest.mark.model
+def test_a_long_conversation_keeps_its_last_turns_only(default_model):
+    """An agent's session under a window or quantized cache (which cannot trim back) kept
+    one entry per turn: 120 turns filled 6.8 GB of the memory tier. It keeps the newest
+    turn and the EARLIER_TURNS before it; the next turn still starts from the newest."""
+    from mlxkv.engine.prefix_cache import EARLIER_TURNS
+
+    cache = PrefixCache(1 << 30)
+    s = Scheduler(default_model, KVPolicy(window=64, sinks=4), prefix_cache=cache)
+    messages = [{"role": "system", "content": "You are terse."}]
+    counts, before = [], 0
+    for q in ("Name a fruit.", "Name a colour.", "Name a city.", "Name a dog.", "Name a cat.",
+              "Name a tree.", "Name a river.", "Name a bird."):  # fmt: skip
+        messages.append({"role": "user", "content": q})
+        ids = s.encode(_render(default_model, messages))
+        answer = _answer(s, ids)
+        assert answer.stats.prompt_tokens_cached >= before  # the turn before, at least
+        before = len(ids)
+        messages.append({"role": "assistant", "content": answer.text})
+        counts.append(len(cache.entries))
+    # it grew by one a turn once the window had evicted: [1, 1, 1, 2, 3, 4, 5, 6]
+    assert max(counts) == counts[-1] == 1 + EARLIER_TURNS, counts

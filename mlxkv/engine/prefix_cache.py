@@ -41,6 +41,7 @@ OWN_FILE = re.compile(r"prefix-[0-9a-f]{32}\.safetensors")  # FILE_PREFIX, 32 he
 # and files.atomic_file's temporary name for one (tempfile's 8 random characters)
 OWN_TEMPORARY = re.compile(r"\.prefix-[0-9a-f]{32}\.safetensors\.[a-z0-9_]{8}\.tmp")
 TRIES = 3  # candidates tried per lookup (a candidate's bound can overstate what it reuses)
+EARLIER_TURNS = 3  # entries a conversation keeps of its turns before the newest (see put)
 
 
 def state_bytes(states) -> int:
@@ -276,6 +277,7 @@ class PrefixCache:
         e = Entry(policy, list(tokens), caches, checkpoint)
         self._add(e)
         # an older entry this one can reproduce (it trims back to it, or its copy is it) goes
+        older = []  # the earlier turns of this conversation, oldest first
         for old in [o for o in self.entries if o is not e and o.policy == policy]:
             n = len(old.tokens)
             if n <= len(tokens) and tokens[:n] == old.tokens:
@@ -284,6 +286,14 @@ class PrefixCache:
                     checkpoint is not None and checkpoint.tokens == old.tokens
                 ):
                     self.entries.remove(old)
+                else:
+                    older.append(old)
+        # a window or quantized cache cannot trim back: its earlier turns stay for a client
+        # that edits or regenerates one of them, the last few only (an agent's long session
+        # otherwise filled the tier with one entry per turn)
+        older.sort(key=lambda o: len(o.tokens))
+        for old in older[: max(len(older) - EARLIER_TURNS, 0)]:
+            self.entries.remove(old)
         self.make_room(0)
 
     def _add(self, e: Entry) -> None:

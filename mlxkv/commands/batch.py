@@ -135,6 +135,7 @@ NOT_IN_FINGERPRINT = (
     "continues",
     "grammar",
     "think_budget",
+    "open_ended",
 )
 
 

@@ -243,10 +243,10 @@ BAD = [
         "options.frob is not an option of this server; see docs/serve.md",
     ),
     (
-        {"options": {"repeat_last_n": 64, "repeat_penalty": 1.1}},
+        {"options": {"repeat_last_n": -5, "repeat_penalty": 1.1}},
         400,
-        "options.repeat_last_n: repeat_penalty looks at the last 20 tokens here (mlx-lm's "
-        "window); send 20 or leave it out",
+        "options.repeat_last_n must be in [-1, 1048576], got -5; 0 turns the penalty off, -1 "
+        "looks over the whole context",
     ),
     (
         {"options": {"temperature": 3}},
@@ -290,6 +290,33 @@ def test_bad_requests_get_ollamas_error_shape(server, extra, status, message):
     assert list(r.json()) == ["error"]
     if message is not None:
         assert r.json()["error"] == message
+
+
+@pytest.mark.parametrize("window", [64, -1])
+def test_repeat_last_n_is_the_window_of_the_repetition_penalty(server, default_model, window):
+    """repeat_penalty over the last repeat_last_n tokens (-1: the whole context): mlx-lm's
+    greedy tokens with its repetition penalty over that window (it was a 400)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlxkv.engine.request import encode_prompt
+    from tests.mlx_lm_ref import greedy_tokens
+
+    tok = default_model.tokenizer
+    chat = [{"role": "user", "content": "List the days of the week, twice, then count to 20."}]
+    ids = encode_prompt(
+        tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
+    size = 8192 if window < 0 else window  # the model's context
+    penalty = make_logits_processors(repetition_penalty=1.3, repetition_context_size=size)
+    ref = greedy_tokens(default_model, ids, 48, penalty, tok.eos_token_ids)
+    ref = [
+        t for t in ref[: next((i for i, t in enumerate(ref) if t in tok.eos_token_ids), len(ref))]
+    ]
+    opts = {"temperature": 0, "num_predict": 48, "repeat_penalty": 1.3, "repeat_last_n": window}
+    r = whole(server, "/api/chat", {"model": "smollm2-135m", "messages": chat, "options": opts})
+    assert r["message"]["content"] == tok.decode(ref)
+    short = make_logits_processors(repetition_penalty=1.3, repetition_context_size=20)
+    assert greedy_tokens(default_model, ids, 48, short, tok.eos_token_ids)[: len(ref)] != ref
 
 
 def test_ollamas_own_defaults_are_taken(server):

@@ -136,6 +136,7 @@ NOT_IN_FINGERPRINT = (
     "grammar",
     "think_budget",
     "open_ended",
+    "repetition_context",
 )
 
 

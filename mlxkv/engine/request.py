@@ -19,6 +19,7 @@ class GenerationSettings:
     min_p: float = 0.0
     top_k: int = 0
     repetition_penalty: float | None = None
+    repetition_context: int = 20  # the tokens the repetition penalty looks back over (mlx-lm's)
     # OpenAI's penalties over the answer so far: once per token seen / per occurrence
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

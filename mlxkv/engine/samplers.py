@@ -46,15 +46,20 @@ def sampler_for(s: GenerationSettings) -> Callable | None:
 
 
 # The prompt tokens the logits processors see before the answer's: mlx-lm's generate_step
-# shows them the whole prompt, and its repetition penalty looks at the last 20 tokens.
+# shows them the whole prompt, and its repetition penalty looks at the last 20 tokens
+# (``repetition_context``, which a request may widen).
 PROMPT_TAIL = 20
 
 
-def processor_history(ids: list[int]):
+def _tail(s: GenerationSettings) -> int:
+    return max(PROMPT_TAIL, s.repetition_context)
+
+
+def processor_history(ids: list[int], s: GenerationSettings):
     """What the processors see at the first answer token: the prompt's last tokens."""
     import mlx.core as mx
 
-    return mx.array(ids[-PROMPT_TAIL:])
+    return mx.array(ids[-_tail(s) :])
 
 
 def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> list[Callable]:
@@ -72,9 +77,11 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
     )
 
     processors = make_logits_processors(
-        logit_bias=dict(s.logit_bias) or None, repetition_penalty=s.repetition_penalty
+        logit_bias=dict(s.logit_bias) or None,
+        repetition_penalty=s.repetition_penalty,
+        repetition_context_size=s.repetition_context,
     )
-    lead = min(PROMPT_TAIL, len(prompt))
+    lead = min(_tail(s), len(prompt))
     for make, penalty in (
         (make_presence_penalty, s.presence_penalty),
         (make_frequency_penalty, s.frequency_penalty),

@@ -806,7 +806,7 @@ class Scheduler:
         job.first_token = now
         if now > job.started:
             job.prompt_tps = (job.total - job.cached) / (now - job.started)
-        job.history = processor_history(job.ids) if job.processors else None
+        job.history = processor_history(job.ids, job.req.settings) if job.processors else None
         if job.req.prompt_logprobs is not None:
             lps, top = zip(*job.scores, strict=True) if job.scores else ((), ())
             job.handle._emit(PromptLogprobs(tuple(job.ids), lps, top))

@@ -82,7 +82,7 @@ RUNTIME = {
 # samplers that only their "off" value is accepted for
 OFF = {"mirostat": 0, "tfs_z": 1, "typical_p": 1}
 MIROSTAT_KNOBS = ("mirostat_eta", "mirostat_tau")  # no effect while mirostat is off
-REPEAT_LAST_N = 20  # the tokens repeat_penalty looks back over (mlx-lm's)
+MAX_REPEAT_LAST_N = 1 << 20  # repeat_last_n: -1 is the context, 0 turns the penalty off
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -200,14 +200,7 @@ def _options(v, limits: Limits) -> tuple:
         elif name in MIROSTAT_KNOBS:
             if isinstance(x, bool) or not isinstance(x, int | float):
                 raise bad(f"{where} must be a number, got {show(x)}", where)
-        elif name == "repeat_last_n":  # Ollama's default (64) is sent with no penalty too
-            if v.get("repeat_penalty") not in (None, 1) and x != REPEAT_LAST_N:
-                raise bad(
-                    f"{where}: repeat_penalty looks at the last {REPEAT_LAST_N} tokens here "
-                    f"(mlx-lm's window); send {REPEAT_LAST_N} or leave it out",
-                    where,
-                )
-        elif name not in ("num_predict", "num_ctx", "num_keep"):
+        elif name not in ("num_predict", "num_ctx", "num_keep", "repeat_last_n"):
             raise bad(f"{where} is not an option of this server; see docs/serve.md", where)
     stops = _stops(given.pop("stop", None))
     predict = int_field(v, "num_predict", -2, 2**31 - 1, "-1: until the model stops")
@@ -217,10 +210,21 @@ def _options(v, limits: Limits) -> tuple:
     unlimited = predict is not None and predict < 0
     try:
         settings = settings_of(given, limits, None if unlimited else predict, unlimited)
+        hint = "0 turns the penalty off, -1 looks over the whole context"
+        window = int_field(v, "repeat_last_n", -1, MAX_REPEAT_LAST_N, hint)
     except APIError as e:
         raise bad(f"options.{e.message}", f"options.{e.param}" if e.param else "options") from None
     if stops:
         settings = replace(settings, stop=stops)
+    # repeat_last_n: the tokens repeat_penalty looks back over (0: none, -1: the context)
+    if window == 0:
+        settings = replace(settings, repetition_penalty=None)
+    elif window is not None and window < 0:
+        ctx = v.get("num_ctx")
+        ctx = ctx if type(ctx) is int and ctx > 0 else limits.context_length
+        settings = replace(settings, repetition_context=ctx or MAX_REPEAT_LAST_N)
+    elif window is not None:
+        settings = replace(settings, repetition_context=window)
     return settings, _context(v, limits)
 
 

@@ -23,6 +23,7 @@ import re
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 from mlxkv.errors import UserError
@@ -158,6 +159,17 @@ def open_regular(path, what: str = "file"):
         raise UserError(f"{what} {path} is {kind}; name a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb"), st.st_size
+
+
+def shared_bytes(ranges: dict) -> tuple | None:
+    """Two names whose byte ranges ``{name: (start, end)}`` overlap, else None: a file's
+    table that names the same bytes many times (a small file that would load as
+    gigabytes)."""
+    ordered = sorted(ranges.items(), key=lambda kv: kv[1])
+    for (a, (_, end)), (b, (start, _)) in pairwise(ordered):
+        if start < end:
+            return a, b
+    return None
 
 
 def check_file(path, limit: int, what: str = "file") -> None:

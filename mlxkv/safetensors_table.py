@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 from mlxkv.errors import UserError
-from mlxkv.files import open_regular, parse_json
+from mlxkv.files import open_regular, parse_json, shared_bytes
 
 HEADER_LIMIT = 256 << 20  # bytes of a safetensors JSON header
 MAX_DIMS = 8  # weights have at most 5 (a 3-D convolution's); a long list is a crafted one
@@ -67,13 +66,13 @@ def read_table(path: Path) -> tuple[list[Tensor], int]:
     tensors = [_tensor(path, name, info) for name, info in table.items() if name != "__metadata__"]
     if not tensors:
         raise UserError(f"{path} holds no tensors; it is not a model's weight file")
-    ordered = sorted(tensors, key=lambda t: (t.start, t.end))
-    for a, b in pairwise(ordered):
-        if b.start < a.end:
-            raise UserError(
-                f"{path}: tensors {a.name[:60]!r} and {b.name[:60]!r} share bytes; each "
-                f"tensor has its own in a safetensors file ({HINT})"
-            )
+    shared = shared_bytes({t.name: (t.start, t.end) for t in tensors})
+    if shared:
+        a, b = shared
+        raise UserError(
+            f"{path}: tensors {a[:60]!r} and {b[:60]!r} share bytes; each tensor has its "
+            f"own in a safetensors file ({HINT})"
+        )
     return tensors, 8 + n + max((t.end for t in tensors), default=0)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from itertools import pairwise
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,7 +33,7 @@ from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
 from mlxkv.errors import UserError
-from mlxkv.files import atomic_write_with, open_regular, parse_json
+from mlxkv.files import atomic_write_with, open_regular, parse_json, shared_bytes
 from mlxkv.memory.policy_bytes import capacity, kivi_ring_slots
 
 FORMAT = "3"  # 3: with the digest of the data
@@ -157,8 +156,7 @@ def _read_header(f, size: int, path) -> tuple[dict, dict]:
         a, b = t["data_offsets"]
         if not 0 <= a <= b <= data or b - a != count * _DTYPES[t["dtype"]]:
             raise _bad(path, f"tensor {name} does not fit the file")
-    ranges = sorted(tuple(t["data_offsets"]) for t in table.values())
-    if any(b[0] < a[1] for a, b in pairwise(ranges)):
+    if shared_bytes({name: tuple(t["data_offsets"]) for name, t in table.items()}):
         raise _bad(path, "two tensors share bytes")
     return table, meta
 

@@ -12,10 +12,10 @@ import math
 import os
 import shutil
 import tempfile
-from itertools import pairwise
 from pathlib import Path
 
 from mlxkv.errors import UserError
+from mlxkv.files import shared_bytes
 from mlxkv.memory.config import MAX_LAYERS
 from mlxkv.models.gguf_header import GGUFArray, GGUFHeader, check_supported, read_header
 from mlxkv.models.gguf_tokenizer import build_tokenizer_files
@@ -143,10 +143,9 @@ def check_llama(header: GGUFHeader, path: Path) -> None:
         raise _bad(path, f"block_count is {layers:,}; mlxkv plans models of up to {MAX_LAYERS:,}")
     if head_dim % 2:
         raise _bad(path, f"rope.dimension_count {head_dim} is odd; rotary heads come in halves")
-    ordered = sorted(header.tensors, key=lambda t: (t.offset, t.nbytes))
-    for x, y in pairwise(ordered):
-        if y.offset < x.offset + x.nbytes:  # a small file naming its data many times
-            raise _bad(path, f"tensors {x.name} and {y.name} share bytes")
+    shared = shared_bytes({t.name: (t.offset, t.offset + t.nbytes) for t in header.tensors})
+    if shared:
+        raise _bad(path, f"tensors {shared[0]} and {shared[1]} share bytes")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, GGUFArray) or not tokens.of_strings or tokens.n == 0:
         raise _bad(path, "'tokenizer.ggml.tokens' must be a non-empty list of strings")

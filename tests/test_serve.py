@@ -171,18 +171,19 @@ def test_chat_logprobs_stop_and_n(server, references):
     assert two.choices[0].message.content == two.choices[1].message.content
     assert two.usage.completion_tokens == 10
 
-    def sampled():
+    def sampled(seed):
         r = client.chat.completions.create(
             model="HuggingFaceTB/SmolLM2-135M-Instruct",  # the repo id names it too
             messages=[{"role": "user", "content": "Say a random word."}],
             max_tokens=8,
             temperature=1.5,
-            seed=7,
+            seed=seed,
             n=2,
         )
         return [c.message.content for c in r.choices]
 
-    assert sampled() == sampled()  # seeded: the same answers again
+    assert sampled(7) == sampled(7)  # seeded: the same answers again
+    assert sampled(-1) != sampled(-1)  # -1: a new random seed each time, as llama.cpp's
 
 
 def test_logprobs_bytes_of_tokens_that_hold_part_of_a_character(server):
@@ -417,7 +418,8 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, None, 400,
      "max_completion_tokens", "disagree"),
     ({"messages": MSG, "top_p": 0}, None, 400, "top_p", "in (0, 1]"),
-    ({"messages": MSG, "seed": -1}, None, 400, "seed", "in [0,"),
+    ({"messages": MSG, "seed": -2}, None, 400, "seed",
+     "seed must be in [0, 18446744073709551615], got -2; -1 means a random seed"),
     ({"messages": MSG, "n": 0}, None, 400, "n", "in [1,"),
     ({"messages": MSG, "stop": [""]}, None, 400, "stop", "must not be empty"),
     ({"messages": [{"role": ["user"], "content": "hi"}]}, None, 400, "messages[0].role",

@@ -20,6 +20,8 @@ from mlxkv.server.errors import bad
 from mlxkv.server.tools import ToolUse, assistant_calls, check_tools, forced_schema
 
 SEED_MAX = 2**64 - 1  # MLX seeds are unsigned 64-bit
+# llama.cpp's "pick a seed at random", which OpenAI also takes; some clients always send it
+SEED_RANDOM = -1
 MAX_STOP = 64  # stop strings per request, every API: editors send dozens for code completion
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
@@ -326,7 +328,7 @@ def settings_of(
         "presence_penalty": number_field(body, "presence_penalty", -2, 2, hint="0 means none"),
         "frequency_penalty": number_field(body, "frequency_penalty", -2, 2, hint="0 means none"),
         "logit_bias": _logit_bias(body, limits.vocab_size),
-        "seed": int_field(body, "seed", 0, SEED_MAX),
+        "seed": _seed(body),
         "stop": _stop(body),
     }
     if max_tokens is None and (unlimited or limits.open_ended):
@@ -335,6 +337,12 @@ def settings_of(
         return replace(limits.defaults, **{k: v for k, v in given.items() if v is not None})
     except UserError as e:  # GenerationSettings' own checks (the ranges above cover them)
         raise bad(str(e)) from None
+
+
+def _seed(body: dict) -> int | None:
+    if type(body.get("seed")) is int and body["seed"] == SEED_RANDOM:
+        return None
+    return int_field(body, "seed", 0, SEED_MAX, f"{SEED_RANDOM} means a random seed")
 
 
 def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...] | None:

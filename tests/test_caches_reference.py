@@ -85,6 +85,26 @@ def test_quantized_matches_reference(model1, tokens, policy):
     assert effect.max().item() > 100 * TOL  # quantization is really on
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [
+        KVPolicy(window=80, sinks=48),  # 2 shifts rotated ahead at once
+        KVPolicy(window=66, sinks=65),  # one at a time: the block would hold 4.6x the KV
+        KVPolicy(window=66, sinks=65, key_bits=4, group_size=32),
+    ],
+    ids=lambda p: p.describe(),
+)
+def test_many_sinks_decode_as_the_reference(model1, policy):
+    """Many sinks rotate fewer shifts ahead (shifts_ahead); each step still sees its sinks
+    exactly where the reference puts them."""
+    mx.random.seed(2)
+    tokens = mx.random.randint(0, 64, (200,)).tolist()
+    frame = "absolute" if policy.key_bits else "within"
+    ref = _ref(model1, tokens, policy, frame)
+    got = feed(model1, tokens, make_caches(model1, policy), [150] + [1] * 50)
+    assert mx.abs(got - ref).max().item() < TOL
+
+
 ROPES = {
     "llama3": dict(
         rope_scaling={

@@ -333,15 +333,20 @@ def test_a_kept_sink_request_holds_its_counted_bytes(default_model):
 
 
 @pytest.mark.model
-def test_a_repeated_window_request_counts_the_copy_it_holds(default_model):
+@pytest.mark.parametrize(
+    "policy",
+    [KVPolicy(window=64), KVPolicy(window=64, sinks=4), KVPolicy(window=80, sinks=48)],
+    ids=lambda p: p.describe(),
+)
+def test_a_repeated_window_request_counts_the_copy_it_holds(default_model, policy):
     """The same window request twice: the second starts from the first's kept caches and
     takes its own turn-boundary copy, which no kept prefix holds; while it decodes, what
-    MLX holds beyond the first's kept entry is within its reservation and that copy."""
+    MLX holds beyond the first's kept entry is within its reservation (its sinks rotated
+    ahead included) and that copy."""
     import gc
 
     from mlxkv.engine.admission import MemoryBudget
 
-    policy = KVPolicy(window=64)  # no sinks: nothing else decoding computes ahead
     ids = Scheduler(default_model).encode("Tell me a long story about the sea. " * 6)
     _answer(Scheduler(default_model, policy), ids)  # MLX's own first-call buffers
     gc.collect()

@@ -113,6 +113,10 @@ class KiviKVCache(SinkWindowCounters):
     def empty(self) -> bool:
         return self.values is None
 
+    def drop_scratch(self) -> None:
+        super().drop_scratch()
+        self._fetched = None  # this step's rotated sinks (in the block): only attend reads it
+
     @property
     def quantized(self) -> bool:
         return True

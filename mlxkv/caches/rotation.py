@@ -17,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import rope_utils
 
+from mlxkv.memory.policy_bytes import shifts_ahead
+
 
 class NotRepositionable(Exception):
     """The layer's position encoding cannot be shifted; the message names it."""
@@ -88,12 +90,13 @@ class ShiftsAhead:
 
     A decoding sink cache moves its sinks one position per token. ``mx.fast.rope`` has no
     fused CPU kernel (one call is a dozen small ops, ~0.1 ms for 4 sinks), so rotating per
-    step cost ~6% of a decode step on the default model. ``get`` rotates the next ``ahead``
-    shifts in one call (the chunk path's shifted copies: equal to ``shift`` bit for bit)
-    and hands out one per step. ``clear()`` when the keys change."""
+    step cost ~6% of a decode step on the default model. ``get`` rotates the next
+    ``shifts_ahead(S)`` shifts in one call (the chunk path's shifted copies: equal to
+    ``shift`` bit for bit) and hands out one per step; many sinks rotate one step at a time,
+    so the block stays small (``mlxkv.memory.policy_bytes.decode_scratch_bytes``).
+    ``clear()`` when the keys change."""
 
-    def __init__(self, ahead: int = 32):
-        self.ahead = ahead
+    def __init__(self):
         self._first = None
         self._copies = None
 
@@ -102,8 +105,11 @@ class ShiftsAhead:
 
     def get(self, rotation, x: mx.array, d: int) -> mx.array:
         """``rotation.shift(x, d)``, from the block when ``d`` is in it."""
-        if self._first is None or not 0 <= d - self._first < self.ahead:
-            self._first, self._copies = d, rotation.shifted_copies(x, d, self.ahead)
+        m = shifts_ahead(x.shape[-2])
+        if m == 1:
+            return rotation.shift(x, d)
+        if self._first is None or not 0 <= d - self._first < m:
+            self._first, self._copies = d, rotation.shifted_copies(x, d, m)
         return self._copies[..., d - self._first, :]
 
 

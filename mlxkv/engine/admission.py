@@ -52,13 +52,14 @@ class MemoryBudget:
         self._memo: dict[tuple[KVPolicy, int, int], int] = {}
 
     def reservation(self, policy: KVPolicy, tokens: int, rows: int = 1) -> int:
-        """Peak KV bytes of ``rows`` sequences of ``tokens`` tokens under ``policy``."""
+        """Peak KV bytes of ``rows`` sequences of ``tokens`` tokens under ``policy`` (and,
+        for one, the sinks its decoding rotates ahead)."""
         from mlxkv.memory.predictor import KVPredictor
 
         key = (policy, tokens, rows)
         if key not in self._memo:
             p = KVPredictor(self.layout, policy, rows, self.dtype)
-            self._memo[key] = p.prefill(tokens, self.chunk).peak_allocated
+            self._memo[key] = p.prefill(tokens, self.chunk).peak_allocated + p.decode_scratch()
             if len(self._memo) > 4096:  # every prompt length is a new key: stay small
                 self._memo.clear()
         return self._memo[key]

@@ -49,6 +49,30 @@ from mlxkv.policy import uses_kivi
 STEP = 256
 
 
+# A one-row decoding sink cache rotates its sinks for the next shifts together (one rope call
+# per block: ~6% of a decode step on the default model when done per step), at most this many
+# rotated sink keys per head: 32 shifts of 4 sinks. 32 shifts of 512 sinks held 4.6x the KV.
+SINK_BLOCK_ROWS = 128
+MOST_SHIFTS_AHEAD = 32
+
+
+def shifts_ahead(sinks: int) -> int:
+    """Shifts a decoding sink cache rotates at once (1: one per step, no block kept)."""
+    return max(1, min(MOST_SHIFTS_AHEAD, SINK_BLOCK_ROWS // max(sinks, 1)))
+
+
+def decode_scratch_bytes(policy, kv_heads: int, k_head_dim: int, dtype_bytes: int) -> int:
+    """Bytes per layer of one decoding row's sink keys rotated ahead (beside the cache's
+    ``nbytes``: the cache drops them when kept idle). Rotated one step at a time, a sink
+    cache writes them into its key buffer; KIVI keeps this step's beside its packed ring.
+    Batched caches keep none."""
+    if not policy.sinks or policy.window is None:
+        return 0
+    m = shifts_ahead(policy.sinks)
+    rows = policy.sinks * m if m > 1 else policy.sinks * uses_kivi(policy)
+    return kv_heads * rows * k_head_dim * dtype_bytes
+
+
 def round_up(n: int, step: int = STEP) -> int:
     return (n + step - 1) // step * step
 

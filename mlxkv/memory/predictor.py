@@ -58,6 +58,9 @@ class _NativeGroup:
     def kept(self) -> int | None:
         return None
 
+    def decode_scratch(self) -> int:
+        return 0
+
     def clone(self) -> _NativeGroup:
         c = copy.copy(self)
         c.tracker = copy.copy(self.tracker)
@@ -92,6 +95,10 @@ class _PolicyGroup:
 
     def kept(self) -> int | None:
         return self.pb.kept_tokens(self.policy, self.seen)
+
+    def decode_scratch(self) -> int:
+        h, k, _, b = self.shape
+        return self.count * self.pb.decode_scratch_bytes(self.policy, h, k, b)
 
     def clone(self) -> _PolicyGroup:
         return copy.copy(self)  # plain ints; policy and policy_bytes are shared read-only
@@ -192,6 +199,11 @@ class KVPredictor:
             kept_tokens=kept_tokens,
             evicted_tokens=self.tokens_seen - kept_tokens,
         )
+
+    def decode_scratch(self) -> int:
+        """Bytes one decoding sequence holds beside its caches: its sinks rotated for the
+        next steps (``policy_bytes.decode_scratch_bytes``). Batched caches hold none."""
+        return 0 if self.batch > 1 else sum(g.decode_scratch() for g in self._groups)
 
     def _bounded_kept(self) -> int:
         p = self.policy

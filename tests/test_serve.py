@@ -442,7 +442,7 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "model": "/root/.cache/mlxkv/models/smollm2-135m"}, None, 404, "model",
      "serves 'smollm2-135m'"),
     ({"messages": [{"role": "user", "content": "hello " * 9000}]}, None, 400, "messages",
-     "model's context is 8192"),
+     "model's context is 8192; shorten it or use a window (kv.window)"),
     ({"prompt": [1, 2, 99999999]}, "/v1/completions", 400, "prompt", "outside the vocabulary"),
     ({"prompt": ""}, "/v1/completions", 400, "prompt", "is empty"),
     ({"prompt": "x", "echo": True, "stream": True}, "/v1/completions", 400, "echo",

@@ -39,7 +39,15 @@ from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.local import foreign_source, is_local_origin
 from mlxkv.server.messages import Message, error_response, event, parse_messages
-from mlxkv.server.params import Ask, Limits, parse_chat, parse_completion, parse_json, show
+from mlxkv.server.params import (
+    Ask,
+    Limits,
+    api_names,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    show,
+)
 from mlxkv.server.reasoning import think_reader
 from mlxkv.server.response_store import ChainBroken, ResponseStore
 from mlxkv.server.responses import (
@@ -767,7 +775,7 @@ def _raise_failed(ev, ask: Ask) -> None:
     if ev.code == "invalid_policy":
         raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
     if ev.code == "context_length_exceeded":
-        raise APIError(400, ev.message, where, "context_length_exceeded")
+        raise APIError(400, api_names(ev.message), where, "context_length_exceeded")
     if ev.code == "invalid_request":
         raise APIError(400, ev.message, where, "invalid_request")
     if ev.code == "invalid_grammar":

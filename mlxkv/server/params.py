@@ -303,10 +303,10 @@ def policy_of(body: dict) -> KVPolicy | None:
     try:
         return KVPolicy.from_flags(**flags)
     except PolicyError as e:
-        raise bad(_api_names(str(e)), param="kv", code="invalid_policy") from None
+        raise bad(api_names(str(e)), param="kv", code="invalid_policy") from None
 
 
-def _api_names(message: str) -> str:
+def api_names(message: str) -> str:
     """A policy error worded for the API: ``--kv-window`` becomes ``kv.window``."""
     return re.sub(
         "|".join(re.escape(f) for f in _FLAG_NAMES), lambda m: _FLAG_NAMES[m.group(0)], message

@@ -388,3 +388,20 @@ def test_a_long_conversation_keeps_its_last_turns_only(default_model):
         counts.append(len(cache.entries))
     # it grew by one a turn once the window had evicted: [1, 1, 1, 2, 3, 4, 5, 6]
     assert max(counts) == counts[-1] == 1 + EARLIER_TURNS, counts
+
+
+def test_a_file_whose_check_fails_without_a_message_is_skipped(tmp_path, monkeypatch):
+    """A check that fails with no text (MemoryError()) is logged by its type; the scan took
+    the first line of an empty message and stopped with an IndexError."""
+    import mlxkv.caches.persist as persist
+
+    def fails(path):
+        raise MemoryError()
+
+    monkeypatch.setattr(persist, "read_metadata", fails)
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 16)
+    log: list[str] = []
+    disk = DiskTier(tmp_path, 1 << 20, {}, log.append)
+    assert disk.files == {}
+    assert log == ["prefix cache: skipped a.safetensors: MemoryError"]
+    assert (tmp_path / "a.safetensors").read_bytes() == b"x" * 16

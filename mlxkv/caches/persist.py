@@ -32,7 +32,7 @@ from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, first_line
 from mlxkv.files import atomic_write_with, open_regular, parse_json, shared_bytes
 from mlxkv.memory.policy_bytes import capacity, kivi_ring_slots
 
@@ -395,7 +395,7 @@ def load_checked(path, expect_metadata: dict, reference: list | None = None):
         try:
             arrays = mx.load(f, format="safetensors")
         except Exception as e:  # checked above; anything left is MLX's one line
-            raise _bad(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise _bad(path, first_line(e)) from None
     scalar_names = {pos for pos, _ in scalars}  # arrays mlx-lm made of scalars: not hashed
     if data_digest({k: v for k, v in arrays.items() if k not in scalar_names}) != digest:
         raise _bad(path, "its data is damaged: it does not match the digest written with it")

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, first_line
 
 # Variables mlx.launch (ring, jaccl) or mpirun set for every rank.
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -92,7 +92,7 @@ def on_terminate(message) -> None:
 def lost_peer_message(e: BaseException) -> str:
     """One line for a failure of the distributed backend (a rank died or was stopped)."""
     rank = os.environ.get("MLX_RANK", "?")
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e)
     return (
         f"rank {rank} lost contact with the other ranks ({text}); another rank stopped, "
         "see its error (or mlx.launch's line about it) above"

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from mlxkv.engine.request import common_prefix
 from mlxkv.engine.reuse import Checkpoint, keep_prefix, load_held, save_held
+from mlxkv.errors import first_line
 from mlxkv.policy import KVPolicy
 
 FILE_PREFIX = "prefix-"  # names of the files this cache writes (and so may delete)
@@ -125,7 +126,7 @@ class DiskTier:
                 meta = read_metadata(path)
                 self._check(meta)
             except Exception as e:  # any reason at all: the file is not ours to load
-                self.log(f"prefix cache: skipped {path.name}: {str(e).splitlines()[0]}")
+                self.log(f"prefix cache: skipped {path.name}: {first_line(e)}")
                 continue
             st = path.stat()
             self.files[path] = DiskFile(
@@ -192,7 +193,7 @@ class DiskTier:
         try:
             caches, tokens, cp = load_held(f.path, identity, model, policy)
         except Exception as e:
-            self.log(f"prefix cache: skipped {f.path.name}: {str(e).splitlines()[0]}")
+            self.log(f"prefix cache: skipped {f.path.name}: {first_line(e)}")
             self.files.pop(f.path, None)
             return None
         f.used = time.time()

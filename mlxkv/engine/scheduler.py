@@ -59,7 +59,7 @@ from mlxkv.engine.kv_stats import KVAccounting
 from mlxkv.engine.request import RESERVE_STEP, GenerationSettings, common_prefix, encode_prompt
 from mlxkv.engine.reuse import Checkpoint
 from mlxkv.engine.samplers import processor_history, processors_for, sampler_for
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, first_line
 from mlxkv.models.loader import LoadedModel
 from mlxkv.policy import KVPolicy
 
@@ -637,8 +637,7 @@ class Scheduler:
                 if job.session is not None:
                     job.session.recover(in_model=True)
                 job.handle.error = e
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                self._fail(job.handle, msg, "internal")
+                self._fail(job.handle, first_line(e), "internal")
             if not isinstance(e, Exception):
                 raise
 

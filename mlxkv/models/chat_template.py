@@ -26,7 +26,7 @@ import re
 import threading
 from datetime import datetime
 
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, first_line
 
 TIME_LIMIT = 10.0  # seconds; real templates take milliseconds, even for long chats
 SIZE_LIMIT = 32 << 20  # characters of output, and of any string or list built on the way
@@ -282,7 +282,7 @@ def render(source: str, **variables) -> str:
     except jinja2.TemplateNotFound as e:
         why = f"it includes {e.name!r}; a chat template may not read other files"
     except jinja2.TemplateError as e:
-        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        why = first_line(e)
     except RecursionError:
         why = "it recurses too deeply"
     except MemoryError:

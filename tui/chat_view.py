@@ -34,7 +34,6 @@ class MessageView(Vertical, can_focus=True):
         self.role = role
         self.text = text
         self._stream: MarkdownStream | None = None
-        self.evicted_share = 0.0  # how much of it the KV cache has dropped
 
     def compose(self) -> ComposeResult:
         yield Static(ROLE_LABEL.get(self.role, self.role), classes="role")
@@ -70,7 +69,6 @@ class MessageView(Vertical, can_focus=True):
 
     def set_evicted(self, share: float) -> None:
         """Dim the message by how much of it the KV cache has dropped (0 to 1)."""
-        self.evicted_share = share
         self.set_class(share >= 0.999, "evicted")
         self.set_class(0 < share < 0.999, "part-evicted")
         if share >= 0.999:

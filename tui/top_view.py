@@ -294,9 +294,7 @@ def queue_text(v: TopView, rows: int = 5) -> Text:
 def cache_text(v: TopView) -> Text:
     out = Text(no_wrap=True, overflow="ellipsis")
     out.append("Prefix cache", "bold").append("\n")
-    out.append(
-        f"{'tier':<7} {'entries':>8} {'bytes':>10} {'limit':>10} {'hits':>7} {'hit rate':>9}", "dim"
-    )
+    out.append(CACHE_HEAD, "dim")
     for name, t in (("memory", v.memory), ("disk", v.disk)):
         limit = human_bytes(t.limit_bytes) if t.limit_bytes else "-"
         out.append("\n")

@@ -8,8 +8,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-SECTIONS = ("engine", "speed", "streams", "roofline", "batch")
-
 
 def log(msg: str) -> None:
     print(f"mlxkv bench: {msg}", file=sys.stderr, flush=True)

@@ -111,7 +111,7 @@ class BatchedKVCache(BatchRowCounters):
             return  # every row is still empty: buffers are made by the first update
         if self.keys is None:
             self._alloc_like(like, len(self.n) - len(caches))
-        self._extend_offsets(caches, like)
+        self._extend_offsets(caches)
         cap = self._capacity(max(self.n))
         parts_k, parts_v = [pad_tokens(self.keys, cap)], [pad_tokens(self.values, cap)]
         parts_s = []
@@ -131,7 +131,7 @@ class BatchedKVCache(BatchRowCounters):
         if self.sinks:
             self.sink_keys = mx.concatenate(parts_s, axis=0)
 
-    def _extend_offsets(self, caches: list, like) -> None:
+    def _extend_offsets(self, caches: list) -> None:
         """Stack the rows' key offsets (rotated key scheme). A row without one yet (nothing
         prefilled) takes its first token's key at its first update, as its single cache does."""
         if not isinstance(self.kstore, st.RotatedKeyStore):

@@ -278,14 +278,6 @@ class StreamingKVCache(SinkWindowCounters):
             raise ValueError("quantized KV caches do not support learned attention sinks")
         return attention(q, keys, values, scale, mask, self.kstore, self.vstore, self.held)
 
-    @property
-    def undo_nbytes(self) -> int:
-        """Bytes held by the undo log (0 unless ``reserve`` > 0); not part of ``nbytes``."""
-        return sum(
-            r.keys.nbytes + r.values.nbytes + sum(st.nbytes(k, v) for *_, k, v in r.saved)
-            for r in self._undo
-        )
-
     def prefill_chunk(self, step: int, evicting: int) -> int:
         """Fill up to the limit in big chunks; once evicting, chunks of ``evicting``."""
         if not self.sinks or self._temporal(self._n, step):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 
-SHARD_CHOICES = ("auto", "tensor", "pipeline")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument

@@ -99,7 +99,6 @@ class ResultLog:
         self.existing: list[ResumeRecord] = []  # records found on open, in file order
         self.records = 0  # records in the file now
         self.torn_bytes = 0  # bytes of a torn last line removed on open
-        self.errors_written = 0  # error records appended by this run
         self._fd: int | None = None
 
     # -- opening: check, lock, read back, and only then repair -----------------------------
@@ -153,7 +152,6 @@ class ResultLog:
             data = (json.dumps(record) + "\n").encode("ascii")
         self._write(data)
         self.records += 1
-        self.errors_written += "error" in record
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)

@@ -10,8 +10,9 @@ until written, so several requests can start from one entry), and prefills only 
 
 Two tiers, both bounded:
 
-* memory: up to ``limit`` bytes (the caches' ``nbytes`` plus their copies'), least
-  recently used first out. An evicted entry goes to the disk tier, if there is one.
+* memory: up to ``limit`` bytes (the caches' ``nbytes`` plus their copies'): turn-boundary
+  copies go first, then whole entries, least recently used first. An evicted entry goes to
+  the disk tier, if there is one.
 * disk (:class:`DiskTier`): safetensors files in one folder, up to ``disk_limit`` bytes,
   least recently used file first out. Each file is checked before MLX reads it (model by
   content, policy, dtype, token ids, every layer's shapes: ``mlxkv.caches.persist``) and
@@ -102,7 +103,7 @@ class DiskTier:
         self.identity = identity  # model_id and dtype every file must carry
         self.log = log
         self.files: dict[Path, DiskFile] = {}
-        self.hits = self.writes = 0
+        self.hits = 0
         self.folder.mkdir(parents=True, exist_ok=True)
         self.writable = os.access(self.folder, os.W_OK)
         if not self.writable:  # a shared, read-only cache still answers from its files
@@ -155,7 +156,6 @@ class DiskTier:
         path = self.name(entry)
         meta = dict(self.identity, policy=entry.policy.to_dict())
         save_held(path, entry.caches, entry.tokens, entry.checkpoint, meta)
-        self.writes += 1
         size = path.stat().st_size
         self.files[path] = DiskFile(
             path, entry.policy.to_dict(), list(entry.tokens), size, time.time()
@@ -235,14 +235,12 @@ class PrefixCache:
 
         mine = [e for e in self.entries if e.policy == policy]
         mine.sort(key=lambda e: e.bound(ids), reverse=True)
-        best = 0
         for e in mine[:TRIES]:
             if e.bound(ids) == 0:
                 break
             held, caches = self._try(e, ids, copy_caches)
             if held:
                 return self._hit(e, held, caches)
-            best = max(best, held)
         if self.disk is not None and self.model is not None:
             while (f := self.disk.best(policy, ids)) is not None:
                 e = self.disk.load(f, self.model, policy)

@@ -25,7 +25,6 @@ _KEYS = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
 }
-SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def model_defaults(model_path: Path) -> dict:

@@ -74,7 +74,6 @@ class Request:
     # such a prompt is prefilled whole, never taken from a cache
     prompt_logprobs: int | None = None
     sink: Callable[[Event], None] | None = None  # called on the MLX thread; must not block
-    key: object = None  # the caller's handle for this request
     session: object = None  # a Session whose caches the request runs in (see session.py)
 
 

@@ -63,8 +63,3 @@ def past_trained_context(limit: int | None, window: int | None, tokens: int) -> 
     """True when ``tokens`` (prompt + reply) run past the trained context without a window:
     the engine refuses such a prompt, and ``plan`` says so."""
     return bool(limit) and window is None and tokens > limit
-
-
-def window_within(limit: int, sinks: int = 4) -> int:
-    """The largest ``--kv-window`` that keeps window + sinks within the trained context."""
-    return max(1, limit - sinks)

@@ -11,10 +11,6 @@ from dataclasses import asdict, dataclass, field
 
 from mlxkv.memory.dtypes import dtype_bytes
 
-# mlx-lm cache classes whose bytes we can predict.
-KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache")
-STATE_CLASSES = ("ArraysCache",)
-
 
 @dataclass(frozen=True)
 class CacheSpec:

@@ -1,5 +1,5 @@
 """The HTTP API (Starlette): OpenAI's chat and text completions and responses, Anthropic's
-messages, models, health, status, metrics."""
+messages, Ollama's chat and generate, models, health, status, metrics."""
 
 from __future__ import annotations
 
@@ -700,8 +700,8 @@ class _CORS(CORSMiddleware):
 
 
 class _Stream(StreamingResponse):
-    """Server-sent events; ``on_close`` runs however the response ends (even when the
-    client leaves before the first event is sent)."""
+    """A streamed answer (server-sent events, or Ollama's NDJSON); ``on_close`` runs however the
+    response ends (even when the client leaves before the first event is sent)."""
 
     def __init__(self, events, on_close, media_type: str = "text/event-stream"):
         super().__init__(

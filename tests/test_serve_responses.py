@@ -260,7 +260,7 @@ BAD = [
         {"input": [{"role": ["user"], "content": "hi"}]},
         400,
         "input[0].role",
-        'input[0].role must be one of user, system, developer, assistant, got ["user"]',
+        'input[0].role must be one of system, developer, user, assistant, got ["user"]',
     ),
     (
         {"input": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]},

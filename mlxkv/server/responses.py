@@ -21,6 +21,7 @@ from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
     EFFORTS,
     MAX_TOP_LOGPROBS,
+    ROLES,
     Ask,
     Limits,
     bool_field,
@@ -41,7 +42,6 @@ LOGPROBS = "message.output_text.logprobs"
 # reasoning items carry their text in ``content``, so there is nothing to encrypt
 INCLUDES = (LOGPROBS, "reasoning.encrypted_content")
 SUMMARIES = ("auto", "concise", "detailed")
-ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # Tools that OpenAI's platform runs itself, or that only its own models are trained to
 # call: clients (Codex) list them with their function tools. The model here is not
 # offered them; the response echoes them.

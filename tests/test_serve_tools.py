@@ -217,6 +217,24 @@ def test_a_tool_call_comes_back_as_tool_calls(server, temperature):
     assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id
 
 
+def test_a_strict_tool_the_model_chooses_to_call(server):
+    """OpenAI's pydantic_function_tool and Agents SDK send strict: true on every tool; the
+    call the model chooses to make comes back as it wrote it (it was a 400)."""
+    import openai
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        city: str
+
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    assert tool["function"]["strict"] is True
+    r = server.client().chat.completions.create(model=server.model, messages=ASK, tools=[tool])
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
 def test_a_streamed_tool_call(server, script_ids):
     stream = server.client().chat.completions.create(
         model=server.model,
@@ -410,11 +428,9 @@ BAD = [
         "response_format and a forced tool call (tool_choice) each set the answer's form; send one",
     ),
     (
-        {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
         "tools[0].function.strict",
-        "tools[0].function.strict: a schema holds a call's arguments only when the call is "
-        "forced (tool_choice 'required' or this function); the arguments of a call the model "
-        "chooses to make are not held; leave strict out or false",
+        "tools[0].function.strict must be true or false",
     ),
     (
         {

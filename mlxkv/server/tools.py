@@ -43,7 +43,9 @@ def check_tools(body: dict) -> ToolUse:
 
     ``tool_choice`` "auto" (the default) lets the model decide; "none" renders the prompt
     without the tools, so the model answers in text; "required" or one named function
-    forces a call (``forced_schema``): then, and only then, ``strict`` schemas hold.
+    forces a call (``forced_schema``), whose arguments then follow the schema. ``strict``
+    is taken either way (OpenAI's Agents SDK sends it on every tool); the arguments of a
+    call the model chooses to make are read as it wrote them, as on /v1/responses.
     """
     tools = body.get("tools")
     if tools is None:
@@ -56,15 +58,6 @@ def check_tools(body: dict) -> ToolUse:
     for i, tool in enumerate(tools):
         _check_tool(tool, f"tools[{i}]", seen)
     forced = _forced(body.get("tool_choice"), seen)
-    for i, tool in enumerate(tools):
-        if tool["function"].get("strict") and not forced:
-            raise bad(
-                f"tools[{i}].function.strict: a schema holds a call's arguments only when the "
-                "call is forced (tool_choice 'required' or this function); the arguments of "
-                "a call the model chooses to make are not held; leave strict out or false",
-                f"tools[{i}].function.strict",
-                code="unsupported_parameter",
-            )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls must be true or false", param="parallel_tool_calls")

@@ -21,12 +21,13 @@ import json
 import os
 import re
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from itertools import pairwise
 from pathlib import Path
 
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, one_line
 
 MiB = 1 << 20
 JSON_DEPTH = 64  # deeper nesting than any config, message list or batch line needs
@@ -206,12 +207,18 @@ def read_text(path, limit: int, what: str = "file") -> str:
         raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
 
 
-def read_stream(stream, limit: int, what: str = "input") -> str:
-    """At most ``limit`` characters of a text stream (stdin), refused when longer."""
-    text = stream.read(limit + 1)
-    if len(text) > limit:
-        raise UserError(f"{what} is more than the {_size(limit)} allowed")
-    return text
+def read_stdin(limit: int, what: str, closed: str) -> bytes:
+    """At most ``limit`` bytes of stdin, refused (one line) when longer or unreadable;
+    ``closed`` says what to do when stdin is closed."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError(closed)
+    try:
+        data = sys.stdin.buffer.read(limit + 1)
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"cannot read {what} from stdin: {one_line(e)}") from None
+    if len(data) > limit:
+        raise UserError(f"{what} on stdin is more than the {_size(limit)} allowed; split it")
+    return data
 
 
 # Strings once their escapes are gone: a pattern without a repeated group, for which re

@@ -101,14 +101,10 @@ def _check_input(args) -> None:
 
 
 def _read_stdin() -> str:
-    if sys.stdin is None or sys.stdin.closed:
-        raise UserError("--prompt - reads stdin, but stdin is closed; pipe the prompt in")
-    try:
-        data = sys.stdin.buffer.read(PROMPT_LIMIT + 1)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the prompt from stdin: {e}") from None
-    if len(data) > PROMPT_LIMIT:
-        raise UserError(f"the prompt on stdin is more than {PROMPT_LIMIT >> 20} MiB")
+    from mlxkv.files import read_stdin
+
+    closed = "--prompt - reads stdin, but stdin is closed; pipe the prompt in"
+    data = read_stdin(PROMPT_LIMIT, "the prompt", closed)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -33,14 +33,11 @@ class Fixed:
 
 class MemoryBudget:
     def __init__(self, loaded, budget: int | None, max_batch: int, chunk: int):
-        from mlxkv.memory import layout_for
         from mlxkv.memory.dtypes import backend
         from mlxkv.memory.runtime import estimate
 
-        if getattr(loaded, "layout", None) is None:
-            loaded.layout = layout_for(loaded.config)
         self.loaded = loaded
-        self.layout = loaded.layout
+        self.layout = loaded.kv_layout
         self.dtype = loaded.dtype
         self.budget = budget
         self.chunk = chunk

@@ -62,11 +62,7 @@ class KVCheck:
     observer of the scheduler's batched steps, for ``batch --stats``."""
 
     def __init__(self, loaded: LoadedModel):
-        from mlxkv.memory import layout_for
-
-        if getattr(loaded, "layout", None) is None:
-            loaded.layout = layout_for(loaded.config)
-        self.layout, self.dtype = loaded.layout, loaded.dtype
+        self.layout, self.dtype = loaded.kv_layout, loaded.dtype
         self.steps = self.mismatches = 0
         self.peak_actual = self.peak_predicted = 0
         self.first_mismatch: tuple[int, int] | None = None

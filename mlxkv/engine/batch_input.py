@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxkv.engine.conversation import conversation_problem
 from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
-from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, utf8_problem
+from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, read_stdin, utf8_problem
 
 OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system", "json_schema")
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
@@ -140,14 +139,9 @@ def read_input(path: Path | str) -> list[Job | BadLine]:
     if str(path) != "-":
         data = read_bytes(path, INPUT_LIMIT, "input file")
     else:
-        try:
-            data = sys.stdin.buffer.read(INPUT_LIMIT + 1)
-        except OSError as e:
-            raise UserError(f"cannot read input {name}: {e.strerror}") from None
-        except (ValueError, AttributeError):  # stdin closed
-            raise UserError("stdin is closed; pipe the JSONL input into '-'") from None
-        if len(data) > INPUT_LIMIT:
-            raise UserError(f"input on stdin is more than {INPUT_LIMIT >> 20} MiB; split it")
+        data = read_stdin(
+            INPUT_LIMIT, "the input", "stdin is closed; pipe the JSONL input into '-'"
+        )
     # Lines end at b"\n" only: a JSON string may hold U+2028 or a lone \r. A byte-order
     # mark (Windows editors write one) is not part of the first line.
     lines = [raw.removesuffix(b"\r") for raw in data.removeprefix(b"\xef\xbb\xbf").split(b"\n")]

@@ -40,20 +40,16 @@ def read_caches(caches: list) -> KVReading:
 
 class KVAccounting:
     def __init__(self, loaded, policy: KVPolicy, caches: list):
-        from mlxkv.memory import layout_for
-
         self.caches = caches
         self.loaded = loaded
         self.policy = policy
-        if getattr(loaded, "layout", None) is None:
-            loaded.layout = layout_for(loaded.config)  # once per model, not per cache
         self._predictor = self._new_predictor()
         self.last = self._predictor.snapshot()
 
     def _new_predictor(self):
         from mlxkv.memory.predictor import KVPredictor
 
-        return KVPredictor(self.loaded.layout, self.policy, 1, self.loaded.dtype)
+        return KVPredictor(self.loaded.kv_layout, self.policy, 1, self.loaded.dtype)
 
     def read(self) -> KVReading:
         return read_caches(self.caches)

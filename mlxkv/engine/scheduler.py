@@ -426,11 +426,15 @@ class Scheduler:
         if g.caches is None:
             job = g.rows[0]
             return job.kv.predicted(job.kv.read().tokens_seen).allocated if job.kv else 0
+        return self._batch_predicted(g)
+
+    def _batch_predicted(self, g: _Group) -> int:
+        """The memory model's bytes of group ``g``'s batched caches now."""
         from mlxkv.memory.predictor import batch_allocated
 
         c = next((c for c in g.caches if hasattr(c, "n")), None)
         rows_seen = list(c.n) if c is not None else []
-        return batch_allocated(self.loaded.layout, g.policy, rows_seen, self.loaded.dtype)
+        return batch_allocated(self.loaded.kv_layout, g.policy, rows_seen, self.loaded.dtype)
 
     def _memory_status(self, kv_actual: int, kv_predicted: int) -> dict:
         import mlx.core as mx
@@ -1053,15 +1057,12 @@ class Scheduler:
         """A batched row's KV figures: its own token counters, the bytes of the whole batch."""
         import mlx.core as mx
 
-        from mlxkv.memory.predictor import batch_allocated
-
         c = next((c for c in g.caches if hasattr(c, "n")), None)
         seen = c.n[job.row] if c is not None and job.row < len(c.n) else 0
         limit = c.limit if c is not None else None
         kept = seen if limit is None else min(seen, limit)
         if g.kv_bytes is None or g.kv_bytes[0] != self.steps:  # once per step, not per row
-            rows_seen = list(c.n) if c is not None else []
-            predicted = batch_allocated(self.loaded.layout, g.policy, rows_seen, self.loaded.dtype)
+            predicted = self._batch_predicted(g)
             g.kv_bytes = (self.steps, sum(x.nbytes for x in g.caches), predicted)
         _, actual, predicted = g.kv_bytes
         return dict(

@@ -44,6 +44,15 @@ class LoadedModel:
     packed: bool = False  # quantized layers kept packed (the GPU rule), not dequantized
 
     @property
+    def kv_layout(self):
+        """The memory model's layout of this model's caches, built once."""
+        if self.layout is None:
+            from mlxkv.memory import layout_for
+
+            self.layout = layout_for(self.config)
+        return self.layout
+
+    @property
     def context_length(self) -> int | None:
         """The trained context (the rule ``plan`` applies too)."""
         from mlxkv.memory.context import trained_context

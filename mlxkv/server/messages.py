@@ -20,6 +20,7 @@ from mlxkv.server.params import (
     MAX_STOP,
     Ask,
     Limits,
+    answer_grammar,
     int_field,
     model_of,
     number_field,
@@ -29,7 +30,7 @@ from mlxkv.server.params import (
     show,
     template_kwargs_of,
 )
-from mlxkv.server.tools import ANY, MAX_TOOLS, ToolUse, forced_schema, function_of
+from mlxkv.server.tools import ANY, ToolUse, function_of, tool_list
 
 MIN_THINKING_BUDGET = 1024  # as Anthropic's API
 SERVICE_TIERS = ("auto", "standard_only")
@@ -142,14 +143,7 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
     tools = _tools(body)
     thinking, shown, budget = _thinking(body, max_tokens)
     effort, grammar = _output_config(body.get("output_config"))
-    if tools.forced:
-        if grammar is not None:
-            raise bad(
-                "output_config.format and a forced tool call (tool_choice) each set the "
-                "answer's form; send one",
-                "output_config.format",
-            )
-        grammar = schema_grammar(forced_schema(tools), "tools")
+    grammar = answer_grammar(tools, grammar, "output_config.format")
     kwargs = {**thinking, **effort, **template_kwargs_of(body.get("chat_template_kwargs"))}
     if counting:
         settings = limits.defaults
@@ -385,13 +379,7 @@ def _assistant(blocks: list, where: str) -> list[dict]:
 
 
 def _tools(body: dict) -> ToolUse:
-    tools = body.get("tools")
-    if tools is None:
-        tools = []
-    if not isinstance(tools, list):
-        raise bad("tools must be a list of {name, description, input_schema}", "tools")
-    if len(tools) > MAX_TOOLS:
-        raise bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", "tools")
+    tools = tool_list(body.get("tools"), "{name, description, input_schema}")
     functions, seen = [], set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"

@@ -32,7 +32,7 @@ from mlxkv.server.params import (
     settings_of,
     show,
 )
-from mlxkv.server.tools import MAX_TOOLS, ToolUse, assistant_calls, function_of
+from mlxkv.server.tools import ToolUse, assistant_calls, function_of, tool_list
 
 STREAM_MEDIA = "application/x-ndjson"
 # The Ollama release whose API this one matches (logprobs came in 0.12.11): clients check
@@ -333,14 +333,8 @@ def _messages(v) -> list[dict]:
 def _tools(v) -> ToolUse:
     """``tools``: function tools as OpenAI's chat API writes them (Ollama's shape); the
     model decides whether to call one."""
-    if v is None:
-        return ToolUse()
-    if not isinstance(v, list):
-        raise bad("tools must be a list of function tools", "tools")
-    if len(v) > MAX_TOOLS:
-        raise bad(f"tools holds {len(v)} tools; at most {MAX_TOOLS}", "tools")
     out, seen = [], set()
-    for i, t in enumerate(v):
+    for i, t in enumerate(tool_list(v)):
         where = f"tools[{i}]"
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or t.get("type", "function") != "function":

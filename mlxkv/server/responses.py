@@ -24,6 +24,7 @@ from mlxkv.server.params import (
     ROLES,
     Ask,
     Limits,
+    answer_grammar,
     bool_field,
     cache_hints,
     int_field,
@@ -35,7 +36,7 @@ from mlxkv.server.params import (
     template_kwargs_of,
     user_of,
 )
-from mlxkv.server.tools import ANY, MAX_TOOLS, NAME, ToolUse, forced_schema, function_of
+from mlxkv.server.tools import ANY, NAME, ToolUse, function_of, tool_list
 
 MAX_METADATA = 16  # as OpenAI's API: keys, each up to 64 characters, values up to 512
 LOGPROBS = "message.output_text.logprobs"
@@ -153,14 +154,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
     tools, offered = _tools(body)
     effort, summary = _reasoning(body.get("reasoning"))
     grammar, form, verbosity = _text(body.get("text"))
-    if tools.forced:
-        if grammar is not None:
-            raise bad(
-                "text.format and a forced tool call (tool_choice) each set the answer's "
-                "form; send one",
-                "text.format",
-            )
-        grammar = schema_grammar(forced_schema(tools), "tools")
+    grammar = answer_grammar(tools, grammar, "text.format")
     truncation = body.get("truncation")
     if truncation not in (None, "disabled", "auto"):
         raise bad(f"truncation must be 'auto' or 'disabled', got {show(truncation)}", "truncation")
@@ -362,13 +356,7 @@ def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
     ``strict`` (true unless sent false, as OpenAI's API has it) holds a forced call's
     arguments to the schema; a call the model chooses to make is read as the model
     wrote it."""
-    tools = body.get("tools")
-    if tools is None:
-        tools = []
-    if not isinstance(tools, list):
-        raise bad("tools must be a list of function tools", "tools")
-    if len(tools) > MAX_TOOLS:
-        raise bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", "tools")
+    tools = tool_list(body.get("tools"))
     functions, echoed, seen = [], [], set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"

@@ -38,6 +38,18 @@ class ToolUse:
         return bool(self.tools)
 
 
+def tool_list(tools, shape: str = "function tools") -> list:
+    """A request's ``tools``: a list (none when absent) of at most MAX_TOOLS; ``shape`` is
+    what the API's tools look like, for the message."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad(f"tools must be a list of {shape}", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
+    return tools
+
+
 def check_tools(body: dict) -> ToolUse:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request.
 
@@ -47,13 +59,7 @@ def check_tools(body: dict) -> ToolUse:
     is taken either way (OpenAI's Agents SDK sends it on every tool); the arguments of a
     call the model chooses to make are read as it wrote them, as on /v1/responses.
     """
-    tools = body.get("tools")
-    if tools is None:
-        tools = []
-    if not isinstance(tools, list):
-        raise bad("tools must be a list of function tools", param="tools")
-    if len(tools) > MAX_TOOLS:
-        raise bad(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
+    tools = tool_list(body.get("tools"))
     seen = set()
     for i, tool in enumerate(tools):
         _check_tool(tool, f"tools[{i}]", seen)

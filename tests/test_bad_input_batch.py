@@ -164,7 +164,7 @@ def test_disk_full_is_one_line_and_keeps_what_was_written(tmp_path, capsys, monk
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    monkeypatch.setattr("mlxkv.engine.batch_output.os.write", full_after_one)
+    monkeypatch.setattr("mlxkv.commands.batch_output.os.write", full_after_one)
     assert main(["batch", str(inp), "-o", str(out)]) == 2
     _one_clean_line(capsys.readouterr().err, "disk is full")
     assert [r["line"] for r in read_records(out)] == [1]
@@ -206,7 +206,7 @@ def test_input_that_never_ends_is_refused_at_once(tmp_path, capsys, no_model, so
 
 
 def test_deep_long_and_surrogate_lines_are_line_errors():
-    from mlxkv.engine.batch_input import LINE_LIMIT, BadLine, Job, parse_line
+    from mlxkv.commands.batch_input import LINE_LIMIT, BadLine, Job, parse_line
 
     deep = parse_line(1, '{"id": 1, "prompt": ' + "[" * 100000 + "]" * 100000 + "}")
     assert isinstance(deep, BadLine) and deep.error == "JSON nested deeper than 64 levels"

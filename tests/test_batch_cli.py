@@ -317,7 +317,7 @@ def test_prompt_text_system_rules():
     from types import SimpleNamespace
 
     from mlxkv.commands.batch import _prompt_text
-    from mlxkv.engine.batch_input import parse_line
+    from mlxkv.commands.batch_input import parse_line
     from mlxkv.errors import UserError
 
     tok = _EchoTemplate()

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxkv.engine.batch_input import BadLine, Job, find_duplicates, parse_line, read_input
-from mlxkv.engine.batch_output import ResultLog
+from mlxkv.commands.batch_input import BadLine, Job, find_duplicates, parse_line, read_input
+from mlxkv.commands.batch_output import ResultLog
 from mlxkv.errors import UserError
 from tests.batch_files import read_records
 

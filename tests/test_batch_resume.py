@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mlxkv.engine.batch_output import ResultLog, read_records
-from mlxkv.engine.batch_resume import (
+from mlxkv.commands.batch_output import ResultLog, read_records
+from mlxkv.commands.batch_resume import (
     ResumeEntry,
     ResumeRecord,
     line_fingerprint,

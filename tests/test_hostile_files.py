@@ -122,7 +122,7 @@ def test_reads_refuse_fifo_device_folder_and_oversize_without_blocking(tmp_path)
 
 
 def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path):
-    from mlxkv.engine.batch_input import Job, read_input
+    from mlxkv.commands.batch_input import Job, read_input
 
     (tmp_path / "schema.json").write_bytes(b'\xef\xbb\xbf{"type": "string"}')
     assert read_text(tmp_path / "schema.json", 100, "--json-schema") == '{"type": "string"}'

@@ -145,7 +145,7 @@ def _run_context(args, policy, base, schema: dict | None = None) -> str:
     --json-schema only when given: records written without it resume as they were)."""
     from dataclasses import asdict
 
-    from mlxkv.engine.batch_resume import run_context
+    from mlxkv.commands.batch_resume import run_context
     from mlxkv.models.registry import default_alias
 
     model = args.model or default_alias()
@@ -168,8 +168,8 @@ def _run_context(args, policy, base, schema: dict | None = None) -> str:
 
 def _plan(entries, log, context, args):
     """-> (jobs, bad, fingerprints, plan): runnable lines and input-error lines to write."""
-    from mlxkv.engine.batch_input import BadLine, find_duplicates
-    from mlxkv.engine.batch_resume import ResumeEntry, line_fingerprint, plan_resume
+    from mlxkv.commands.batch_input import BadLine, find_duplicates
+    from mlxkv.commands.batch_resume import ResumeEntry, line_fingerprint, plan_resume
 
     dups = find_duplicates(entries)
     for line, first in dups.items():
@@ -315,8 +315,8 @@ def _interrupt_on_sigterm() -> None:
 
 # -- the command -----------------------------------------------------------------------------
 def run(args) -> int:
-    from mlxkv.engine.batch_input import read_input
-    from mlxkv.engine.batch_output import ResultLog
+    from mlxkv.commands.batch_input import read_input
+    from mlxkv.commands.batch_output import ResultLog
 
     policy = policy_from_args(args)
     schema, grammar = grammar_from_args(args)
@@ -412,8 +412,8 @@ def _follow(args, policy, cluster) -> int:
 
 
 def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> int:
+    from mlxkv.commands.batch_input import BadLine
     from mlxkv.engine.batch import Request
-    from mlxkv.engine.batch_input import BadLine
 
     loaded, runner = _open(args, policy, cluster)
     work = runner

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from mlxkv.engine.batch_resume import FINGERPRINT_FIELD, ResumeRecord
+from mlxkv.commands.batch_resume import FINGERPRINT_FIELD, ResumeRecord
 from mlxkv.errors import UserError
 
 # Every record starts with one of these (json.dumps of a dict whose first key is id or line).

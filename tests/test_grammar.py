@@ -210,3 +210,33 @@ def _nested(depth: int) -> dict:
     for _ in range(depth):
         s = {"type": "object", "properties": {"a": s}}
     return s
+
+
+def test_a_triggered_grammar_holds_only_what_follows_its_trigger(default_model):
+    """A tool call's grammar (``call_grammar``) held by ``TriggeredGrammar``: the answer is
+    the free answer up to the trigger (here "```json", where the model opens its JSON),
+    then the reference's held tokens until the JSON is whole, then free again (the
+    reference: mlx-lm's generate_step over each piece, llguidance's own mask between)."""
+    import llguidance
+
+    from mlxkv.engine.grammar import TriggeredGrammar, call_grammar, guidance_tokenizer
+
+    tok = default_model.tokenizer
+    ids = _ids(default_model, "Give the capital of France as a JSON object in a ```json block.")
+    trigger = tok.encode("```json", add_special_tokens=False)
+    grammar = call_grammar(SCHEMA)
+    free = greedy_tokens(default_model, ids, 40, [], tok.eos_token_ids)
+    k = next(i + 1 for i in range(len(free)) if free[: i + 1][-len(trigger) :] == trigger)
+    held = greedy_tokens(default_model, ids + free[:k], 40, [reference_mask(tok, grammar)])
+    matcher = llguidance.LLMatcher(guidance_tokenizer(tok), grammar, log_level=0)
+    j = next(
+        i + 1 for i, t in enumerate(held) if matcher.consume_token(t) and matcher.is_accepting()
+    )
+    after = greedy_tokens(default_model, ids + free[:k] + held[:j], 8, [])
+    want = free[:k] + held[:j] + after
+
+    got = greedy_tokens(default_model, ids, len(want), [TriggeredGrammar(trigger, grammar, tok)])
+    assert got == want
+    answer = json.loads(tok.decode(held[:j]))
+    assert set(answer) == {"city", "country", "is_capital"}
+    assert free[k:] != held[: len(free) - k]  # the model's own JSON broke the schema

@@ -218,8 +218,9 @@ def test_a_tool_call_comes_back_as_tool_calls(server, temperature):
 
 
 def test_a_strict_tool_the_model_chooses_to_call(server):
-    """OpenAI's pydantic_function_tool and Agents SDK send strict: true on every tool; the
-    call the model chooses to make comes back as it wrote it (it was a 400)."""
+    """OpenAI's pydantic_function_tool and Agents SDK send strict: true on every tool (it
+    was a 400); a call the model chooses to make that keeps to the schema comes back as
+    the model wrote it, held but untouched."""
     import openai
     import pydantic
 
@@ -467,3 +468,47 @@ def test_bad_tool_requests_get_a_400_naming_the_field(server, extra, param, mess
     assert r.status_code == 400
     err = r.json()["error"]
     assert (err["param"], err["message"], err["type"]) == (param, message, "invalid_request_error")
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_strict_call_the_model_chooses_is_held_to_its_schema(server, api):
+    """The script's call gives "city" a string; a strict schema asks an integer. Held from
+    the <tool_call> marker, the arguments the model writes are an integer (the scripted
+    model, off its script, then writes no end marker: the call stays text). Not strict,
+    the same call comes back as written."""
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "integer"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fn = {"name": "get_weather", "parameters": params}
+
+    def ask(strict: bool) -> str:
+        if api == "chat":
+            tool = {"type": "function", "function": {**fn, "strict": strict}}
+            body = {"messages": ASK, "tools": [tool], "temperature": 0, "max_tokens": 40}
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+            message = r.json()["choices"][0]["message"]
+            calls = message.get("tool_calls") or []
+            return calls[0]["function"]["arguments"] if calls else message["content"]
+        if api == "responses":
+            tool = {"type": "function", **fn, "strict": strict}
+            body = {"input": ASK, "tools": [tool], "temperature": 0, "max_output_tokens": 40}
+            r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+            items = r.json()["output"]
+            calls = [i for i in items if i["type"] == "function_call"]
+            texts = [c["text"] for i in items if i["type"] == "message" for c in i["content"]]
+            return calls[0]["arguments"] if calls else "".join(texts)
+        tool = {"name": "get_weather", "input_schema": params, "strict": strict}
+        body = {"messages": ASK, "tools": [tool], "temperature": 0, "max_tokens": 40}
+        r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+        blocks = r.json()["content"]
+        calls = [b for b in blocks if b["type"] == "tool_use"]
+        texts = [b["text"] for b in blocks if b["type"] == "text"]
+        return json.dumps(calls[0]["input"]) if calls else "".join(texts)
+
+    held = ask(True)
+    body = held.split("<tool_call>")[1].split("<|endoftext|>")[0]
+    assert isinstance(json.loads(body)["arguments"]["city"], int), held
+    assert json.loads(ask(False)) == {"city": "Paris"}

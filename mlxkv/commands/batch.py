@@ -134,6 +134,7 @@ NOT_IN_FINGERPRINT = (
     "logit_bias",
     "continues",
     "grammar",
+    "call_grammar",
     "think_budget",
     "open_ended",
     "repetition_context",

@@ -31,13 +31,34 @@ def json_grammar(schema: dict | None) -> str:
             f"the JSON schema cannot be used: {bound} is past what a 64-bit integer holds, "
             "the range answers are held to; use a string pattern for larger numbers"
         )
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+    return _compiled(
+        lambda: llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(ANY_OBJECT if schema is None else schema),
             # json.dumps' spacing: the JSON models read most; no free whitespace, which a
             # small model may repeat until max_tokens
             defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
         )
+    )
+
+
+def call_grammar(schema: dict) -> str:
+    """The grammar of a tool call's JSON body as a model writes it after its start marker:
+    any leading whitespace, then JSON matching ``schema`` in the model's own spacing (it
+    chose to write the call in its family's format, which its template spaces its way)."""
+    import llguidance
+
+    if bound := _integer_bound_past_64_bits(schema):
+        raise UserError(f"a tool's parameters cannot be used: {bound} is past 64 bits")
+    lark = "start: /[ \\t\\n]*/ %json " + json.dumps(schema)
+    return _compiled(lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def _compiled(make) -> str:
+    """``make()``'s grammar, checked by llguidance; a failure is a one-line UserError."""
+    import llguidance
+
+    try:
+        grammar = make()
     except RecursionError:
         raise UserError("the JSON schema cannot be used: it is nested too deeply") from None
     except (ValueError, RuntimeError, TypeError) as e:
@@ -108,14 +129,22 @@ class GrammarProcessor:
         self.started = False
 
     def __call__(self, history, logits):
+        if self.started:
+            self.consume(int(history[-1].item()))
+        first = not self.started
+        self.started = True
+        return self.mask(logits, first)
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            self._failed()
+
+    def mask(self, logits, first: bool = False):
+        """``logits`` with every token the grammar does not allow next at -inf."""
         import mlx.core as mx
         import numpy as np
 
-        if self.started and not self.matcher.consume_token(int(history[-1].item())):
-            self._failed()
         vocab = logits.shape[-1]
-        first = not self.started
-        self.started = True
         mask = self.matcher.compute_bitmask()
         if self.matcher.is_error() and first:  # {"$ref": "#"}: not one token starts an answer
             raise UserError(
@@ -135,3 +164,28 @@ class GrammarProcessor:
         raise UserError(
             f"the answer could not follow its JSON schema: {_one_line(self.matcher.get_error())}"
         )
+
+
+class TriggeredGrammar:
+    """A logits processor that holds only what follows a trigger to a grammar: the model
+    writes freely until the tokens it has seen end with ``trigger`` (a tool call's start
+    marker), then only what ``grammar`` allows until it is complete, then freely again
+    (the call's end marker, text, another call). llama.cpp's lazy grammars do the same."""
+
+    def __init__(self, trigger: list[int], grammar: str, tokenizer):
+        self.trigger = trigger
+        self.grammar = grammar
+        self.tokenizer = tokenizer
+        self.held: GrammarProcessor | None = None  # the call being written
+
+    def __call__(self, history, logits):
+        if self.held is not None:
+            self.held.consume(int(history[-1].item()))
+            if not self.held.matcher.is_accepting():
+                return self.held.mask(logits)
+            self.held = None  # the call is whole
+        k = len(self.trigger)
+        if k and history.size >= k and history[-k:].tolist() == self.trigger:
+            self.held = GrammarProcessor(self.grammar, self.tokenizer)
+            return self.held.mask(logits, first=True)
+        return logits

@@ -32,6 +32,9 @@ class GenerationSettings:
     prefill_step: int = 512
     # An llguidance grammar the answer must match (constrained decoding; engine/grammar.py)
     grammar: str | None = None
+    # A grammar each tool call the model chooses to make must match: held from the
+    # tokenizer's tool-call start marker until it is complete (engine/grammar.py)
+    call_grammar: str | None = None
     # The most reasoning tokens a thinking model writes before its think block is closed
     # for it (engine/thinking.py); None: no limit
     think_budget: int | None = None

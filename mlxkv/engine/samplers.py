@@ -69,7 +69,8 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
     penalties at the whole answer and nothing of the prompt, as OpenAI defines them
     (mlx_lm.server counts the last 20 tokens, the prompt's among them). A thinking budget
     closes a thinking model's think block at ``s.think_budget`` tokens. A grammar
-    (``s.grammar``, read with ``tokenizer``) comes last: what it allows is what is left."""
+    (``s.grammar``, read with ``tokenizer``; or ``s.call_grammar``, held over each tool
+    call) comes last: what it allows is what is left."""
     from mlx_lm.sample_utils import (
         make_frequency_penalty,
         make_logits_processors,
@@ -98,4 +99,9 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
         from mlxkv.engine.grammar import GrammarProcessor
 
         processors.append(GrammarProcessor(s.grammar, tokenizer))
+    elif s.call_grammar is not None and getattr(tokenizer, "tool_call_start_tokens", None):
+        from mlxkv.engine.grammar import TriggeredGrammar
+
+        trigger = list(tokenizer.tool_call_start_tokens)
+        processors.append(TriggeredGrammar(trigger, s.call_grammar, tokenizer))
     return processors

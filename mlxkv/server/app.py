@@ -58,7 +58,7 @@ from mlxkv.server.responses import (
     not_found,
     parse_responses,
 )
-from mlxkv.server.tools import has_tool_calling, reader_for
+from mlxkv.server.tools import has_tool_calling, held_calls, reader_for
 from mlxkv.server.truncation import answer_room, fitted
 
 ENDPOINTS = (
@@ -309,6 +309,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ask = replace(ask, model=ollama.served_name(ask.model, served.names) or ask.model)
         check_model(ask.model)
         check_tool_format(ask)
+        if (held := held_calls(ask.tools, served.tokenizer)) is not None:
+            ask = replace(ask, settings=replace(ask.settings, call_grammar=held))
         rendered = None
         if kind == "responses":
             ask = with_conversation(ask, turn)

@@ -380,7 +380,7 @@ def _assistant(blocks: list, where: str) -> list[dict]:
 
 def _tools(body: dict) -> ToolUse:
     tools = tool_list(body.get("tools"), "{name, description, input_schema}")
-    functions, seen = [], set()
+    functions, seen, strict = [], set(), []
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(t, dict):
@@ -392,11 +392,14 @@ def _tools(body: dict) -> ToolUse:
                 "client tools only ({name, description, input_schema})",
                 f"{where}.type",
             )
-        _only(t, {"type", "name", "description", "input_schema", "cache_control"}, where)
+        _only(t, {"type", "name", "description", "input_schema", "cache_control", "strict"}, where)
         if not isinstance(t.get("input_schema"), dict):
             raise bad(f"{where}.input_schema must be a JSON Schema object", where)
+        if t.get("strict") is not None and not isinstance(t["strict"], bool):
+            raise bad(f"{where}.strict must be true or false", f"{where}.strict")
         fn = function_of(t, where, seen, "input_schema", longest=128)
         functions.append({"type": "function", "function": fn})
+        strict += [fn["name"]] if t.get("strict") else []
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
     if choice is not None and kind not in ("auto", "none", "any", "tool"):
@@ -422,7 +425,7 @@ def _tools(body: dict) -> ToolUse:
         forced = ANY if kind == "any" else name if kind == "tool" else None
     if kind == "none":
         functions = []
-    return ToolUse(tools=functions, parallel=parallel, forced=forced)
+    return ToolUse(functions, parallel, forced, frozenset(strict))
 
 
 def _thinking(body: dict, max_tokens: int | None) -> tuple[dict, bool, int | None]:

@@ -353,9 +353,9 @@ def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
     string; OpenAI's hosted tools, not offered), ``tool_choice`` and
     ``parallel_tool_calls``; and the tools as the response echoes them.
 
-    ``strict`` (true unless sent false, as OpenAI's API has it) holds a forced call's
-    arguments to the schema; a call the model chooses to make is read as the model
-    wrote it."""
+    ``strict`` (true unless sent false, as OpenAI's API has it) holds a call's arguments
+    to the schema: a forced call's always, one the model chooses to make where its family
+    writes calls as JSON (``tools.held_calls``)."""
     tools = tool_list(body.get("tools"))
     functions, echoed, seen = [], [], set()
     for i, t in enumerate(tools):
@@ -403,7 +403,8 @@ def _tools(body: dict) -> tuple[ToolUse, list[dict]]:
     parallel = bool_field(body, "parallel_tool_calls")
     if body.get("tool_choice") == "none":
         functions = []
-    return ToolUse(tools=functions, parallel=parallel is not False, forced=forced), echoed
+    strict = frozenset(t["name"] for t in echoed if t.get("type") == "function" and t["strict"])
+    return ToolUse(functions, parallel is not False, forced, strict), echoed
 
 
 def _custom_tool(t: dict, where: str, seen: set[str]) -> dict:

@@ -23,6 +23,7 @@ MAX_TOOLS = 128  # as OpenAI's API
 ANY = "*"  # ToolUse.forced: a call of any tool (no function is named "*")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+JSON_CALLS = "mlx_lm.tool_parsers.json_tools"  # calls as {"name", "arguments"} JSON
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class ToolUse:
     tools: list[dict] = field(default_factory=list)  # handed to the chat template
     parallel: bool = True  # False: at most one call per answer
     forced: str | None = None  # ANY: a call must come; a name: a call of that function
+    # functions whose calls the model chooses to make are held to their schema (strict)
+    strict: frozenset[str] = frozenset()
 
     @property
     def on(self) -> bool:
@@ -55,9 +58,8 @@ def check_tools(body: dict) -> ToolUse:
 
     ``tool_choice`` "auto" (the default) lets the model decide; "none" renders the prompt
     without the tools, so the model answers in text; "required" or one named function
-    forces a call (``forced_schema``), whose arguments then follow the schema. ``strict``
-    is taken either way (OpenAI's Agents SDK sends it on every tool); the arguments of a
-    call the model chooses to make are read as it wrote them, as on /v1/responses.
+    forces a call (``forced_schema``), whose arguments then follow the schema. A call the
+    model chooses to make follows it where ``strict`` is true (``call_schema``).
     """
     tools = tool_list(body.get("tools"))
     seen = set()
@@ -69,7 +71,8 @@ def check_tools(body: dict) -> ToolUse:
         raise bad("parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if body.get("tool_choice") == "none":
         tools = []
-    return ToolUse(tools=list(tools), parallel=parallel is not False, forced=forced)
+    strict = frozenset(t["function"]["name"] for t in tools if t["function"].get("strict"))
+    return ToolUse(tools=list(tools), parallel=parallel is not False, forced=forced, strict=strict)
 
 
 def _forced(choice, names: set[str]) -> str | None:
@@ -177,6 +180,28 @@ def assistant_calls(calls, where: str) -> list[dict]:
             entry["id"] = call_id
         out.append(entry)
     return out
+
+
+def call_schema(use: ToolUse) -> dict | None:
+    """The JSON schema of one call ``{"name", "arguments"}`` the model chooses to make,
+    written in its family's markers (the strict functions' arguments held to their
+    parameters, the others' to any object); None when no function is strict."""
+    if not use.strict or use.forced:
+        return None
+    calls = []
+    for tool in use.tools:
+        fn = tool["function"]
+        strict = fn["name"] in use.strict
+        arguments = (fn.get("parameters") or {"type": "object"}) if strict else {"type": "object"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return {"anyOf": calls}
 
 
 def forced_schema(use: ToolUse) -> dict:
@@ -353,6 +378,23 @@ def reader_for(tokenizer, use: ToolUse) -> CallReader | ForcedCallReader | None:
         use.tools,
         use.parallel,
     )
+
+
+def held_calls(use: ToolUse, tokenizer) -> str | None:
+    """The grammar each call the model chooses to make is held to (``call_schema``), for a
+    family that writes a call as JSON between its markers (mlx-lm's json_tools: Qwen,
+    Hermes); None when no function is strict or the family writes calls otherwise."""
+    from mlxkv.engine.grammar import call_grammar
+    from mlxkv.errors import UserError
+
+    schema = call_schema(use)
+    parser = getattr(tokenizer, "tool_parser", None)
+    if schema is None or getattr(parser, "__module__", "") != JSON_CALLS:
+        return None
+    try:
+        return call_grammar(schema)
+    except UserError as e:
+        raise bad(str(e), "tools") from None
 
 
 def has_tool_calling(tokenizer) -> bool:

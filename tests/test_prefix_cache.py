@@ -405,3 +405,20 @@ def test_a_file_whose_check_fails_without_a_message_is_skipped(tmp_path, monkeyp
     assert disk.files == {}
     assert log == ["prefix cache: skipped a.safetensors: MemoryError"]
     assert (tmp_path / "a.safetensors").read_bytes() == b"x" * 16
+
+
+@pytest.mark.model
+def test_a_few_shared_template_tokens_are_not_a_hit(default_model):
+    """Two conversations that share only their template's first tokens: the second is a
+    miss (nothing copied, no hit counted); sharing MIN_REUSE tokens, it is a hit."""
+    from mlxkv.engine.prefix_cache import MIN_REUSE
+
+    cache = PrefixCache(1 << 30)
+    s = Scheduler(default_model, prefix_cache=cache)
+    ids = s.encode("The sea was calm that night, and the boats came home slowly. " * 3)
+    _answer(s, ids, max_tokens=2)
+    few = ids[: MIN_REUSE - 1] + [t + 1 for t in ids[MIN_REUSE - 1 :]]
+    assert cache.take(KVPolicy(), few) == (0, None)
+    assert (cache.hits, cache.misses) == (0, 2)  # the first answer's lookup missed too
+    held, caches = cache.take(KVPolicy(), ids[:MIN_REUSE] + [t + 1 for t in ids[MIN_REUSE:]])
+    assert held == MIN_REUSE and caches is not None and cache.hits == 1

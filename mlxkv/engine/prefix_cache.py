@@ -43,6 +43,9 @@ OWN_FILE = re.compile(r"prefix-[0-9a-f]{32}\.safetensors")  # FILE_PREFIX, 32 he
 # and files.atomic_file's temporary name for one (tempfile's 8 random characters)
 OWN_TEMPORARY = re.compile(r"\.prefix-[0-9a-f]{32}\.safetensors\.[a-z0-9_]{8}\.tmp")
 TRIES = 3  # candidates tried per lookup (a candidate's bound can overstate what it reuses)
+# A shorter shared prefix is prefilled, not taken: copying an entry (or loading a file) for
+# a chat template's first few tokens saves nothing, and would count as a hit.
+MIN_REUSE = 16
 EARLIER_TURNS = 3  # entries a conversation keeps of its turns before the newest (see put)
 
 
@@ -183,7 +186,7 @@ class DiskTier:
         scored = [
             (common_prefix(f.tokens, ids[:-1]), f) for f in self.files.values() if f.policy == want
         ]
-        scored = [s for s in scored if s[0] > 0]
+        scored = [s for s in scored if s[0] >= MIN_REUSE]
         return max(scored, key=lambda s: s[0])[1] if scored else None
 
     def load(self, f: DiskFile, model, policy: KVPolicy) -> Entry | None:
@@ -236,10 +239,10 @@ class PrefixCache:
         mine = [e for e in self.entries if e.policy == policy]
         mine.sort(key=lambda e: e.bound(ids), reverse=True)
         for e in mine[:TRIES]:
-            if e.bound(ids) == 0:
+            if e.bound(ids) < MIN_REUSE:
                 break
             held, caches = self._try(e, ids, copy_caches)
-            if held:
+            if held >= MIN_REUSE:
                 return self._hit(e, held, caches)
         if self.disk is not None and self.model is not None:
             while (f := self.disk.best(policy, ids)) is not None:
@@ -249,7 +252,7 @@ class PrefixCache:
                 self._add(e)
                 self.make_room(0)
                 held, caches = self._try(e, ids, copy_caches)
-                if held:
+                if held >= MIN_REUSE:
                     return self._hit(e, held, caches)
                 break
         self.misses += 1

@@ -303,6 +303,27 @@ def test_reasoning_effort_reaches_the_chat_template(server, folder, effort, extr
     assert r.usage.prompt_tokens == len(want) != len(rendered(folder, ASK, tools=()))
 
 
+def test_the_sdk_sends_the_answer_back_whole(server):
+    """The openai SDK's tool loop appends the answer's message object as it came, with its
+    reasoning_content (pydantic-ai and litellm do too): the next turn takes it (a 400)."""
+    client = server.client()
+    first = client.chat.completions.create(model=server.model, messages=ASK, tools=[WEATHER])
+    message = first.choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT
+    turn = [
+        *ASK,
+        message,
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "21 C"},
+    ]
+    second = client.chat.completions.create(model=server.model, messages=turn, tools=[WEATHER])
+    assert second.choices[0].message.tool_calls[0].function.name == "get_weather"
+    alias = {"role": "assistant", "content": "Checking.", "reasoning": THOUGHT}
+    third = client.chat.completions.create(
+        model=server.model, messages=[*ASK, alias, *ASK], max_tokens=2
+    )
+    assert third.usage.completion_tokens == 2
+
+
 def test_the_tool_result_turn(server, folder):
     """The agent's next turn: the assistant's call and the tool's result go back through
     the chat template exactly as it renders them, and the prefix cache serves the turn
@@ -451,6 +472,11 @@ BAD = [
         {"messages": [*ASK, {"role": "tool", "content": "21 C"}]},
         "messages[1].tool_call_id",
         "messages[1].tool_call_id must be the id of the call this message answers",
+    ),
+    (
+        {"messages": [*ASK, {"role": "assistant", "content": "x", "reasoning_content": 5}]},
+        "messages[1].reasoning_content",
+        "messages[1].reasoning_content must be a string",
     ),
     (
         {"reasoning_effort": "extreme"},

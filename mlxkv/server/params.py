@@ -560,8 +560,8 @@ def _message(m, where: str) -> dict:
     allowed = {"role", "content", "name"}
     if role == "tool":
         allowed.add("tool_call_id")
-    if role == "assistant":
-        allowed |= {"tool_calls"}
+    if role == "assistant":  # the reasoning this server (or DeepSeek's, vLLM's) sent back
+        allowed |= {"tool_calls", "reasoning_content", "reasoning"}
     for k, x in m.items():
         if k in allowed or (k in ("refusal", "function_call", "tool_calls") and not x):
             continue
@@ -573,6 +573,13 @@ def _message(m, where: str) -> dict:
         if not isinstance(name, str) or not name:
             raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
         out["name"] = name
+    if role == "assistant":
+        for k in ("reasoning_content", "reasoning"):
+            if m.get(k) is not None and not isinstance(m[k], str):
+                raise bad(f"{where}.{k} must be a string", f"{where}.{k}")
+        # the template shows it where the model reads its own earlier thinking (Qwen3's does)
+        if thought := m.get("reasoning_content") or m.get("reasoning"):
+            out["reasoning_content"] = thought
     if role == "assistant" and calls:
         # an assistant turn that called tools may have no text
         c = m.get("content")

@@ -421,6 +421,30 @@ def test_a_forced_call_comes_whole_and_stream(server, choice, name, arguments):
     assert "".join(texts) == ""
 
 
+def test_a_forced_call_with_an_answer_format_is_the_call(server):
+    """instructor's Responses mode sends a forced call and a text.format naming the same
+    schema (it was a 400): the call wins, as it does beside response_format; the format
+    is that of a text answer, and there is none."""
+    params = CITY["function"]["parameters"]
+    body = {
+        "input": ASK,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": params}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_schema", "name": "City", "schema": params}},
+        "max_output_tokens": 64,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    (call,) = [i for i in r.json()["output"] if i["type"] == "function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    kw = {"model": server.model, "messages": ASK, "tools": [CITY], "tool_choice": "required"}
+    r = server.client().chat.completions.create(
+        **kw, response_format={"type": "json_object"}, parallel_tool_calls=False
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
 BAD = [
     (
         {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
@@ -444,11 +468,6 @@ BAD = [
         "tool_choice names 'nope', which is not among the tools",
     ),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools to call"),
-    (
-        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "response_format",
-        "response_format and a forced tool call (tool_choice) each set the answer's form; send one",
-    ),
     (
         {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
         "tools[0].function.strict",

@@ -143,7 +143,7 @@ def parse_messages(body: dict, limits: Limits, counting: bool = False) -> Ask:
     tools = _tools(body)
     thinking, shown, budget = _thinking(body, max_tokens)
     effort, grammar = _output_config(body.get("output_config"))
-    grammar = answer_grammar(tools, grammar, "output_config.format")
+    grammar = answer_grammar(tools, grammar)
     kwargs = {**thinking, **effort, **template_kwargs_of(body.get("chat_template_kwargs"))}
     if counting:
         settings = limits.defaults

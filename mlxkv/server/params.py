@@ -456,9 +456,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     stream, usage = _stream(body)
     cache_hints(body)
     settings = settings_of(body, limits, mct if mct is not None else mt)
-    grammar = answer_grammar(
-        tools, _response_format(body.get("response_format")), "response_format"
-    )
+    grammar = answer_grammar(tools, _response_format(body.get("response_format")))
     budget = int_field(body, "thinking_budget", 0, 2**31 - 1, "0 closes the thinking at once")
     return Ask(
         kind="chat",
@@ -656,16 +654,12 @@ def _response_format(v) -> str | None:
     return schema_grammar(schema, f"{where}.schema")
 
 
-def answer_grammar(tools: ToolUse, grammar: str | None, param: str) -> str | None:
-    """What holds the answer: a forced tool call's schema, else the answer format's grammar
-    (``param`` names where the request set that format; both is refused)."""
+def answer_grammar(tools: ToolUse, grammar: str | None) -> str | None:
+    """What holds the answer: a forced tool call's schema, else the answer format's grammar.
+    A forced call wins: the format is that of a text answer, and there is none (instructor
+    sends both, the format naming the same schema)."""
     if not tools.forced:
         return grammar
-    if grammar is not None:
-        raise bad(
-            f"{param} and a forced tool call (tool_choice) each set the answer's form; send one",
-            param,
-        )
     return schema_grammar(forced_schema(tools), "tools")
 
 

@@ -154,7 +154,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
     tools, offered = _tools(body)
     effort, summary = _reasoning(body.get("reasoning"))
     grammar, form, verbosity = _text(body.get("text"))
-    grammar = answer_grammar(tools, grammar, "text.format")
+    grammar = answer_grammar(tools, grammar)
     truncation = body.get("truncation")
     if truncation not in (None, "disabled", "auto"):
         raise bad(f"truncation must be 'auto' or 'disabled', got {show(truncation)}", "truncation")

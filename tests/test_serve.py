@@ -486,7 +486,8 @@ def test_the_openai_client_sees_the_errors(server):
         )
     assert e.value.body == {
         "message": "the model 'smollm2-135m' cannot call tools: its chat template has no "
-        "tool-call format mlx-lm knows; leave 'tools' out or send tool_choice 'none'",
+        "tool-call format mlx-lm knows; leave 'tools' out, send tool_choice 'none', or force "
+        "a call (tool_choice 'required' or a function's name)",
         "type": "invalid_request_error",
         "param": "tools",
         "code": "tools_unsupported",
@@ -500,6 +501,22 @@ def test_the_openai_client_sees_the_errors(server):
         tool_choice="none",
     )
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+    # a forced call is JSON held to the schema: any model writes it (pydantic-ai's and
+    # instructor's structured output force one); the template does not show it the tools
+    city = {"type": "string", "enum": ["Paris", "Rome"]}
+    params = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        tools=[{"type": "function", "function": {"name": "answer", "parameters": params}}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=32,
+        temperature=0,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "answer"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
 
 
 def test_a_participants_name_reaches_the_template(server, default_model):

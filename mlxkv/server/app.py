@@ -73,6 +73,15 @@ PARSERS = {
     "api_chat": ollama.parse_chat,
     "api_generate": ollama.parse_generate,
 }
+NO_TOOLS = {  # what a request can do instead, in each API's words
+    "chat": "leave 'tools' out, send tool_choice 'none', or force a call (tool_choice "
+    "'required' or a function's name)",
+    "responses": "leave 'tools' out, send tool_choice 'none', or force a call (tool_choice "
+    "'required' or a function's name)",
+    "messages": "leave 'tools' out, or send tool_choice {type: 'none'}, or force a call "
+    "({type: 'any'} or {type: 'tool', name})",
+    "api_chat": "leave 'tools' out",
+}
 FORMAT_PARAMS = {  # where each API asks for an answer's schema
     "chat": "response_format",
     "responses": "text.format",
@@ -391,11 +400,13 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return replace(ask, prompts=prompts, settings=replace(ask.settings, stop=stop))
 
     def check_tool_format(ask: Ask) -> None:
-        if ask.tools.on and not has_tool_calling(served.tokenizer):
+        """Tools the model may call need its family's call format; a forced call does not
+        (it is written as JSON held to the schema, whatever the family)."""
+        if ask.tools.on and not ask.tools.forced and not has_tool_calling(served.tokenizer):
             raise APIError(
                 400,
                 f"the model '{served.id}' cannot call tools: its chat template has no "
-                "tool-call format mlx-lm knows; leave 'tools' out or send tool_choice 'none'",
+                f"tool-call format mlx-lm knows; {NO_TOOLS.get(ask.kind, NO_TOOLS['chat'])}",
                 param="tools",
                 code="tools_unsupported",
             )

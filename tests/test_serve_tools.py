@@ -557,3 +557,17 @@ def test_a_strict_call_the_model_chooses_is_held_to_its_schema(server, api):
     body = held.split("<tool_call>")[1].split("<|endoftext|>")[0]
     assert isinstance(json.loads(body)["arguments"]["city"], int), held
     assert json.loads(ask(False)) == {"city": "Paris"}
+
+
+def test_strict_tools_left_out_by_tool_choice_none(server):
+    """Responses' tools are strict unless sent false; with tool_choice "none" they are left
+    out, and nothing is held (no call can come)."""
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": WEATHER["function"]["parameters"],
+    }
+    body = {"input": ASK, "tools": [tool], "tool_choice": "none", "max_output_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [i["type"] for i in r.json()["output"]] == ["reasoning"]  # 4 tokens of thinking

@@ -73,10 +73,9 @@ PARSERS = {
     "api_chat": ollama.parse_chat,
     "api_generate": ollama.parse_generate,
 }
-NO_TOOLS = {  # what a request can do instead, in each API's words
-    "chat": "leave 'tools' out, send tool_choice 'none', or force a call (tool_choice "
-    "'required' or a function's name)",
-    "responses": "leave 'tools' out, send tool_choice 'none', or force a call (tool_choice "
+# what a request can do instead, in each API's words (OpenAI's: chat and responses)
+NO_TOOLS = {
+    "openai": "leave 'tools' out, send tool_choice 'none', or force a call (tool_choice "
     "'required' or a function's name)",
     "messages": "leave 'tools' out, or send tool_choice {type: 'none'}, or force a call "
     "({type: 'any'} or {type: 'tool', name})",
@@ -406,7 +405,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             raise APIError(
                 400,
                 f"the model '{served.id}' cannot call tools: its chat template has no "
-                f"tool-call format mlx-lm knows; {NO_TOOLS.get(ask.kind, NO_TOOLS['chat'])}",
+                f"tool-call format mlx-lm knows; {NO_TOOLS.get(ask.kind, NO_TOOLS['openai'])}",
                 param="tools",
                 code="tools_unsupported",
             )

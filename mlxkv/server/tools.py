@@ -186,7 +186,7 @@ def call_schema(use: ToolUse) -> dict | None:
     """The JSON schema of one call ``{"name", "arguments"}`` the model chooses to make,
     written in its family's markers (the strict functions' arguments held to their
     parameters, the others' to any object); None when no function is strict."""
-    if not use.strict or use.forced:
+    if not use.on or not use.strict or use.forced:
         return None
     calls = []
     for tool in use.tools:

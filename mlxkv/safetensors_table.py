@@ -16,7 +16,10 @@ from pathlib import Path
 from mlxkv.errors import UserError
 from mlxkv.files import open_regular, parse_json, shared_bytes
 
-HEADER_LIMIT = 256 << 20  # bytes of a safetensors JSON header
+HEADER_LIMIT = 100_000_000  # bytes of a safetensors JSON header, as safetensors' own limit
+# Tensors one file may name: a 30B MoE's file holds ~60k; a crafted table of 2.5M empty
+# tensors took 1.7 GB to read. Counted in the raw header, before it is parsed.
+MAX_TENSORS = 1 << 18
 MAX_DIMS = 8  # weights have at most 5 (a 3-D convolution's); a long list is a crafted one
 # safetensors dtype -> (bytes per element, floating)
 DTYPES = {
@@ -56,11 +59,20 @@ def read_table(path: Path) -> tuple[list[Tensor], int]:
             (n,) = struct.unpack("<Q", f.read(8))
             if 8 + n > size or n > HEADER_LIMIT:
                 raise ValueError
-            table = parse_json(f.read(n).decode("utf-8"), str(path), max_depth=4)
-    except (struct.error, ValueError, UserError):
+            raw = f.read(n)
+    except (struct.error, ValueError):
         raise UserError(f"{path} is not a complete safetensors file ({HINT})") from None
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if raw.count(b'"data_offsets"') > MAX_TENSORS:
+        raise UserError(
+            f"{path} names more than {MAX_TENSORS:,} tensors; a model's weight file holds "
+            f"far fewer ({HINT})"
+        )
+    try:
+        table = parse_json(raw.decode("utf-8"), str(path), max_depth=4)
+    except (ValueError, UserError):
+        raise UserError(f"{path} is not a complete safetensors file ({HINT})") from None
     if not isinstance(table, dict):
         raise UserError(f"{path} is not a safetensors file (its header is not a table)")
     tensors = [_tensor(path, name, info) for name, info in table.items() if name != "__metadata__"]

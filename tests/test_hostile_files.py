@@ -268,6 +268,13 @@ def test_layouts_cache_follows_no_planted_link_and_survives_deep_json(tmp_path, 
             "tensors 'w' and 'v' share bytes",
         ),
         ({}, "holds no tensors"),
+        (
+            {
+                f"w{i}": {"dtype": "F16", "shape": [0], "data_offsets": [0, 0]}
+                for i in range(1 << 18 | 1)
+            },
+            "names more than 262,144 tensors; a model's weight file holds far fewer",
+        ),
     ],
 )
 def test_a_crafted_weight_table_is_one_line_in_plan_and_generate(tmp_path, capsys, entry, words):

@@ -57,7 +57,12 @@ def read_table(path: Path) -> tuple[list[Tensor], int]:
     try:
         with f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if 8 + n > size or n > HEADER_LIMIT:
+            if n > HEADER_LIMIT and 8 + n <= size:
+                raise UserError(
+                    f"{path} has a table of {n:,} bytes, more than the {HEADER_LIMIT:,} "
+                    f"safetensors allows ({HINT})"
+                )
+            if 8 + n > size:
                 raise ValueError
             raw = f.read(n)
     except (struct.error, ValueError):

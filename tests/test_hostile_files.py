@@ -352,3 +352,26 @@ def test_a_tokenizer_that_panics_is_one_line(tmp_path, capsys, default_model_pat
         "mlxkv generate: error: the model's tokenizer failed on this text: PanicException: "
         "Onig: Regex search error: retry-limit-in-match over"
     )
+
+
+def test_a_weight_table_past_safetensors_limit_is_refused_unread(tmp_path, capsys):
+    """A table longer than safetensors' own 100 MB (a sparse file here) is refused from its
+    length alone."""
+    import shutil
+    import struct
+
+    from tests.bad_input import refused
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(LLAMA, folder / "config.json")
+    weights = folder / "model.safetensors"
+    with open(weights, "wb") as f:
+        f.write(struct.pack("<Q", 100_000_001))
+        f.truncate(8 + 100_000_001)
+    line = refused(capsys, "plan", str(folder))
+    assert line == (
+        f"mlxkv plan: error: {weights} has a table of 100,000,001 bytes, more than the "
+        "100,000,000 safetensors allows (an interrupted download? delete it and download the "
+        "model again)"
+    )

@@ -571,3 +571,17 @@ def test_strict_tools_left_out_by_tool_choice_none(server):
     r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert [i["type"] for i in r.json()["output"]] == ["reasoning"]  # 4 tokens of thinking
+
+
+def test_strict_calls_are_held_row_by_row_in_a_batch(server):
+    """n=2 decodes two rows in one batch, each with its own held call: both calls give
+    "city" an integer, the same calls (greedy). The schema allows other keys, so the
+    script's own "arguments" key goes on beside it."""
+    params = {"type": "object", "properties": {"city": {"type": "integer"}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    tool["function"]["strict"] = True
+    body = {"messages": ASK, "tools": [tool], "temperature": 0, "max_tokens": 40, "n": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    calls = [c["message"]["tool_calls"] for c in r.json()["choices"]]
+    assert calls[0][0]["function"] == calls[1][0]["function"]
+    assert isinstance(json.loads(calls[0][0]["function"]["arguments"])["city"], int), calls

@@ -23,19 +23,29 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy raw completion keeps counting:
 class Server:
     """``mlxkv serve --port 0 FLAGS`` in a subprocess; its log goes to a file."""
 
-    def __init__(self, tmp: Path, *flags: str, env: dict | None = None, key: str | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        *flags: str,
+        env: dict | None = None,
+        key: str | None = None,
+        launcher: list[str] | None = None,  # e.g. mlx.launch -n 2 --: the server's ranks
+    ):
         tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "server.log"
         # the prefix cache's files stay in the test's folder unless the test names one
         own_files = [] if "--prefix-cache-dir" in flags else ["--prefix-cache-dir", str(tmp / "pc")]
+        self.launcher = launcher
         self.key = key
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxkv", "serve", "--port", "0", *flags, *own_files],
+            [*(launcher or []), sys.executable, "-m", "mlxkv", "serve", "--port", "0", *flags]
+            + own_files,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             cwd=ROOT,
+            start_new_session=launcher is not None,  # the ranks stop as a terminal's group
         )
         deadline = time.monotonic() + 600
         while True:
@@ -77,6 +87,8 @@ class Server:
             time.sleep(0.1)
 
     def stop(self) -> int | None:
+        if self.launcher is not None:  # the launcher and its ranks: a terminal's Ctrl+C
+            return self._stop_group()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -86,6 +98,37 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+    def _stop_group(self) -> int | None:
+        group = self.proc.pid
+        try:
+            os.killpg(group, signal.SIGINT)
+            self.proc.wait(120)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        deadline = time.monotonic() + 60
+        while group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in group_members(group):  # never leave a rank behind
+            os.kill(pid, signal.SIGKILL)
+        self._log.close()
+        return self.proc.returncode
+
+
+def group_members(group: int) -> list[int]:
+    """The pids of the processes in process group ``group`` (Linux's /proc)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[2]) == group:
+            pids.append(int(pid))
+    return pids
 
 
 def serving(tmp: Path, *flags: str) -> Iterator[Server]:

@@ -82,26 +82,6 @@ def last_json(out) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory, default_model_path) -> Path:
-    """A random 5-layer qwen2 (has pipeline() and shard()) with the default tokenizer."""
-    from tests.tiny_models import model_folder
-
-    cfg = {
-        "model_type": "qwen2",
-        "hidden_size": 128,
-        "num_hidden_layers": 5,  # over 2 ranks: an uneven 3 + 2 split
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-05,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 4096,
-    }
-    return model_folder(tmp_path_factory.mktemp("tiny_qwen2"), cfg, default_model_path)
-
-
 POLICIES = {
     "full": [],
     "sinks+window": ["--kv-window", "16", "--kv-sinks", "4"],

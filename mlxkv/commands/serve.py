@@ -26,6 +26,11 @@ KEY_ENV = "MLXKV_API_KEY"
 
 
 def add_arguments(p) -> None:
+    p.epilog = (
+        "Under mlx.launch (mlx.launch ... -- $(which mlxkv) serve ...) the model is split by "
+        "heads over the ranks: rank 0 listens and answers, the others compute in step with it "
+        "(docs/distributed.md)."
+    )
     p.add_argument(
         "model_arg",
         nargs="?",
@@ -161,8 +166,10 @@ def _check_memory_flags(args) -> None:
         raise UserError(f"--prefix-cache-dir {d} is not a folder; name a folder or 'none'")
 
 
-def _memory_and_prefixes(args, loaded, policy):
-    """The memory budget and the prefix cache (memory tier, and the disk tier's folder)."""
+def _memory_and_prefixes(args, loaded, policy, cluster=None):
+    """The memory budget and the prefix cache (memory tier, and the disk tier's folder).
+    Across ranks (``cluster``) every rank takes the same decisions: the budget is the
+    smallest host's, and the prefix cache keeps no files (each host's folder differs)."""
     from mlxkv.engine.admission import MemoryBudget
     from mlxkv.engine.prefix_cache import DiskTier, PrefixCache
     from mlxkv.engine.reuse import cache_identity
@@ -171,7 +178,11 @@ def _memory_and_prefixes(args, loaded, policy):
     from mlxkv.paths import home
 
     budget = system_memory(args.memory, backend()).available
+    if cluster is not None:
+        budget = _smallest_budget(cluster, budget)
     memory = MemoryBudget(loaded, budget, args.max_batch, 512)
+    if cluster is not None:
+        _check_even_shares(cluster, memory, policy)
     _check_one_answer_fits(args, memory, policy)
     free = max(budget - memory.base(), 0)
     limit = free // 2
@@ -181,7 +192,7 @@ def _memory_and_prefixes(args, loaded, policy):
         return memory, None
     disk = None
     disk_limit = _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
-    if args.prefix_cache_dir != "none" and disk_limit > 0:
+    if args.prefix_cache_dir != "none" and disk_limit > 0 and cluster is None:
         identity = cache_identity(loaded)
         folder = args.prefix_cache_dir
         if folder is None:
@@ -195,6 +206,50 @@ def _memory_and_prefixes(args, loaded, policy):
         + (f", files in {disk.folder} ({len(disk.files)} kept)" if disk else "")
     )
     return memory, PrefixCache(limit, loaded.model, disk, status)
+
+
+def _smallest_budget(cluster, budget: int) -> int:
+    from mlxkv.engine.distributed import gather_ints
+
+    return min(row[0] for row in gather_ints(cluster, [budget]))
+
+
+def _check_even_shares(cluster, memory, policy) -> None:
+    """Every rank's admission must decide as rank 0's: their weights, runtime and KV
+    reservations must be the same bytes (a split by heads gives every rank equal shares)."""
+    from mlxkv.engine.distributed import gather_ints
+
+    rows = gather_ints(cluster, [memory.base(), memory.reservation(policy, 4096)])
+    other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
+    if other is not None:
+        raise UserError(
+            f"rank {other} holds another share of the model than rank 0 (weights and runtime "
+            f"{rows[other][0]:,} against {rows[0][0]:,} bytes); serve needs a split into equal "
+            "shares: use a host count that divides the model's heads"
+        )
+
+
+def _check_split(model: str | None, ranks: int) -> None:
+    """Refuse, before loading, a model serve cannot split over ``ranks`` by heads: its
+    ranks must hold equal shares to take the same admission decisions (a split by layers
+    does not give them)."""
+    from mlxkv.memory.config import BadInput
+    from mlxkv.memory.hosts import check_split, split_support
+    from mlxkv.memory.source import from_path
+    from mlxkv.models.resolve import resolve
+
+    config = from_path(resolve(model, on_status=status).path).config
+    model_type = config.get("model_type", "this model")
+    if not split_support(config)["tensor"]:
+        raise UserError(
+            f"serve splits a model over ranks by heads (mlx-lm's shard()), which {model_type} "
+            "does not have in mlx-lm; serve it on one host (generate and batch also split by "
+            "layers: --shard pipeline)"
+        )
+    try:
+        check_split(config, ranks, "tensor")
+    except BadInput as e:
+        raise UserError(f"{e} (serve splits a model by heads only)") from None
 
 
 def _check_one_answer_fits(args, memory, policy) -> None:
@@ -273,29 +328,74 @@ def _short(dtype: str) -> str:
     return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
 
 
-def run(args) -> int:
-    from mlxkv.engine.distributed import launched
+def _follow(args, model, policy, cluster) -> int:
+    """A rank other than 0: load its share and run rank 0's steps until rank 0 stops."""
+    import signal
+
     from mlxkv.engine.loading import open_model
+    from mlxkv.engine.lockstep import Lockstep
+    from mlxkv.engine.scheduler import Scheduler
+
+    loaded = open_model(model, args.dtype, policy, args.force, cluster=cluster, shard="tensor")
+    memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster)
+    scheduler = Scheduler(
+        loaded,
+        policy=policy,
+        max_batch=args.max_batch,
+        prefix_cache=prefix,
+        memory=memory,
+        lockstep=Lockstep(cluster),
+    )
+    # Ctrl+C reaches every rank: rank 0 lets the answers in flight finish, then tells the
+    # others to stop. (mlx.launch stops a rank with SIGTERM when another one fails.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    scheduler.follow()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as rank 0 does: the interpreter's exit can abort after MLX threads ran
+
+
+def run(args) -> int:
+    from mlxkv.commands.common import join_cluster
+    from mlxkv.engine.loading import open_model
+    from mlxkv.engine.lockstep import Lockstep
     from mlxkv.engine.scheduler import Scheduler
     from mlxkv.server.app import Served, build_app
     from mlxkv.server.bridge import Bridge
     from mlxkv.server.params import Limits
     from mlxkv.server.run import listen, serve
 
-    if launched():
-        raise UserError("serve runs in one process, not under mlx.launch")
     key = _check(args)
     _check_memory_flags(args)
     policy = policy_from_args(args)
     defaults = settings_from_args(args)
+    model = args.model_arg or args.model
+    cluster = join_cluster(args)
+    if cluster is not None:
+        if args.prefix_cache_dir not in (None, "none"):
+            raise UserError(
+                "--prefix-cache-dir works in one process: under mlx.launch each host would "
+                "keep other files; drop it"
+            )
+        _check_split(model, cluster.size)
+        from mlxkv.engine.distributed import stop_with_launcher
+
+        stop_with_launcher()
+    if cluster is not None and not cluster.leader:
+        return _follow(args, model, policy, cluster)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
         loaded = open_model(
-            args.model_arg or args.model, args.dtype, policy, args.force, on_status=status
+            model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard="tensor"
         )
-        memory, prefix = _memory_and_prefixes(args, loaded, policy)
+        memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster)
         scheduler = Scheduler(
-            loaded, policy=policy, max_batch=args.max_batch, prefix_cache=prefix, memory=memory
+            loaded,
+            policy=policy,
+            max_batch=args.max_batch,
+            prefix_cache=prefix,
+            memory=memory,
+            lockstep=None if cluster is None else Lockstep(cluster),
         )
         scheduler.start()
         model_id, names = _names(loaded)
@@ -320,9 +420,10 @@ def run(args) -> int:
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        split = f", split over {cluster.size} ranks" if cluster is not None else ""
         status(
-            f"serving {model_id} ({policy.describe()}, up to {args.max_batch} answers per batch) "
-            f"on http://{shown}:{port}/v1" + (" with an API key" if key else "")
+            f"serving {model_id} ({policy.describe()}, up to {args.max_batch} answers per batch"
+            f"{split}) on http://{shown}:{port}/v1" + (" with an API key" if key else "")
         )
         serve(
             build_app(served, bridge), bridge, sock, args.shutdown_timeout, not args.no_access_log

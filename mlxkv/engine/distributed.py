@@ -89,6 +89,34 @@ def on_terminate(message) -> None:
     threading.Thread(target=watch, name="mlxkv-sigterm", daemon=True).start()
 
 
+def stop_with_launcher() -> None:
+    """Stop this rank (SIGTERM to itself) when mlx.launch is gone. mlx.launch stops its ranks
+    when one fails, but when it is killed itself its ranks run on: a server's would keep its
+    port and its share of the model. Its ranks' stdin is a pipe from it (or, on another
+    host, ssh's channel) that it never closes, so its end means the launcher's."""
+    import signal
+    import stat
+    import sys
+    import threading
+
+    if "MLX_RANK" not in os.environ:  # mpirun's ranks may have no stdin at all
+        return
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError):
+        return
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return
+
+    def watch():
+        fd = sys.stdin.fileno()
+        while os.read(fd, 65536):
+            pass  # what a user types into mlx.launch is not for a server
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="mlxkv-launcher", daemon=True).start()
+
+
 def lost_peer_message(e: BaseException) -> str:
     """One line for a failure of the distributed backend (a rank died or was stopped)."""
     rank = os.environ.get("MLX_RANK", "?")

@@ -25,6 +25,7 @@ Two tiers, both bounded:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -55,6 +56,9 @@ def state_bytes(states) -> int:
     return sum(x.nbytes for _, x in tree_flatten(states) if hasattr(x, "nbytes"))
 
 
+_USES = itertools.count()
+
+
 @dataclass(eq=False)  # compared by identity: fields hold MLX arrays
 class Entry:
     policy: KVPolicy
@@ -62,7 +66,9 @@ class Entry:
     caches: list
     checkpoint: Checkpoint | None
     nbytes: int = 0
-    used: float = field(default_factory=time.monotonic)
+    # When it was last used, as a count: the ranks of a split server evict the same entry
+    # (clock readings on two hosts may tie where the order does not).
+    used: int = field(default_factory=lambda: next(_USES))
 
     def bound(self, ids: list[int]) -> int:
         """At most how many tokens of ``ids`` this entry can give."""
@@ -264,7 +270,7 @@ class PrefixCache:
         return (held or 0), caches
 
     def _hit(self, e: Entry, held: int, caches: list) -> tuple[int, list]:
-        e.used = time.monotonic()
+        e.used = next(_USES)
         self.hits += 1
         self.tokens_reused += held
         return held, caches

@@ -38,6 +38,7 @@ first); a request that can never fit is refused at step 1.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -62,6 +63,8 @@ from mlxkv.engine.samplers import processor_history, processors_for, sampler_for
 from mlxkv.errors import UserError, first_line
 from mlxkv.models.loader import LoadedModel
 from mlxkv.policy import KVPolicy
+
+IDLE_WAIT = 0.05  # seconds an idle loop waits before it looks for new requests again
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,7 @@ class RequestHandle:
         return self._done.is_set()
 
     def cancel(self) -> None:
-        self._cancel.set()
-        self._scheduler._wake.set()
+        self._scheduler._ask_cancel(self)
 
     def _emit(self, event: Event) -> None:
         sink = self.request.sink
@@ -200,6 +202,7 @@ class Scheduler:
         prefix_cache=None,  # mlxkv.engine.prefix_cache.PrefixCache: reuse across requests
         memory=None,  # mlxkv.engine.admission.MemoryBudget: admit by KV reservations
         reserve_step: int = RESERVE_STEP,  # an open-ended answer's reservation grows by it
+        lockstep=None,  # mlxkv.engine.lockstep.StepExchange: the ranks of a split model
     ):
         if max_batch < 1:
             raise UserError(f"--max-batch must be at least 1, got {max_batch}")
@@ -212,9 +215,13 @@ class Scheduler:
         self.prefix = prefix_cache
         self.memory = memory
         self.reserve_step = reserve_step
+        self.lockstep = lockstep
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: deque[_Job] = deque()
+        self._inbox: deque[RequestHandle] = deque()  # submitted, not yet seen by a step
+        self._arrived: deque[RequestHandle] = deque()  # seen by this step, to admit
+        self._cancel_asks: list[RequestHandle] = []  # lockstep: cancels the next step applies
+        self.leader_stopped = False  # a follower rank: rank 0 has stopped its loop
         self._waiting: list[_Job] = []
         self._prefilling: _Job | None = None
         self._groups: dict[object, _Group] = {}
@@ -230,6 +237,7 @@ class Scheduler:
         self.requests_finished = 0
         self.tokens_generated = self.prompt_tokens_prefilled = self.prompt_tokens_cached = 0
         self.refused_too_large = 0
+        self._taken = 0  # every token taken so far, hashed: ranks must sample alike
         self._rate: deque[tuple[float, int]] = deque()  # (time, tokens generated) samples
         self._status: dict = self._snapshot()
 
@@ -273,12 +281,26 @@ class Scheduler:
                 pass
             self._flush()
         else:
-            self._stopped.wait()
+            # Across ranks the loop may wait forever in a collective of a rank that died.
+            self._stopped.wait(None if self.lockstep is None else timeout + 5.0)
             self._thread = None
 
     @property
     def idle(self) -> bool:
-        return not (self._inbox or self._waiting or self._prefilling or self._groups)
+        busy = self._inbox or self._arrived or self._waiting or self._prefilling or self._groups
+        return not busy
+
+    def follow(self) -> None:
+        """A follower rank's loop: run rank 0's steps until rank 0 stops."""
+        import mlx.core as mx
+
+        while not self.leader_stopped:
+            if not self.step():
+                # Idle, as rank 0 is: it waits as long before its next step. MLX's ring
+                # backend spins while it waits in a collective, so the later a rank
+                # enters the next exchange, the less CPU an idle server burns.
+                time.sleep(IDLE_WAIT)
+        mx.synchronize()
 
     def shared_prefix(self, policy: KVPolicy) -> SharedPrefixes | None:
         """The prefix shared by requests under ``policy`` (None until one was shared)."""
@@ -296,6 +318,8 @@ class Scheduler:
                 if self._closing and self.idle:
                     import mlx.core as mx
 
+                    if self.lockstep is not None:
+                        self.lockstep.exchange({"stop": True}, self._digest())
                     self._flush()
                     mx.synchronize()
                     self._stopped.set()
@@ -304,7 +328,7 @@ class Scheduler:
                     # exception"); a parked daemon thread does not.
                     threading.Event().wait()
                 if not worked:
-                    self._wake.wait(0.05)
+                    self._wake.wait(IDLE_WAIT)
                     self._wake.clear()
         except BaseException as e:  # nothing may wait forever on a dead loop
             for handle in self._all_handles():
@@ -312,6 +336,7 @@ class Scheduler:
                     handle.error = e
                     handle._emit(Failed(f"the engine stopped: {e}", "internal"))
             self._inbox.clear()
+            self._arrived.clear()
             self._waiting.clear()
             self._prefilling = None
             self._groups.clear()
@@ -322,6 +347,8 @@ class Scheduler:
         """One round: admit, drop cancelled, prefill up to ``prefill_budget`` prompt
         tokens (at least one chunk; several short prompts start in the same round), one
         token per group. Returns False when there was nothing to do."""
+        if not self._take_arrivals():
+            return False
         self._admit()
         self._drop_cancelled()
         worked, spent = False, 0
@@ -346,6 +373,73 @@ class Scheduler:
         self._status = self._snapshot()
         return worked
 
+    def _ask_cancel(self, handle: RequestHandle) -> None:
+        if self.lockstep is None:
+            handle._cancel.set()
+        else:  # every rank must drop it at the same step: the next one
+            with self._lock:
+                self._cancel_asks.append(handle)
+        self._wake.set()
+
+    def _take_arrivals(self) -> bool:
+        """Move what was submitted and cancelled since the last step into this one (on
+        every rank, rank 0's: see :mod:`mlxkv.engine.lockstep`). False: a follower's rank 0
+        has stopped."""
+        with self._lock:
+            arrived, self._inbox = list(self._inbox), deque()
+            asks, self._cancel_asks = self._cancel_asks, []
+        if self.lockstep is not None:
+            arrived, asks = self._exchange(arrived, asks)
+            if self.leader_stopped:
+                return False
+        for handle in asks:
+            handle._cancel.set()
+        self._arrived.extend(arrived)
+        return True
+
+    def _exchange(self, arrived: list[RequestHandle], asks: list[RequestHandle]):
+        from mlxkv.engine.lockstep import pack_request, unpack_request
+
+        if self.lockstep.leader:
+            for h in arrived:  # a draw every rank repeats: the seed travels with the request
+                s = h.request.settings
+                if s.temperature > 0 and s.seed is None:
+                    seed = int.from_bytes(os.urandom(8), "little")
+                    h.request = replace(h.request, settings=replace(s, seed=seed))
+            news = {
+                "arrived": [pack_request(h.id, h.request) for h in arrived],
+                "cancelled": [h.id for h in asks],
+            }
+            self.lockstep.exchange(news if arrived or asks else None, self._digest())
+            return arrived, asks
+        news = self.lockstep.exchange(None, self._digest())
+        if news.get("stop"):
+            self.leader_stopped = True
+            return [], []
+        arrived = []
+        for d in news.get("arrived", ()):
+            rid, req = unpack_request(d, _drop_event)
+            arrived.append(RequestHandle(self, req, rid))
+        by_id = {h.id: h for h in self._all_handles() + arrived}
+        return arrived, [by_id[i] for i in news.get("cancelled", ()) if i in by_id]
+
+    def _digest(self) -> int:
+        """What every rank's scheduler must agree on before a step, hashed."""
+        import hashlib
+
+        job = self._prefilling
+        state = (
+            self.steps,
+            self.tokens_generated,
+            self._taken,
+            [j.handle.id for j in self._waiting],
+            None if job is None else (job.handle.id, job.done),
+            sorted((repr(g.key), [j.handle.id for j in g.rows]) for g in self._groups.values()),
+            None if self.prefix is None else (len(self.prefix.entries), self.prefix.nbytes),
+        )
+        digest = hashlib.blake2b(repr(state).encode(), digest_size=7).digest()
+        return int.from_bytes(digest, "little")  # 56 bits: an int64 on the wire
+
     def _flush(self) -> None:
         """Closing: the kept prefixes go to disk, so a restarted server finds them."""
         if self.prefix is not None:
@@ -353,7 +447,7 @@ class Scheduler:
 
     def _all_handles(self) -> list[RequestHandle]:
         with self._lock:
-            handles = list(self._inbox)
+            handles = list(self._inbox) + list(self._arrived)
         jobs = list(self._waiting)
         if self._prefilling is not None:
             jobs.append(self._prefilling)
@@ -401,7 +495,7 @@ class Scheduler:
         out = {
             "running": running,
             "prefilling": 0 if self._prefilling is None else 1,
-            "waiting": len(self._waiting) + len(self._inbox),
+            "waiting": len(self._waiting) + len(self._inbox) + len(self._arrived),
             "queue": queue,
             "groups": [
                 {"policy": g.policy.describe(), "rows": len(g.rows)} for g in self._groups.values()
@@ -536,10 +630,9 @@ class Scheduler:
         from mlxkv.memory.context import past_trained_context
 
         while True:
-            with self._lock:
-                if not self._inbox:
-                    return
-                handle = self._inbox.popleft()
+            if not self._arrived:
+                return
+            handle = self._arrived.popleft()
             req = handle.request
             policy = req.policy or self.policy
             if handle.cancelled:
@@ -947,6 +1040,7 @@ class Scheduler:
         """Record ``token`` for ``job`` and tell its caller; True when the answer ended."""
         delta, reason = job.finish.add(token)
         self.tokens_generated += 1
+        self._taken = (self._taken * 1_000_003 + token + 1) % (1 << 61)
         n = len(job.finish.tokens)
         if reason is None and job.total + n >= job.limit_tokens and not self._grow(job):
             reason = "length"  # an open-ended answer whose memory ran out ends here
@@ -1075,6 +1169,10 @@ class Scheduler:
             peak_memory=mx.get_peak_memory(),
             weights_bytes=self.loaded.weights_bytes,
         )
+
+
+def _drop_event(event: Event) -> None:
+    """A follower rank's requests: rank 0 answers the client."""
 
 
 def _split(caches: list, row: int) -> list:

@@ -1,0 +1,177 @@
+"""``mlxkv serve`` under a real ``mlx.launch``: the tiny qwen2 split by heads over 2 ranks on
+127.0.0.1, asked through the official openai client, against one process serving it whole.
+
+Every rank runs the same scheduler, rank 0's requests and cancels reaching the others at the
+start of each step (mlxkv/engine/lockstep.py); a rank that fell out of step would leave
+the others waiting in a collective, so these tests also check that the server goes on
+answering after batches, cancels and kept prefixes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.serve_helpers import Server, group_members
+from tests.test_distributed import BIN, ONE_THREAD, free_ports
+
+# The prefix cache keeps no files under mlx.launch: both servers keep prefixes in memory.
+FLAGS = ("--prefix-cache-dir", "none", "--max-tokens", "12")
+
+
+def launcher(n: int) -> list[str]:
+    return [str(BIN / "mlx.launch"), "-n", str(n), "--starting-port", str(free_ports(n)), "--"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_qwen2):
+    tmp = tmp_path_factory.mktemp("split_serve")
+    split = Server(tmp / "split", "--model", str(tiny_qwen2), *FLAGS, env=ONE_THREAD,
+                   launcher=launcher(2))  # fmt: skip
+    try:
+        whole = Server(tmp / "whole", "--model", str(tiny_qwen2), *FLAGS, env=ONE_THREAD)
+    except BaseException:
+        split.stop()
+        raise
+    yield split, whole
+    whole.stop()
+    split.stop()
+
+
+def model_id(server: Server) -> str:
+    return server.http("GET", "/v1/models").json()["data"][0]["id"]
+
+
+def ask(server: Server, text: str, seed: int, history: list | None = None):
+    messages = [*(history or []), {"role": "user", "content": text}]
+    r = server.client().chat.completions.create(
+        model=model_id(server), messages=messages, temperature=1.0, seed=seed, max_tokens=12
+    )
+    return r.choices[0].message.content, r.usage
+
+
+def test_the_split_server_answers_as_one_process(servers):
+    """Sampling at temperature 1 turns any wrong sum into other tokens. The same requests,
+    in the same order, give the same text on 2 ranks as on one; the second turn of a
+    conversation reuses the first turn's kept caches on both."""
+    split, whole = servers
+    assert "split over 2 ranks" in split.log()
+    for seed, text in [(1, "hello number 1"), (3, "hello number 3"), (4, "hello number 4")]:
+        a, ua = ask(split, text, seed)
+        b, ub = ask(whole, text, seed)
+        assert a == b and ua.completion_tokens == ub.completion_tokens == 12
+    history = [
+        {"role": "user", "content": "hello number 4"},
+        {"role": "assistant", "content": ask(whole, "hello number 4", 4)[0]},
+    ]
+    a, ua = ask(split, "and then?", 7, history)
+    b, ub = ask(whole, "and then?", 7, history)
+    assert a == b
+    assert ua.prompt_tokens_details.cached_tokens == ub.prompt_tokens_details.cached_tokens > 0
+
+
+def test_batches_and_cancels_keep_the_ranks_in_step(servers):
+    """Three streamed answers at once share a batch; one client hangs up after its first
+    piece. The other two run to their 12 tokens, and the server answers afterwards as one
+    process does."""
+    split, whole = servers
+    before = split.status()["max_rows_in_a_step"]
+    got: dict[int, list[str]] = {}
+    started = threading.Barrier(3)
+
+    def stream(seed: int) -> None:
+        started.wait()
+        s = split.client().chat.completions.create(
+            model=model_id(split),
+            messages=[{"role": "user", "content": f"stream {seed}"}],
+            temperature=1.0,
+            seed=seed,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        got[seed] = []
+        for chunk in s:
+            if chunk.usage is not None:
+                got[seed].append(f"usage {chunk.usage.completion_tokens}")
+            elif chunk.choices and chunk.choices[0].delta.content:
+                got[seed].append(chunk.choices[0].delta.content)
+                if seed == 0:
+                    s.close()  # hang up mid-answer
+                    return
+
+    threads = [threading.Thread(target=stream, args=(seed,)) for seed in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert len(got[0]) == 1
+    assert got[1][-1] == got[2][-1] == "usage 12"
+    status = split.wait_idle()
+    assert status["max_rows_in_a_step"] >= 2 or before >= 2
+    a, _ = ask(split, "hello number 3", 3)
+    assert a == ask(whole, "hello number 3", 3)[0]
+
+
+def gone(group: int, timeout: float = 60) -> bool:
+    """Whether every process of ``group`` ends within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while group_members(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not group_members(group)
+
+
+@pytest.mark.parametrize("stop", ["ctrl+c", "launcher killed"])
+def test_every_rank_stops_with_the_launcher(tmp_path, tiny_qwen2, stop):
+    """Ctrl+C reaches the launcher and every rank: rank 0 stops serving and tells the others
+    to stop. A launcher killed on its own stops nothing, but its ranks see their stdin (its
+    pipe) end and stop. Either way no rank is left holding its share or the port."""
+    server = Server(tmp_path, "--model", str(tiny_qwen2), *FLAGS, env=ONE_THREAD,
+                    launcher=launcher(2))  # fmt: skip
+    try:
+        assert ask(server, "hello", 1)[1].completion_tokens == 12
+        port = int(server.url.rsplit(":", 1)[1])
+        group = server.proc.pid  # the launcher leads the group its ranks are in
+        assert len(group_members(group)) == 3
+        if stop == "ctrl+c":
+            os.killpg(group, signal.SIGINT)  # what a terminal's Ctrl+C sends
+        else:
+            server.proc.kill()
+        server.proc.wait(120)
+        assert gone(group)
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
+            pass
+    finally:
+        server.stop()
+
+
+def launch_serve(*args: str) -> subprocess.CompletedProcess:
+    cmd = [*launcher(2), sys.executable, "-m", "mlxkv", "serve", "--port", "0", *args]
+    env = {**os.environ, **ONE_THREAD}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_what_serve_cannot_split_is_refused_in_one_line(default_model_path, tiny_qwen2):
+    """SmolLM2's 9 heads do not split 2 ways, and serve does not split by layers (its ranks
+    would hold unequal shares); a prefix-cache folder would differ on every host. mlx.launch
+    exits 0 whatever its ranks do, so the message is what tells the user."""
+    run = launch_serve("--model", str(default_model_path))
+    assert (
+        "mlxkv serve: error: tensor parallelism over 2 hosts needs attention heads divisible by 2; "
+        "the model has 9: use a host count that divides 9 (serve splits a model by heads "
+        "only)\n"
+    ) in run.stderr
+    assert "Traceback" not in run.stderr
+    run = launch_serve("--model", str(tiny_qwen2), "--prefix-cache-dir", "pc")
+    assert (
+        "mlxkv serve: error: --prefix-cache-dir works in one process: under mlx.launch each host "
+        "would keep other files; drop it\n"
+    ) in run.stderr
+    assert "Traceback" not in run.stderr

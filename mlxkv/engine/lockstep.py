@@ -59,23 +59,19 @@ def pack_request(rid: int, req) -> dict:
     }
 
 
-def unpack_request(d: dict, sink):
-    """``(id, Request)`` from :func:`pack_request`'s JSON, its events going to ``sink``."""
-    from mlxkv.engine.scheduler import Request
-
+def unpack_request(d: dict) -> tuple[int, dict]:
+    """``(id, the Request's fields)`` from :func:`pack_request`'s JSON."""
     s = dict(d["settings"])
     s["stop"] = tuple(s["stop"])
     s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
-    policy = None if d["policy"] is None else KVPolicy(**d["policy"])
-    req = Request(
-        ids=list(d["ids"]),
-        settings=GenerationSettings(**s),
-        policy=policy,
-        logprobs=d["logprobs"],
-        prompt_logprobs=d["prompt_logprobs"],
-        sink=sink,
-    )
-    return d["id"], req
+    fields = {
+        "ids": list(d["ids"]),
+        "settings": GenerationSettings(**s),
+        "policy": None if d["policy"] is None else KVPolicy(**d["policy"]),
+        "logprobs": d["logprobs"],
+        "prompt_logprobs": d["prompt_logprobs"],
+    }
+    return d["id"], fields
 
 
 class Lockstep:

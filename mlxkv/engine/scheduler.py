@@ -418,8 +418,8 @@ class Scheduler:
             return [], []
         arrived = []
         for d in news.get("arrived", ()):
-            rid, req = unpack_request(d, _drop_event)
-            arrived.append(RequestHandle(self, req, rid))
+            rid, fields = unpack_request(d)
+            arrived.append(RequestHandle(self, Request(**fields, sink=_drop_event), rid))
         by_id = {h.id: h for h in self._all_handles() + arrived}
         return arrived, [by_id[i] for i in news.get("cancelled", ()) if i in by_id]
 

@@ -119,14 +119,15 @@ class Server:
 
 
 def group_members(group: int) -> list[int]:
-    """The pids of the processes in process group ``group`` (Linux's /proc)."""
+    """The pids of the live processes in process group ``group`` (Linux's /proc; a zombie,
+    exited and not yet reaped by its parent, is not live)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            state, _, pgrp = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[2]) == group:
+        if int(pgrp) == group and state != "Z":
             pids.append(int(pid))
     return pids
 

@@ -81,10 +81,17 @@ def _lead(loaded) -> tuple[Scheduler, Recorder, list]:
     return sched, recorder, answers
 
 
-def test_a_follower_replays_rank_0s_steps_in_step(default_model):
-    leader, recorder, (greedy, sampled) = _lead(default_model)
+@pytest.fixture(scope="module")
+def led(default_model):
+    return _lead(default_model)
+
+
+def test_a_follower_replays_rank_0s_steps_in_step(default_model, led):
+    leader, recorder, (greedy, sampled) = led
     assert isinstance(greedy, Finished) and greedy.finish_reason == "cancelled"
-    assert isinstance(sampled, Finished) and sampled.stats.generation_tokens == 10
+    assert isinstance(sampled, Finished)
+    n = sampled.stats.generation_tokens  # 10, or fewer where the draw ends it sooner
+    assert 1 <= n <= 10
     sent = [json.loads(news) for news, _ in recorder.steps]
     arrived = [r for news in sent for r in news.get("arrived", ())]
     assert [len(r["ids"]) > 0 for r in arrived] == [True, True]
@@ -98,15 +105,15 @@ def test_a_follower_replays_rank_0s_steps_in_step(default_model):
     follower.follow()  # every step's digest matched rank 0's
     assert follower.leader_stopped and follower.idle
     assert follower.steps == leader.steps
-    assert follower.tokens_generated == leader.tokens_generated == 3 + 10
+    assert follower.tokens_generated == leader.tokens_generated == 3 + n
 
 
 @pytest.mark.parametrize("missing", ["cancelled", "seed"])
-def test_a_step_that_missed_news_stops_the_follower(default_model, missing):
+def test_a_step_that_missed_news_stops_the_follower(default_model, led, missing):
     """Without the cancel, the follower decodes the greedy answer on; without rank 0's seed,
     it samples other tokens. At the next step its state is not rank 0's, and it stops with
     one error instead of waiting in collectives that never meet."""
-    _, recorder, _ = _lead(default_model)
+    _, recorder, _ = led
     steps = []
     for news, digest in recorder.steps:
         d = json.loads(news)

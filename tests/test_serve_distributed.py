@@ -9,6 +9,7 @@ answering after batches, cancels and kept prefixes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 from tests.serve_helpers import Server, group_members
@@ -63,6 +65,7 @@ def test_the_split_server_answers_as_one_process(servers):
     conversation reuses the first turn's kept caches on both."""
     split, whole = servers
     assert "split over 2 ranks" in split.log()
+    assert (split.status()["ranks"], whole.status()["ranks"]) == (2, 1)
     for seed, text in [(1, "hello number 1"), (3, "hello number 3"), (4, "hello number 4")]:
         a, ua = ask(split, text, seed)
         b, ub = ask(whole, text, seed)
@@ -175,3 +178,72 @@ def test_what_serve_cannot_split_is_refused_in_one_line(default_model_path, tiny
         "would keep other files; drop it\n"
     ) in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "fault",
+    # SIGSTOP: rank 1 never joins the next collective, and rank 0's engine waits in it for
+    # good. SIGKILL: the ring backend may fail that collective (the engine's own error) or
+    # wait as for SIGSTOP; CI runs the one whose outcome is certain.
+    ["stopped", pytest.param("killed", marks=pytest.mark.slow)],
+)
+def test_a_rank_that_fails_ends_the_streams_with_an_error(tmp_path, tiny_qwen2, fault):
+    """Rank 1 fails while an answer streams. mlx.launch stops rank 0 (SIGTERM, sent here
+    for a stopped rank, which mlx.launch cannot see). An engine that never answers the cut
+    has its answers ended by the server, each with the shutting_down error event, not a
+    stream that just stops; every process exits."""
+    server = Server(tmp_path, "--model", str(tiny_qwen2), *FLAGS, "--shutdown-timeout", "1",
+                    env=ONE_THREAD, launcher=launcher(2))  # fmt: skip
+    try:
+        group = server.proc.pid
+        ranks = {_environ(p).split(b"MLX_RANK=")[1][:1]: p for p in group_members(group)
+                 if b"MLX_RANK=" in _environ(p)}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4000,
+            "temperature": 1.0,
+            "stream": True,
+        }
+        lines = []
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 3 and fault == "killed":
+                        os.kill(ranks[b"1"], signal.SIGKILL)
+                    elif len(lines) == 3:
+                        os.kill(ranks[b"1"], signal.SIGSTOP)
+                        os.kill(ranks[b"0"], signal.SIGTERM)
+        assert len(lines) > 3
+        error = json.loads(lines[-1][len("data: ") :])["error"]
+        if fault == "stopped" or error["code"] == "shutting_down":
+            assert error == {
+                "message": "the server stopped before this answer ended (its engine did not "
+                "answer the cut)",
+                "type": "server_error",
+                "param": None,
+                "code": "shutting_down",
+            }
+        else:
+            assert error["code"] == "internal"
+            assert error["message"].startswith("the engine failed: ")
+        if fault == "stopped":
+            assert _exits(ranks[b"0"], group)
+            os.kill(ranks[b"1"], signal.SIGKILL)
+        assert gone(group)
+    finally:
+        server.stop()
+
+
+def _exits(pid: int, group: int, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while pid in group_members(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pid not in group_members(group)
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return b""

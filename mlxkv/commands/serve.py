@@ -414,6 +414,7 @@ def run(args) -> int:
             ),
             facts=_facts(loaded),
             max_batch=args.max_batch,
+            ranks=1 if cluster is None else cluster.size,
             api_key=key,
             max_body=args.max_body,
         )

@@ -103,6 +103,7 @@ class Served:
     policy: KVPolicy  # the default KV policy
     limits: Limits = field(default_factory=Limits)
     max_batch: int = 16
+    ranks: int = 1  # processes the model is split over (mlx.launch); rank 0 serves
     api_key: str | None = None
     max_body: int = 8 * 2**20
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
@@ -644,6 +645,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             "model": served.id,
             "policy": served.policy.describe(),
             "max_batch": served.max_batch,
+            "ranks": served.ranks,
             "rows_in_flight": bridge.rows_in_flight,
             "draining": bridge.draining,
             **now,
@@ -795,7 +797,9 @@ def _raise_failed(ev, ask: Ask) -> None:
         raise APIError(400, ev.message, param, "invalid_schema")
     if ev.code == "kv_budget":
         raise APIError(400, ev.message, "max_tokens", "kv_budget_exceeded")
-    if ev.code in ("shutting_down", "cancelled"):
+    if ev.code == "shutting_down":  # the bridge ended a row the engine did not
+        raise APIError(503, ev.message, None, ev.code)
+    if ev.code == "cancelled":
         raise APIError(503, "the server is shutting down; no new requests are taken", None, ev.code)
     raise APIError(500, f"the engine failed: {ev.message}", None, ev.code or "internal")
 

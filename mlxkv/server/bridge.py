@@ -17,6 +17,9 @@ from mlxkv.errors import UserError
 from mlxkv.policy import KVPolicy
 from mlxkv.server.errors import APIError
 
+# Seconds the runs cut at shutdown wait for the engine's answer before the server ends them.
+ENGINE_SILENCE = 3.0
+
 
 class SchedulerAPI(Protocol):
     """What the server uses of ``mlxkv.engine.scheduler.Scheduler``."""
@@ -40,6 +43,7 @@ class Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles: list[RequestHandle] = []
         self.open = rows  # rows without their Finished or Failed yet
+        self.ended: set[int] = set()  # rows whose Finished or Failed was read
         self.shutdown = False  # cut by the server's shutdown, not by the client
 
     def sink(self, row: int):
@@ -52,9 +56,13 @@ class Run:
         return put
 
     async def next(self):
-        row, event = await self.queue.get()
+        while True:
+            row, event = await self.queue.get()
+            if row not in self.ended:  # a row the server ended itself may still hear more
+                break
         if isinstance(event, Finished | Failed):
             self.open -= 1
+            self.ended.add(row)
         return row, event
 
     def cancel(self) -> None:
@@ -144,3 +152,18 @@ class Bridge:
         for run in list(self.live):
             run.shutdown = True
             run.cancel()
+        asyncio.get_running_loop().call_later(ENGINE_SILENCE, self._end_unanswered)
+
+    def _end_unanswered(self) -> None:
+        """Rows the engine has not ended since the cut end here, each with the shutting_down
+        error: an engine that waits on a rank that died never answers a cancel, and its
+        clients would otherwise see their streams stop without a word."""
+        for run in list(self.live):
+            for row, handle in enumerate(run.handles):
+                if not handle.done and row not in run.ended:
+                    stopped = Failed(
+                        "the server stopped before this answer ended (its engine did not "
+                        "answer the cut)",
+                        "shutting_down",
+                    )
+                    run.queue.put_nowait((row, stopped))

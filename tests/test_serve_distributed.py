@@ -131,22 +131,32 @@ def gone(group: int, timeout: float = 60) -> bool:
     return not group_members(group)
 
 
-@pytest.mark.parametrize("stop", ["ctrl+c", "launcher killed"])
-def test_every_rank_stops_with_the_launcher(tmp_path, tiny_qwen2, stop):
-    """Ctrl+C reaches the launcher and every rank: rank 0 stops serving and tells the others
-    to stop. A launcher killed on its own stops nothing, but its ranks see their stdin (its
-    pipe) end and stop. Either way no rank is left holding its share or the port."""
+def test_ctrl_c_stops_every_rank(servers):
+    """The last test of the module to use the servers: it stops the split one. Ctrl+C
+    reaches the launcher and every rank; rank 0 stops serving and tells the others to stop.
+    No rank is left holding its share or the port."""
+    split, _ = servers
+    port = int(split.url.rsplit(":", 1)[1])
+    group = split.proc.pid  # the launcher leads the group its ranks are in
+    assert len(group_members(group)) == 3
+    os.killpg(group, signal.SIGINT)  # what a terminal's Ctrl+C sends
+    split.proc.wait(120)
+    assert gone(group)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
+        pass
+
+
+def test_a_killed_launcher_stops_its_ranks(tmp_path, tiny_qwen2):
+    """A launcher killed on its own stops nothing, but its ranks see their stdin (its pipe)
+    end and stop: no rank is left holding its share or the port."""
     server = Server(tmp_path, "--model", str(tiny_qwen2), *FLAGS, env=ONE_THREAD,
                     launcher=launcher(2))  # fmt: skip
     try:
         assert ask(server, "hello", 1)[1].completion_tokens == 12
         port = int(server.url.rsplit(":", 1)[1])
-        group = server.proc.pid  # the launcher leads the group its ranks are in
+        group = server.proc.pid
         assert len(group_members(group)) == 3
-        if stop == "ctrl+c":
-            os.killpg(group, signal.SIGINT)  # what a terminal's Ctrl+C sends
-        else:
-            server.proc.kill()
+        server.proc.kill()
         server.proc.wait(120)
         assert gone(group)
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):

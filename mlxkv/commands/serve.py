@@ -328,15 +328,15 @@ def _short(dtype: str) -> str:
     return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
 
 
-def _follow(args, model, policy, cluster) -> int:
-    """A rank other than 0: load its share and run rank 0's steps until rank 0 stops."""
-    import signal
-
+def _engine(args, model, policy, cluster):
+    """The loaded model (this rank's share, under mlx.launch) and its scheduler."""
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.lockstep import Lockstep
     from mlxkv.engine.scheduler import Scheduler
 
-    loaded = open_model(model, args.dtype, policy, args.force, cluster=cluster, shard="tensor")
+    loaded = open_model(
+        model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard="tensor"
+    )
     memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster)
     scheduler = Scheduler(
         loaded,
@@ -344,8 +344,16 @@ def _follow(args, model, policy, cluster) -> int:
         max_batch=args.max_batch,
         prefix_cache=prefix,
         memory=memory,
-        lockstep=Lockstep(cluster),
+        lockstep=None if cluster is None else Lockstep(cluster),
     )
+    return loaded, scheduler
+
+
+def _follow(args, model, policy, cluster) -> int:
+    """A rank other than 0: load its share and run rank 0's steps until rank 0 stops."""
+    import signal
+
+    _, scheduler = _engine(args, model, policy, cluster)
     # Ctrl+C reaches every rank: rank 0 lets the answers in flight finish, then tells the
     # others to stop. (mlx.launch stops a rank with SIGTERM when another one fails.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -357,9 +365,6 @@ def _follow(args, model, policy, cluster) -> int:
 
 def run(args) -> int:
     from mlxkv.commands.common import join_cluster
-    from mlxkv.engine.loading import open_model
-    from mlxkv.engine.lockstep import Lockstep
-    from mlxkv.engine.scheduler import Scheduler
     from mlxkv.server.app import Served, build_app
     from mlxkv.server.bridge import Bridge
     from mlxkv.server.params import Limits
@@ -385,18 +390,7 @@ def run(args) -> int:
         return _follow(args, model, policy, cluster)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
-        loaded = open_model(
-            model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard="tensor"
-        )
-        memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster)
-        scheduler = Scheduler(
-            loaded,
-            policy=policy,
-            max_batch=args.max_batch,
-            prefix_cache=prefix,
-            memory=memory,
-            lockstep=None if cluster is None else Lockstep(cluster),
-        )
+        loaded, scheduler = _engine(args, model, policy, cluster)
         scheduler.start()
         model_id, names = _names(loaded)
         vocab = loaded.config.get("vocab_size")

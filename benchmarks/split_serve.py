@@ -128,6 +128,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the registry default")
     p.add_argument("--ranks", type=int, default=3)
+    p.add_argument("--shard", default="auto", help="how the ranks split the model (serve --shard)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured")
@@ -140,9 +141,10 @@ def main() -> None:
         serve += ["--model", args.model]
     launch = [str(BIN / "mlx.launch"), "-n", str(args.ranks)]
     launch += ["--starting-port", str(free_ports(args.ranks)), "--"]
+    split = [*launch, *serve, "--shard", args.shard]
     rows = [
         run("one process", serve, work, args),
-        run(f"{args.ranks} ranks", launch + serve, work, args),
+        run(f"{args.ranks} ranks ({args.shard})", split, work, args),
     ]
     same = rows[0]["texts"] == rows[1]["texts"]
     for row in rows:

@@ -1,4 +1,4 @@
-"""``mlxkv serve`` under a real ``mlx.launch``: the tiny qwen2 split by heads over 2 ranks on
+"""``mlxkv serve`` under a real ``mlx.launch``: the tiny qwen2 split over 2 ranks on
 127.0.0.1, asked through the official openai client, against one process serving it whole.
 
 Every rank runs the same scheduler, rank 0's requests and cancels reaching the others at the
@@ -172,22 +172,52 @@ def launch_serve(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_what_serve_cannot_split_is_refused_in_one_line(default_model_path, tiny_qwen2):
-    """SmolLM2's 9 heads do not split 2 ways, and serve does not split by layers (its ranks
-    would hold unequal shares); a prefix-cache folder would differ on every host. mlx.launch
-    exits 0 whatever its ranks do, so the message is what tells the user."""
+    """SmolLM2's 9 heads do not split 2 ways and mlx-lm cannot split llama by layers; a
+    prefix-cache folder would differ on every host; a model split by layers keeps no
+    prefix cache. mlx.launch exits 0 whatever its ranks do, so the message is what tells
+    the user."""
     run = launch_serve("--model", str(default_model_path))
     assert (
-        "mlxkv serve: error: tensor parallelism over 2 hosts needs attention heads divisible by 2; "
-        "the model has 9: use a host count that divides 9 (serve splits a model by heads "
-        "only)\n"
+        "mlxkv serve: error: tensor parallelism over 2 hosts needs attention heads divisible "
+        "by 2; the model has 9: use a host count that divides 9 (mlx-lm has no pipeline split "
+        "for llama)\n"
     ) in run.stderr
-    assert "Traceback" not in run.stderr
     run = launch_serve("--model", str(tiny_qwen2), "--prefix-cache-dir", "pc")
     assert (
-        "mlxkv serve: error: --prefix-cache-dir works in one process: under mlx.launch each host "
-        "would keep other files; drop it\n"
+        "mlxkv serve: error: --prefix-cache-dir works in one process: under mlx.launch each "
+        "host would keep other files; drop it\n"
+    ) in run.stderr
+    run = launch_serve(
+        "--model", str(tiny_qwen2), "--shard", "pipeline", "--prefix-cache-bytes", "1GB"
+    )
+    assert (
+        "mlxkv serve: error: a model split by layers keeps no prefix cache (its ranks' entries "
+        "would hold unequal bytes and be evicted apart); drop --prefix-cache-bytes, or split "
+        "by heads (--shard tensor)\n"
     ) in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_model_split_by_layers_answers_as_one_process(tmp_path, servers, tiny_qwen2):
+    """--shard pipeline: the tiny qwen2's 5 layers split 3 + 2, so the ranks hold unequal
+    shares; every rank admits by the largest share's figures and none keeps prefixes. The
+    same seeded texts as one process, and rank 0's KV is its 3 layers' share."""
+    _, whole = servers
+    split = Server(tmp_path, "--model", str(tiny_qwen2), *FLAGS, "--shard", "pipeline",
+                   env=ONE_THREAD, launcher=launcher(2))  # fmt: skip
+    try:
+        assert "no prefix cache (split by layers)" in split.log()
+        for seed in (1, 3):
+            a, ua = ask(split, f"hello number {seed}", seed)
+            b, ub = ask(whole, f"hello number {seed}", seed)
+            assert a == b
+            assert ua.model_extra["mlxkv"]["kv_bytes_actual"] * 5 == (
+                ub.model_extra["mlxkv"]["kv_bytes_actual"] * 3
+            )
+        status = split.status()
+        assert status["ranks"] == 2 and "prefix_cache" not in status
+    finally:
+        split.stop()
 
 
 @pytest.mark.parametrize(

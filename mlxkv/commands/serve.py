@@ -12,6 +12,7 @@ from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
     add_model_flags,
+    add_shard_flag,
     policy_from_args,
     settings_from_args,
     status,
@@ -27,8 +28,8 @@ KEY_ENV = "MLXKV_API_KEY"
 
 def add_arguments(p) -> None:
     p.epilog = (
-        "Under mlx.launch (mlx.launch ... -- $(which mlxkv) serve ...) the model is split by "
-        "heads over the ranks: rank 0 listens and answers, the others compute in step with it "
+        "Under mlx.launch (mlx.launch ... -- $(which mlxkv) serve ...) the model is split over "
+        "the ranks (--shard): rank 0 listens and answers, the others compute in step with it "
         "(docs/distributed.md)."
     )
     p.add_argument(
@@ -106,6 +107,7 @@ def add_arguments(p) -> None:
         help="most bytes of files in --prefix-cache-dir (default 8GiB)",
     )
     add_cache_flags(p)
+    add_shard_flag(p)
     add_generation_flags(p, max_tokens=None)
 
 
@@ -169,7 +171,9 @@ def _check_memory_flags(args) -> None:
 def _memory_and_prefixes(args, loaded, policy, cluster=None):
     """The memory budget and the prefix cache (memory tier, and the disk tier's folder).
     Across ranks (``cluster``) every rank takes the same decisions: the budget is the
-    smallest host's, and the prefix cache keeps no files (each host's folder differs)."""
+    smallest host's, the shares counted are the largest rank's, and the prefix cache keeps
+    no files (each host's folder differs); split by layers, it keeps nothing (its ranks'
+    entries hold unequal bytes)."""
     from mlxkv.engine.admission import MemoryBudget
     from mlxkv.engine.prefix_cache import DiskTier, PrefixCache
     from mlxkv.engine.reuse import cache_identity
@@ -178,16 +182,27 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None):
     from mlxkv.paths import home
 
     budget = system_memory(args.memory, backend()).available
+    layout = weights = None
     if cluster is not None:
         budget = _smallest_budget(cluster, budget)
-    memory = MemoryBudget(loaded, budget, args.max_batch, 512)
+        layout, weights = _largest_share(cluster, loaded, policy)
+    memory = MemoryBudget(loaded, budget, args.max_batch, 512, layout, weights)
     if cluster is not None:
-        _check_even_shares(cluster, memory, policy)
+        _check_same_figures(cluster, memory, policy)
     _check_one_answer_fits(args, memory, policy)
     free = max(budget - memory.base(), 0)
     limit = free // 2
     if args.prefix_cache_bytes is not None:
         limit = _size("--prefix-cache-bytes", args.prefix_cache_bytes)
+    if loaded.shard == "pipeline":
+        if args.prefix_cache_bytes is not None and limit > 0:
+            raise UserError(
+                "a model split by layers keeps no prefix cache (its ranks' entries would hold "
+                "unequal bytes and be evicted apart); drop --prefix-cache-bytes, or split by "
+                "heads (--shard tensor)"
+            )
+        status(f"memory budget {budget / 2**30:.2f} GiB; no prefix cache (split by layers)")
+        return memory, None
     if limit == 0:
         return memory, None
     disk = None
@@ -214,42 +229,53 @@ def _smallest_budget(cluster, budget: int) -> int:
     return min(row[0] for row in gather_ints(cluster, [budget]))
 
 
-def _check_even_shares(cluster, memory, policy) -> None:
-    """Every rank's admission must decide as rank 0's: their weights, runtime and KV
-    reservations must be the same bytes (a split by heads gives every rank equal shares)."""
+def _largest_share(cluster, loaded, policy):
+    """The KV layout and weight bytes of the rank that holds the most: every rank admits by
+    them (ranks split by layers hold unequal shares)."""
+    from mlxkv.engine.distributed import gather_ints
+    from mlxkv.memory import layout_for
+    from mlxkv.memory.hosts import host_layout
+    from mlxkv.memory.predictor import KVPredictor
+
+    full = layout_for(loaded.config)
+    shares = [host_layout(full, cluster.size, r, loaded.shard) for r in range(cluster.size)]
+
+    def kv(layout) -> int:
+        return KVPredictor(layout, policy, 1, loaded.dtype).prefill(4096, 512).peak_allocated
+
+    weights = max(row[0] for row in gather_ints(cluster, [loaded.weights_bytes]))
+    return max(shares, key=kv), weights
+
+
+def _check_same_figures(cluster, memory, policy) -> None:
+    """Every rank's admission must decide as rank 0's: the same budget, weights, runtime
+    and KV reservations. By construction they are; a rank that differs is refused here
+    rather than found apart at its first request."""
     from mlxkv.engine.distributed import gather_ints
 
-    rows = gather_ints(cluster, [memory.base(), memory.reservation(policy, 4096)])
+    rows = gather_ints(cluster, [memory.budget, memory.base(), memory.reservation(policy, 4096)])
     other = next((r for r, row in enumerate(rows) if row != rows[0]), None)
     if other is not None:
         raise UserError(
-            f"rank {other} holds another share of the model than rank 0 (weights and runtime "
-            f"{rows[other][0]:,} against {rows[0][0]:,} bytes); serve needs a split into equal "
-            "shares: use a host count that divides the model's heads"
+            f"rank {other} counts other memory figures than rank 0 (budget, weights and "
+            f"runtime, a reservation: {rows[other]} against {rows[0]}); run the same mlxkv "
+            "on every rank"
         )
 
 
-def _check_split(model: str | None, ranks: int) -> None:
-    """Refuse, before loading, a model serve cannot split over ``ranks`` by heads: its
-    ranks must hold equal shares to take the same admission decisions (a split by layers
-    does not give them)."""
+def _split_mode(args, model: str | None, ranks: int) -> str:
+    """How serve splits the model over ``ranks`` (--shard; auto: by heads where they
+    divide), refused in one line before anything loads."""
     from mlxkv.memory.config import BadInput
-    from mlxkv.memory.hosts import check_split, split_support
+    from mlxkv.memory.hosts import choose_split
     from mlxkv.memory.source import from_path
     from mlxkv.models.resolve import resolve
 
     config = from_path(resolve(model, on_status=status).path).config
-    model_type = config.get("model_type", "this model")
-    if not split_support(config)["tensor"]:
-        raise UserError(
-            f"serve splits a model over ranks by heads (mlx-lm's shard()), which {model_type} "
-            "does not have in mlx-lm; serve it on one host (generate and batch also split by "
-            "layers: --shard pipeline)"
-        )
     try:
-        check_split(config, ranks, "tensor")
+        return choose_split(config, args.shard, ranks)
     except BadInput as e:
-        raise UserError(f"{e} (serve splits a model by heads only)") from None
+        raise UserError(str(e)) from None
 
 
 def _check_one_answer_fits(args, memory, policy) -> None:
@@ -328,14 +354,14 @@ def _short(dtype: str) -> str:
     return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
 
 
-def _engine(args, model, policy, cluster):
+def _engine(args, model, policy, cluster, shard: str = "auto"):
     """The loaded model (this rank's share, under mlx.launch) and its scheduler."""
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.lockstep import Lockstep
     from mlxkv.engine.scheduler import Scheduler
 
     loaded = open_model(
-        model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard="tensor"
+        model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard=shard
     )
     memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster)
     scheduler = Scheduler(
@@ -349,11 +375,11 @@ def _engine(args, model, policy, cluster):
     return loaded, scheduler
 
 
-def _follow(args, model, policy, cluster) -> int:
+def _follow(args, model, policy, cluster, shard: str) -> int:
     """A rank other than 0: load its share and run rank 0's steps until rank 0 stops."""
     import signal
 
-    _, scheduler = _engine(args, model, policy, cluster)
+    _, scheduler = _engine(args, model, policy, cluster, shard)
     # Ctrl+C reaches every rank: rank 0 lets the answers in flight finish, then tells the
     # others to stop. (mlx.launch stops a rank with SIGTERM when another one fails.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -376,21 +402,22 @@ def run(args) -> int:
     defaults = settings_from_args(args)
     model = args.model_arg or args.model
     cluster = join_cluster(args)
+    shard = "auto"  # one process: nothing to split
     if cluster is not None:
         if args.prefix_cache_dir not in (None, "none"):
             raise UserError(
                 "--prefix-cache-dir works in one process: under mlx.launch each host would "
                 "keep other files; drop it"
             )
-        _check_split(model, cluster.size)
+        shard = _split_mode(args, model, cluster.size)
         from mlxkv.engine.distributed import stop_with_launcher
 
         stop_with_launcher()
     if cluster is not None and not cluster.leader:
-        return _follow(args, model, policy, cluster)
+        return _follow(args, model, policy, cluster, shard)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
-        loaded, scheduler = _engine(args, model, policy, cluster)
+        loaded, scheduler = _engine(args, model, policy, cluster, shard)
         scheduler.start()
         model_id, names = _names(loaded)
         vocab = loaded.config.get("vocab_size")

@@ -32,20 +32,24 @@ class Fixed:
 
 
 class MemoryBudget:
-    def __init__(self, loaded, budget: int | None, max_batch: int, chunk: int):
+    def __init__(
+        self, loaded, budget: int | None, max_batch: int, chunk: int, layout=None, weights=None
+    ):
+        """``layout`` and ``weights``: another share than this process holds (the largest
+        rank's, where the ranks of a split model must decide alike); default its own."""
         from mlxkv.memory.dtypes import backend
         from mlxkv.memory.runtime import estimate
 
         self.loaded = loaded
-        self.layout = loaded.kv_layout
+        self.layout = layout or loaded.kv_layout
         self.dtype = loaded.dtype
         self.budget = budget
         self.chunk = chunk
         context = loaded.context_length or 8192
-        weights = loaded.weights_bytes
+        weights = loaded.weights_bytes if weights is None else weights
         rt = estimate(self.layout, context, 1, chunk, self.dtype, weights, 0, backend())
         logits = max_batch * self.layout.facts.vocab_size * 4 * 2
-        self.fixed = Fixed(loaded.weights_bytes, rt.activation_bytes + logits + rt.overhead_bytes)
+        self.fixed = Fixed(weights, rt.activation_bytes + logits + rt.overhead_bytes)
         self._memo: dict[tuple[KVPolicy, int, int], int] = {}
 
     def reservation(self, policy: KVPolicy, tokens: int, rows: int = 1) -> int:

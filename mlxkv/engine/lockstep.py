@@ -1,4 +1,4 @@
-"""One scheduler over the ranks of ``mlx.launch``: a server whose model is split by heads.
+"""One scheduler over the ranks of ``mlx.launch``: a server whose model is split over them.
 
 Every rank runs the same :class:`~mlxkv.engine.scheduler.Scheduler`. Rank 0 takes the
 requests (its HTTP server submits them) and, at the start of every step, sends the others

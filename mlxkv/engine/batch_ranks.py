@@ -19,17 +19,15 @@ from itertools import islice
 
 from mlxkv.engine.batch import BatchRunner, Request, Result
 from mlxkv.engine.distributed import Cluster, recv_obj, send_obj
-from mlxkv.engine.session import GenerationSettings
+from mlxkv.engine.request import settings_from_json, settings_to_json
 
 
 def _pack(req: Request) -> dict:
-    return {"key": req.key, "prompt": req.prompt, "settings": asdict(req.settings)}
+    return {"key": req.key, "prompt": req.prompt, "settings": settings_to_json(req.settings)}
 
 
 def _unpack(d: dict) -> Request:
-    s = dict(d["settings"])
-    s["stop"] = tuple(s.get("stop") or ())
-    return Request(d["key"], d["prompt"], GenerationSettings(**s))
+    return Request(d["key"], d["prompt"], settings_from_json(d["settings"]))
 
 
 class DataParallel:

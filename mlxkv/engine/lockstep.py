@@ -15,10 +15,9 @@ they stop instead, every rank at the same step, with one error.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from typing import Protocol
 
-from mlxkv.engine.request import GenerationSettings
+from mlxkv.engine.request import settings_from_json, settings_to_json
 from mlxkv.policy import KVPolicy
 
 
@@ -52,7 +51,7 @@ def pack_request(rid: int, req) -> dict:
     return {
         "id": rid,
         "ids": list(req.ids),
-        "settings": asdict(req.settings),
+        "settings": settings_to_json(req.settings),
         "policy": None if req.policy is None else req.policy.to_dict(),
         "logprobs": req.logprobs,
         "prompt_logprobs": req.prompt_logprobs,
@@ -61,12 +60,9 @@ def pack_request(rid: int, req) -> dict:
 
 def unpack_request(d: dict) -> tuple[int, dict]:
     """``(id, the Request's fields)`` from :func:`pack_request`'s JSON."""
-    s = dict(d["settings"])
-    s["stop"] = tuple(s["stop"])
-    s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
     fields = {
         "ids": list(d["ids"]),
-        "settings": GenerationSettings(**s),
+        "settings": settings_from_json(d["settings"]),
         "policy": None if d["policy"] is None else KVPolicy(**d["policy"]),
         "logprobs": d["logprobs"],
         "prompt_logprobs": d["prompt_logprobs"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from mlxkv.errors import UserError, one_line
 
@@ -52,6 +52,19 @@ class GenerationSettings:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.prefill_step < 1:
             raise UserError(f"--prefill-step must be at least 1, got {self.prefill_step}")
+
+
+def settings_to_json(s: GenerationSettings) -> dict:
+    """``s`` as JSON, for another rank of ``mlx.launch``."""
+    return asdict(s)
+
+
+def settings_from_json(d: dict) -> GenerationSettings:
+    """:func:`settings_to_json`'s JSON back as settings (its tuples came back as lists)."""
+    s = dict(d)
+    s["stop"] = tuple(s.get("stop") or ())
+    s["logit_bias"] = tuple((int(t), float(b)) for t, b in s.get("logit_bias") or ())
+    return GenerationSettings(**s)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -33,6 +33,9 @@ class Recorder:
         self.steps.append((json.dumps(news or {}), digest))
         return news or {}
 
+    def largest(self, nbytes: int) -> int:
+        return nbytes  # one process: the only share is the whole model
+
 
 class Replayer:
     """A follower's side: each step, rank 0's recorded news and digest."""
@@ -48,6 +51,9 @@ class Replayer:
         sent, leader_digest = self.steps.pop(0)
         check_in_step([leader_digest, digest])
         return json.loads(sent)
+
+    def largest(self, nbytes: int) -> int:
+        return nbytes  # one process: the only share is the whole model
 
 
 def _ids(loaded, text: str) -> list[int]:

@@ -187,26 +187,38 @@ def test_what_serve_cannot_split_is_refused_in_one_line(default_model_path, tiny
         "mlxkv serve: error: --prefix-cache-dir works in one process: under mlx.launch each "
         "host would keep other files; drop it\n"
     ) in run.stderr
-    run = launch_serve(
-        "--model", str(tiny_qwen2), "--shard", "pipeline", "--prefix-cache-bytes", "1GB"
-    )
-    assert (
-        "mlxkv serve: error: a model split by layers keeps no prefix cache (its ranks' entries "
-        "would hold unequal bytes and be evicted apart); drop --prefix-cache-bytes, or split "
-        "by heads (--shard tensor)\n"
-    ) in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def ask_kv(server: Server, messages: list, seed: int, kv: dict | None) -> tuple[str, int]:
+    """(text, prompt tokens from the prefix cache) of a sampled answer under ``kv``."""
+    body = {"messages": messages, "temperature": 1.0, "seed": seed, "max_tokens": 12}
+    r = server.http("POST", "/v1/chat/completions", json=body | ({"kv": kv} if kv else {}))
+    assert r.status_code == 200, r.text
+    j = r.json()
+    return j["choices"][0]["message"]["content"], j["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
+
+
+# Room for one finished answer's caches as rank 0 holds them (3 layers x 2 KV heads x 32
+# dims x K and V x 4 bytes x a 256-token buffer = 393,216 bytes), not two: kept prefixes are
+# evicted as the conversations go on.
+ONE_ENTRY = "600000"
 
 
 def test_a_model_split_by_layers_answers_as_one_process(tmp_path, servers, tiny_qwen2):
     """--shard pipeline: the tiny qwen2's 5 layers split 3 + 2, so the ranks hold unequal
-    shares; every rank admits by the largest share's figures and none keeps prefixes. The
-    same seeded texts as one process, and rank 0's KV is its 3 layers' share."""
+    shares (rank 1's kept caches are 2/3 of rank 0's); every rank admits and evicts by the
+    largest share's figures. The same seeded texts as one process, rank 0's KV is its 3
+    layers' share, and a conversation's next turn (full, and a sink + window cache that goes
+    back to its turn-boundary copy) starts from its kept prefix while evictions go on."""
     _, whole = servers
     split = Server(tmp_path, "--model", str(tiny_qwen2), *FLAGS, "--shard", "pipeline",
-                   env=ONE_THREAD, launcher=launcher(2))  # fmt: skip
+                   "--prefix-cache-bytes", ONE_ENTRY, env=ONE_THREAD,
+                   launcher=launcher(2))  # fmt: skip
     try:
-        assert "no prefix cache (split by layers)" in split.log()
+        assert "prefix cache 0.00 GiB in memory" in split.log()
         for seed in (1, 3):
             a, ua = ask(split, f"hello number {seed}", seed)
             b, ub = ask(whole, f"hello number {seed}", seed)
@@ -214,8 +226,20 @@ def test_a_model_split_by_layers_answers_as_one_process(tmp_path, servers, tiny_
             assert ua.model_extra["mlxkv"]["kv_bytes_actual"] * 5 == (
                 ub.model_extra["mlxkv"]["kv_bytes_actual"] * 3
             )
+        for kv in (None, {"window": 8, "sinks": 4}):
+            turns, cached = [{"role": "user", "content": "tell me of the sea"}], []
+            for seed in (5, 6, 7):
+                a, held = ask_kv(split, turns, seed, kv)
+                assert a == ask_kv(whole, turns, seed, kv)[0]
+                cached.append(held)
+                turns += [{"role": "assistant", "content": a}, {"role": "user", "content": "go on"}]
+            # the first turn shares at most the system prompt with earlier requests
+            assert cached[0] < cached[1] < cached[2], (kv, cached)
         status = split.status()
-        assert status["ranks"] == 2 and "prefix_cache" not in status
+        assert status["ranks"] == 2
+        assert status["prefix_cache"]["entries"] >= 1
+        assert status["prefix_cache"]["bytes"] <= 600000
+        assert "Traceback" not in split.log()
     finally:
         split.stop()
 

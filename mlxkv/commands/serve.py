@@ -168,12 +168,12 @@ def _check_memory_flags(args) -> None:
         raise UserError(f"--prefix-cache-dir {d} is not a folder; name a folder or 'none'")
 
 
-def _memory_and_prefixes(args, loaded, policy, cluster=None):
+def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
     """The memory budget and the prefix cache (memory tier, and the disk tier's folder).
     Across ranks (``cluster``) every rank takes the same decisions: the budget is the
-    smallest host's, the shares counted are the largest rank's, and the prefix cache keeps
-    no files (each host's folder differs); split by layers, it keeps nothing (its ranks'
-    entries hold unequal bytes)."""
+    smallest host's, the shares counted are the largest rank's (kept prefixes too: the
+    ``lockstep``'s largest), and the prefix cache keeps no files (each host's folder
+    differs)."""
     from mlxkv.engine.admission import MemoryBudget
     from mlxkv.engine.prefix_cache import DiskTier, PrefixCache
     from mlxkv.engine.reuse import cache_identity
@@ -194,15 +194,6 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None):
     limit = free // 2
     if args.prefix_cache_bytes is not None:
         limit = _size("--prefix-cache-bytes", args.prefix_cache_bytes)
-    if loaded.shard == "pipeline":
-        if args.prefix_cache_bytes is not None and limit > 0:
-            raise UserError(
-                "a model split by layers keeps no prefix cache (its ranks' entries would hold "
-                "unequal bytes and be evicted apart); drop --prefix-cache-bytes, or split by "
-                "heads (--shard tensor)"
-            )
-        status(f"memory budget {budget / 2**30:.2f} GiB; no prefix cache (split by layers)")
-        return memory, None
     if limit == 0:
         return memory, None
     disk = None
@@ -220,7 +211,8 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None):
         f"memory budget {budget / 2**30:.2f} GiB; prefix cache {limit / 2**30:.2f} GiB in memory"
         + (f", files in {disk.folder} ({len(disk.files)} kept)" if disk else "")
     )
-    return memory, PrefixCache(limit, loaded.model, disk, status)
+    count = None if lockstep is None else lockstep.largest
+    return memory, PrefixCache(limit, loaded.model, disk, status, count)
 
 
 def _smallest_budget(cluster, budget: int) -> int:
@@ -363,14 +355,15 @@ def _engine(args, model, policy, cluster, shard: str = "auto"):
     loaded = open_model(
         model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard=shard
     )
-    memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster)
+    lockstep = None if cluster is None else Lockstep(cluster)
+    memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster, lockstep)
     scheduler = Scheduler(
         loaded,
         policy=policy,
         max_batch=args.max_batch,
         prefix_cache=prefix,
         memory=memory,
-        lockstep=None if cluster is None else Lockstep(cluster),
+        lockstep=lockstep,
     )
     return loaded, scheduler
 

@@ -31,6 +31,11 @@ class StepExchange(Protocol):
         :class:`RanksApart` when the ranks' ``digest``s differ."""
         ...
 
+    def largest(self, nbytes: int) -> int:
+        """The largest of the ranks' ``nbytes`` (what a rank holds of a request's caches:
+        ranks split by layers hold unequal shares, and all count the largest)."""
+        ...
+
 
 class RanksApart(RuntimeError):
     """The ranks' schedulers no longer hold the same state."""
@@ -97,3 +102,8 @@ class Lockstep:
         got = mx.distributed.all_sum(buf, group=self.cluster.group, stream=mx.cpu)
         mx.eval(got)  # rank 0 too: a collective runs only where it is evaluated
         return news if self.leader else json.loads(bytes(memoryview(got)))
+
+    def largest(self, nbytes: int) -> int:
+        from mlxkv.engine.distributed import gather_ints
+
+        return max(row[0] for row in gather_ints(self.cluster, [nbytes]))

@@ -50,12 +50,6 @@ MIN_REUSE = 16
 EARLIER_TURNS = 3  # entries a conversation keeps of its turns before the newest (see put)
 
 
-def state_bytes(states) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(x.nbytes for _, x in tree_flatten(states) if hasattr(x, "nbytes"))
-
-
 _USES = itertools.count()
 
 
@@ -223,8 +217,12 @@ class PrefixCache:
         model=None,
         disk: DiskTier | None = None,
         log: Callable[[str], None] = lambda _m: None,
+        count: Callable[[int], int] | None = None,
     ):
         self.limit = limit
+        # An entry's bytes as every rank counts them: the ranks of a split model hold
+        # unequal shares and count the largest, so that they evict the same entries.
+        self.count = count or (lambda nbytes: nbytes)
         self.model = model
         self.disk = disk
         self.log = log
@@ -308,9 +306,9 @@ class PrefixCache:
         for c in e.caches:
             if hasattr(c, "drop_scratch"):
                 c.drop_scratch()
-        e.nbytes = sum(c.nbytes for c in e.caches)
+        e.nbytes = self.count(sum(c.nbytes for c in e.caches))
         if e.checkpoint is not None:
-            e.nbytes += state_bytes(e.checkpoint.states)
+            e.nbytes += e.checkpoint.nbytes
         same = [o for o in self.entries if o.policy == e.policy and o.tokens == e.tokens]
         self.entries = [o for o in self.entries if not any(o is x for x in same)]
         self.entries.append(e)
@@ -325,7 +323,7 @@ class PrefixCache:
             copies = [e for e in self.entries if e.checkpoint is not None]
             if copies:
                 e = min(copies, key=lambda x: x.used)
-                size = state_bytes(e.checkpoint.states)
+                size = e.checkpoint.nbytes
                 e.checkpoint = None
                 e.nbytes -= size
                 freed += size

@@ -22,10 +22,23 @@ from dataclasses import dataclass
 from mlxkv.engine.request import common_prefix
 
 
+def state_bytes(states) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(x.nbytes for _, x in tree_flatten(states) if hasattr(x, "nbytes"))
+
+
 @dataclass(eq=False)  # compared by identity: states hold MLX arrays
 class Checkpoint:
     tokens: list[int]  # what the caches held when the copy was taken
     states: list  # each layer's state (``mlxkv.caches.snapshot``)
+    # The bytes admission counts for it. Across the ranks of a split model every rank
+    # counts the largest rank's, so that they all decide alike; None: its own.
+    counted: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return state_bytes(self.states) if self.counted is None else self.counted
 
 
 def keep_prefix(caches: list, tokens: list[int], checkpoint: Checkpoint | None, ids) -> int | None:

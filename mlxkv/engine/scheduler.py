@@ -584,12 +584,10 @@ class Scheduler:
     def _held_copies(self) -> int:
         """Bytes of the turn-boundary copies running requests hold outside the prefix cache
         (a copy is a cache's worth once its request writes past it)."""
-        from mlxkv.engine.prefix_cache import state_bytes
-
         kept = {id(e.checkpoint) for e in self.prefix.entries} if self.prefix else set()
         jobs = [j for g in self._groups.values() for j in g.rows] + [self._prefilling]
         return sum(
-            state_bytes(j.checkpoint.states)
+            j.checkpoint.nbytes
             for j in jobs
             if j is not None and j.checkpoint is not None and id(j.checkpoint) not in kept
         )
@@ -813,23 +811,32 @@ class Scheduler:
         boundary a bounded cache goes back to), and offer it to requests that start while
         this one decodes."""
         from mlxkv.caches import always_exact, copy_caches, snapshot
+        from mlxkv.engine.reuse import state_bytes
 
         tokens = job.ids[:-1]
+        need = self._counted(sum(c.nbytes for c in job.caches))
         if not all(always_exact(c) for c in job.caches):
-            if not self._room_for_a_copy(job):
+            if not self._room_for_a_copy(need):
                 return  # no room for its copy: its next turn prefills what it cannot trim
-            job.checkpoint = Checkpoint(list(tokens), snapshot(job.caches))
-        if job.cached < len(tokens) and self._room_for_a_copy(job):
+            states = snapshot(job.caches)
+            job.checkpoint = Checkpoint(list(tokens), states, self._counted(state_bytes(states)))
+        if job.cached < len(tokens) and self._room_for_a_copy(need):
             self.prefix.put(job.policy, tokens, copy_caches(job.caches), job.checkpoint)
 
-    def _room_for_a_copy(self, job: _Job) -> bool:
-        """Whether a copy of ``job``'s caches may be kept beside it: the copy shares their
-        buffers until the next write, then costs their bytes again, on top of the
-        reservations (a finished request's caches, kept at its end, come out of its own)."""
+    def _counted(self, nbytes: int) -> int:
+        """Bytes this rank holds, as admission counts them: across the ranks of a split
+        model, the largest rank's (their shares differ when split by layers), so that every
+        rank takes the same decisions."""
+        return nbytes if self.lockstep is None else self.lockstep.largest(nbytes)
+
+    def _room_for_a_copy(self, need: int) -> bool:
+        """Whether a copy of a request's caches (``need`` bytes) may be kept beside it: the
+        copy shares their buffers until the next write, then costs their bytes again, on
+        top of the reservations (a finished request's caches, kept at its end, come out of
+        its own)."""
         m = self.memory
         if m is None or m.budget is None:
             return True
-        need = sum(c.nbytes for c in job.caches)
         free = m.budget - m.base() - self._reserved() - self.prefix.nbytes
         if need > free:
             free += self.prefix.make_room(need - free)

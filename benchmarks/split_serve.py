@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,21 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from mlxkv.bench.serve import free_ports
+
 BIN = Path(sys.executable).parent
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_ports(n: int) -> int:
-    for _ in range(100):
-        base = random.randrange(20000, 32000 - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
 
 
 def start(cmd: list[str], log: Path) -> tuple[subprocess.Popen, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxkv.bench.serve import free_ports
 from tests.batch_files import read_records
 from tests.conftest import run_cli
 
@@ -28,24 +28,7 @@ ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
 TIMEOUT = 900  # a shared 2-core machine makes every collective slow; never hang forever
 
 
-# Ring ports come from here: below Linux's ephemeral range (32768-60999), so no outgoing
-# connection is handed one of them between the check and the ranks' bind.
-PORTS = range(20000, 32000)
 CONFIGS = Path(__file__).parent / "data" / "configs" / "published"
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive loopback ports that nothing listens on now."""
-    for _ in range(100):
-        base = random.randrange(PORTS.start, PORTS.stop - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} free consecutive ports in {PORTS}")
 
 
 def launch_cmd(n: int, *args: str) -> list[str]:

@@ -21,8 +21,9 @@ import time
 import httpx
 import pytest
 
+from mlxkv.bench.serve import free_ports
 from tests.serve_helpers import Server, group_members
-from tests.test_distributed import BIN, ONE_THREAD, free_ports
+from tests.test_distributed import BIN, ONE_THREAD
 
 # The prefix cache keeps no files under mlx.launch: both servers keep prefixes in memory.
 FLAGS = ("--prefix-cache-dir", "none", "--max-tokens", "12")

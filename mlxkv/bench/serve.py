@@ -12,6 +12,7 @@ process's peak resident memory during the turn (Linux: VmHWM, reset before each 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import statistics
@@ -62,6 +63,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# mlx.launch's ring ports (--starting-port, one per rank) come from here: below Linux's
+# ephemeral range (32768-60999), so no outgoing connection is handed one of them between
+# the check and the ranks' bind.
+RING_PORTS = range(20000, 32000)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that nothing listens on now."""
+    for _ in range(100):
+        base = random.randrange(RING_PORTS.start, RING_PORTS.stop - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports in {RING_PORTS}")
 
 
 class ServerProcess:

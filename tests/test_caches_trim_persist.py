@@ -137,6 +137,33 @@ def test_save_load_round_trip(model, policy, tmp_path):
     assert mx.array_equal(a, b)
 
 
+def test_a_full_cache_file_keeps_its_tokens_not_its_whole_step(model, tmp_path):
+    """A full cache holds 256-slot steps; its file stores the 50 slots of its 50 tokens (a
+    short conversation's file was 5x larger than its tokens), and it reads back into the
+    whole step: the same bytes in memory, the same logits after it."""
+    import json
+    import struct
+
+    meta = dict(META, policy=KVPolicy().to_dict())
+    caches = make_caches(model, KVPolicy())
+    feed(model, A[:50], caches, [40, 10])
+    assert caches[0].keys.shape[2] == 256
+    path = tmp_path / "c.safetensors"
+    save_caches(path, caches, meta)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    stored = {k: t["shape"] for k, t in header.items() if k != "__metadata__"}
+    buffers = [shape for shape in stored.values() if len(shape) == 4]
+    assert len(buffers) == 2 * len(caches) and all(shape[2] == 50 for shape in buffers)
+    loaded = load_caches(path, meta)
+    assert [c.keys.shape[2] for c in loaded] == [256] * len(caches)
+    assert sum(c.nbytes for c in loaded) == sum(c.nbytes for c in caches)
+    a = feed(model, B[:12], caches, [5, 1, 1, 5])
+    b = feed(model, B[:12], loaded, [5, 1, 1, 5])
+    assert mx.array_equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["lfm2", "llama_sliding"])
 def test_save_load_models_own_caches(name, tmp_path):
     model = build(name)

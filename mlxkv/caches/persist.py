@@ -4,7 +4,8 @@ Every cache's ``state`` carries its arrays and scalars (mlx-lm 0.32.2's format),
 written here loads with plain mlx-lm too once ``mlxkv.caches`` is imported (which makes
 mlx-lm's loader find mlxkv's class names). The file's string metadata adds ``mlxkv_cache``
 (format version) and ``metadata`` (the caller's dict as JSON: model identity, policy,
-dtype, token ids, ...).
+dtype, token ids, ...). A full cache keeps only the slots of its tokens in the file and
+gets its whole 256-slot step back when read.
 
 A cache file is input like any other: anyone may have edited it, and MLX trusts what it
 reads (an offset past a buffer's end writes out of bounds). :func:`load_caches` therefore
@@ -19,6 +20,7 @@ counters that agree with each other and with the buffers that hold them. Writes 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -28,6 +30,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from mlxkv.caches import storage as st
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
@@ -60,11 +63,33 @@ def register_with_mlx_lm() -> None:
         setattr(mlx_cache, cls.__name__, cls)
 
 
+def _stored(c):
+    """What a file keeps of a full cache: the slots of its tokens, not the rest of its
+    256-slot step (a 39-token conversation of the default model: 1.8 MB, not 11.8 MB)."""
+    if type(c) is not FullKVCache or c.keys is None or c.keys.shape[2] == c.offset:
+        return c
+    d = copy.copy(c)
+    d.state = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
+    return d
+
+
+def _restored(c):
+    """A full cache read from a file gets its whole 256-slot step back: what the memory
+    model counts, and where its next tokens go, as in the cache that was saved."""
+    if type(c) is FullKVCache and c.keys is not None:
+        extra = st.round_up(c.offset) - c.keys.shape[2]
+        if extra > 0:
+            c.keys = st.grow(c.keys, st.FloatStore().zeros(c.keys, extra))
+            c.values = st.grow(c.values, st.FloatStore().zeros(c.values, extra))
+    return c
+
+
 def save_caches(path, caches: list, metadata: dict) -> None:
     """Write ``caches`` and ``metadata`` (JSON-able dict) to ``path`` (.safetensors),
     atomically (:func:`mlxkv.files.atomic_file`)."""
     register_with_mlx_lm()
     path = Path(path)
+    caches = [_stored(c) for c in caches]
     for c in caches:
         if type(c).__name__ not in {k.__name__ for k in MLXKV_CLASSES} and not hasattr(
             mlx_cache, type(c).__name__
@@ -419,7 +444,7 @@ def load_checked(path, expect_metadata: dict, reference: list | None = None):
             except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
                 raise _bad(path, f"layer {i}: {e}") from None
         try:
-            caches.append(getattr(mlx_cache, name).from_state(state))
+            caches.append(_restored(getattr(mlx_cache, name).from_state(state)))
         except Exception as e:
             raise _bad(path, f"layer {i}: {type(e).__name__}") from None
     return caches, caller, seen

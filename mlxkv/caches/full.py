@@ -22,14 +22,20 @@ class FullKVCache(KVCache):
         if self.keys is None:
             self.keys = mx.zeros((*keys.shape[:2], cap, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((*values.shape[:2], cap, values.shape[3]), values.dtype)
-        elif self.keys.shape[2] < cap:
-            extra = cap - self.keys.shape[2]
-            self.keys = st.grow(self.keys, st.FloatStore().zeros(keys, extra))
-            self.values = st.grow(self.values, st.FloatStore().zeros(values, extra))
+        elif self.keys.shape[2] < cap:  # checked here: this runs per token and layer
+            self.grow_to(cap)
         self.keys[..., prev:new, :] = keys
         self.values[..., prev:new, :] = values
         self.offset = new
         return self.keys_and_values()
+
+    def grow_to(self, cap: int) -> None:
+        """At least ``cap`` slots (zeros past the old end): the next step's, or the whole
+        step back for a cache read from a file that kept only its tokens' slots."""
+        extra = cap - self.keys.shape[2]
+        if extra > 0:
+            self.keys = st.grow(self.keys, st.FloatStore().zeros(self.keys, extra))
+            self.values = st.grow(self.values, st.FloatStore().zeros(self.values, extra))
 
     @property
     def tokens_seen(self) -> int:

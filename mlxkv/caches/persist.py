@@ -77,10 +77,7 @@ def _restored(c):
     """A full cache read from a file gets its whole 256-slot step back: what the memory
     model counts, and where its next tokens go, as in the cache that was saved."""
     if type(c) is FullKVCache and c.keys is not None:
-        extra = st.round_up(c.offset) - c.keys.shape[2]
-        if extra > 0:
-            c.keys = st.grow(c.keys, st.FloatStore().zeros(c.keys, extra))
-            c.values = st.grow(c.values, st.FloatStore().zeros(c.values, extra))
+        c.grow_to(st.round_up(c.offset))
     return c
 
 

@@ -137,6 +137,25 @@ CASES = {
         dict(arrays=_set("0.window", 4096)),
         "layer 0: window is 4096, this policy has 64",
     ),
+    "packed values of two lengths": (
+        "window",
+        dict(arrays=lambda a: a.__setitem__("0.values.1", a["0.values.1"][:, :, :-1])),
+        "layer 0: the parts of a packed buffer disagree",
+    ),
+    "values fewer than the ring": (
+        "window",
+        dict(
+            arrays=lambda a: [
+                a.__setitem__(f"0.values.{i}", a[f"0.values.{i}"][:, :, :-1]) for i in range(3)
+            ]
+        ),  # fmt: skip
+        "layer 0: its values are fewer than its counters say",
+    ),
+    "residual of more rows than a group": (
+        "window",
+        dict(arrays=lambda a: a.__setitem__("0.residual", mx.zeros((1, 3, 65, 64)))),
+        "layer 0: its residual group has the wrong size",
+    ),
     "checkpoint of another length": (
         "window",
         dict(caller=lambda c: c.__setitem__("checkpoint_tokens", c["checkpoint_tokens"][:-1])),

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
 from mlxkv.caches import CacheError, load_caches, make_caches, save_caches, trim_caches
+from mlxkv.caches import storage as st
 from mlxkv.memory import policy_bytes as pb
 from mlxkv.policy import KVPolicy
 from tests._caches_ref import feed, gpu_rule
@@ -137,28 +138,47 @@ def test_save_load_round_trip(model, policy, tmp_path):
     assert mx.array_equal(a, b)
 
 
-def test_a_full_cache_file_keeps_its_tokens_not_its_whole_step(model, tmp_path):
-    """A full cache holds 256-slot steps; its file stores the 50 slots of its 50 tokens (a
-    short conversation's file was 5x larger than its tokens), and it reads back into the
-    whole step: the same bytes in memory, the same logits after it."""
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_file_keeps_the_slots_of_the_tokens_not_the_whole_step(model, policy, tmp_path):
+    """Before its first eviction a cache holds its tokens from slot 0 of a 256-slot step
+    (or of its window): its file keeps those tokens' slots, KIVI keys the residual rows in
+    use and the ring's groups up to the one being filled (a short conversation's file was
+    up to 6x larger than its tokens). It reads back into the whole step: the same bytes in
+    memory, the same logits after it."""
     import json
     import struct
 
-    meta = dict(META, policy=KVPolicy().to_dict())
-    caches = make_caches(model, KVPolicy())
-    feed(model, A[:50], caches, [40, 10])
-    assert caches[0].keys.shape[2] == 256
+    n, S, G = (13 if policy.window else 50), policy.sinks, policy.group_size
+    meta = dict(META, policy=policy.to_dict())
+    caches = make_caches(model, policy)
+    feed(model, A[:n], caches, [n - 3, 1, 1, 1])
+    assert caches[0].evicted == 0
     path = tmp_path / "c.safetensors"
     save_caches(path, caches, meta)
     data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    stored = {k: t["shape"] for k, t in header.items() if k != "__metadata__"}
-    buffers = [shape for shape in stored.values() if len(shape) == 4]
-    assert len(buffers) == 2 * len(caches) and all(shape[2] == 50 for shape in buffers)
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    slots = {}  # token slots of each kind of buffer, over all layers
+    for name, t in header.items():
+        part = name.split(".")[1:2]
+        if part and len(t["shape"]) == 4 and part[0] != "key_offset":
+            if part[0] == "ring":  # K^T: packed words, or one scale / bias per group
+                per = 32 // policy.key_bits if name.endswith("ring.0") else G
+                slots.setdefault("ring", set()).add(t["shape"][3] * per)
+            else:
+                slots.setdefault(part[0], set()).add(t["shape"][2])
+    if policy.key_bits and policy.key_scheme == "kivi":
+        assert slots == {
+            "values": {n},
+            "residual": {(n - S) % G},
+            "ring": {st.round_up(n - S, G)},
+            **({"sink_keys": {S}} if S else {}),
+        }
+    else:
+        buffers = {"0", "1"} if policy.window is None and not policy.bits else {"keys", "values"}
+        assert slots == {**dict.fromkeys(buffers, {n}), **({"sink_keys": {S}} if S else {})}
     loaded = load_caches(path, meta)
-    assert [c.keys.shape[2] for c in loaded] == [256] * len(caches)
-    assert sum(c.nbytes for c in loaded) == sum(c.nbytes for c in caches)
+    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
     a = feed(model, B[:12], caches, [5, 1, 1, 5])
     b = feed(model, B[:12], loaded, [5, 1, 1, 5])
     assert mx.array_equal(a, b)

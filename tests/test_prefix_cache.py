@@ -129,9 +129,13 @@ def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(defau
     meta = dict(identity, model_id="0" * 64, policy=policy.to_dict())
     save_held(other, entry.caches, entry.tokens, entry.checkpoint, meta)
     planted = {p.name: p.read_bytes() for p in (junk, other)}
+    spilled = tmp_path / "spilled.tmp"  # the file of an entry as it spills: without its copy
+    save_held(spilled, entry.caches, entry.tokens, None, meta)
+    file = spilled.stat().st_size
+    spilled.unlink()
 
     one = sum(c.nbytes for c in entry.caches)  # an entry without its turn-boundary copy
-    disk = DiskTier(tmp_path, 2 * one + one // 2, identity, log.append)
+    disk = DiskTier(tmp_path, 2 * file + file // 2, identity, log.append)
     assert disk.files == {}
     assert any("skipped junk.safetensors" in line for line in log)
     assert any("skipped other.safetensors: made for another model" in line for line in log)

@@ -37,6 +37,19 @@ class FullKVCache(KVCache):
             self.keys = st.grow(self.keys, st.FloatStore().zeros(self.keys, extra))
             self.values = st.grow(self.values, st.FloatStore().zeros(self.values, extra))
 
+    def stored_state(self):
+        """What a file keeps: the slots of the tokens, not the rest of the 256-slot step."""
+        if self.keys is None or self.keys.shape[2] == self.offset:
+            return self.state
+        n = self.offset
+        return self.keys[..., :n, :], self.values[..., :n, :], n
+
+    def regrow(self) -> None:
+        """After a file's state: the whole step back, what the memory model counts and where
+        the next tokens go."""
+        if self.keys is not None:
+            self.grow_to(st.round_up(self.offset))
+
     @property
     def tokens_seen(self) -> int:
         return self.offset

@@ -44,7 +44,7 @@ from mlxkv.caches.attention import fused_mask, grouped_queries, weighted_values
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.kivi_keys import KiviKeyStore
 from mlxkv.caches.rotation import ShiftsAhead
-from mlxkv.caches.rows import evicted_after, rebase_shifts, sinks_at
+from mlxkv.caches.rows import evicted_after, pad_tokens, rebase_shifts, sinks_at
 from mlxkv.caches.streaming import (
     SinkWindowCounters,
     _rotation_from_state,
@@ -481,6 +481,31 @@ class KiviKVCache(SinkWindowCounters):
         self.residual, self.sink_keys = v["residual"], v["sink_keys"]
         self._fetched = self._last = None
         self._ahead = ShiftsAhead()
+
+    def stored_state(self) -> dict:
+        """What a file keeps: the residual's rows in use (at least one); before the first
+        eviction the values of the tokens (slots ``[0, n)``) and the ring's groups up to the
+        one being filled, not the rest of the step."""
+        s = self.state
+        if self.residual is not None:
+            rows = max(self._n - self.sinks, 0) % self.group_size
+            s["residual"] = self.residual[..., : max(rows, 1), :]
+        if self.values is not None and self._evicted == 0:
+            s["values"] = st.take(self.values, 0, self._n)
+            if self.ring is not None:
+                used = st.round_up(max(self._n - self.sinks, 1), self.group_size)
+                s["ring"] = self.kstore.fit(self.ring, used)
+        return s
+
+    def regrow(self) -> None:
+        """After a file's state: the buffers back to the step the memory model counts."""
+        if self.residual is not None:
+            self.residual = pad_tokens(self.residual, self.group_size)
+        if self.values is not None and self._evicted == 0:
+            C = self.kstore.slots(self._n)
+            self.values = pad_tokens(self.values, self.sinks + C)
+            if self.ring is not None:
+                self.ring = self.kstore.fit(self.ring, C)
 
     @classmethod
     def for_policy(cls, policy, rotation=None, rebase_every=None) -> KiviKVCache:

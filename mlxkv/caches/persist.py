@@ -4,8 +4,8 @@ Every cache's ``state`` carries its arrays and scalars (mlx-lm 0.32.2's format),
 written here loads with plain mlx-lm too once ``mlxkv.caches`` is imported (which makes
 mlx-lm's loader find mlxkv's class names). The file's string metadata adds ``mlxkv_cache``
 (format version) and ``metadata`` (the caller's dict as JSON: model identity, policy,
-dtype, token ids, ...). A full cache keeps only the slots of its tokens in the file and
-gets its whole 256-slot step back when read.
+dtype, token ids, ...). A cache that has not evicted keeps only the slots of its tokens in
+the file and gets its whole 256-slot step back when read.
 
 A cache file is input like any other: anyone may have edited it, and MLX trusts what it
 reads (an offset past a buffer's end writes out of bounds). :func:`load_caches` therefore
@@ -30,14 +30,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.caches import storage as st
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.full import FullKVCache
 from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache
 from mlxkv.errors import UserError, first_line
 from mlxkv.files import atomic_write_with, open_regular, parse_json, shared_bytes
-from mlxkv.memory.policy_bytes import capacity, kivi_ring_slots
+from mlxkv.memory.policy_bytes import capacity, kivi_ring_slots, round_up
 
 FORMAT = "3"  # 3: with the digest of the data
 MLXKV_CLASSES = (FullKVCache, StreamingKVCache, QuantizedStreamingKVCache, KiviKVCache)
@@ -64,20 +63,21 @@ def register_with_mlx_lm() -> None:
 
 
 def _stored(c):
-    """What a file keeps of a full cache: the slots of its tokens, not the rest of its
-    256-slot step (a 39-token conversation of the default model: 1.8 MB, not 11.8 MB)."""
-    if type(c) is not FullKVCache or c.keys is None or c.keys.shape[2] == c.offset:
+    """What a file keeps of a cache: of an mlxkv cache that has not evicted, the slots of
+    its tokens, not the rest of its 256-slot step (a 39-token conversation of the default
+    model: 1.8 MB, not 11.8 MB)."""
+    if not hasattr(c, "stored_state"):
         return c
     d = copy.copy(c)
-    d.state = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
+    d.state = c.stored_state()
     return d
 
 
 def _restored(c):
-    """A full cache read from a file gets its whole 256-slot step back: what the memory
-    model counts, and where its next tokens go, as in the cache that was saved."""
-    if type(c) is FullKVCache and c.keys is not None:
-        c.grow_to(st.round_up(c.offset))
+    """A cache read from a file gets its whole step back: what the memory model counts,
+    and where its next tokens go, as in the cache that was saved."""
+    if hasattr(c, "regrow"):
+        c.regrow()
     return c
 
 
@@ -297,7 +297,11 @@ def _need(cond: bool, why: str) -> None:
 
 
 def _tokens(x) -> int:
-    return (x[0] if isinstance(x, (list, tuple)) else x).shape[2]
+    """Slots of a buffer; the parts of a packed one must have as many (a crafted file's
+    would be written past their ends)."""
+    parts = x if isinstance(x, (list, tuple)) else [x]
+    _need(len({p.shape[2] for p in parts}) == 1, "the parts of a packed buffer disagree")
+    return parts[0].shape[2]
 
 
 def _check_state(name: str, state, ref_state) -> int:
@@ -331,18 +335,23 @@ def _check_state(name: str, state, ref_state) -> int:
         if name == "KiviKVCache":
             G = state["key_group_size"]
             ring = kivi_ring_slots(n, S, W, G)
+            if not e:  # a file keeps the groups in use and the values of the tokens
+                ring = round_up(n - S, G) if n > S else 0
             _need(state["values"] is not None, "no buffers")
             if state["residual"] is not None:
-                _need(state["residual"].shape[2] == G, "its residual group has the wrong size")
+                rows = state["residual"].shape[2]  # a file keeps the rows in use, 1 or more
+                _need(max(n - S, 0) % G <= rows <= G and rows,
+                      "its residual group has the wrong size")  # fmt: skip
             if ring:
                 _need(state["ring"] is not None and state["ring"][1].shape[3] * G >= ring,
                       "its key ring is smaller than its counters say")  # fmt: skip
-            _need(_tokens(state["values"]) >= min(n, S) + ring,
+            _need(_tokens(state["values"]) >= (min(n, S) + ring if e else n),
                   "its values are fewer than its counters say")  # fmt: skip
         else:
-            cap = capacity(n, None if W is None else S + W)
+            # before an eviction a file keeps the slots of the tokens, after it the ring
+            held = capacity(n, S + W) if e else n
             _need(state["keys"] is not None and state["values"] is not None, "no buffers")
-            _need(_tokens(state["keys"]) >= cap and _tokens(state["values"]) >= cap,
+            _need(_tokens(state["keys"]) >= held and _tokens(state["values"]) >= held,
                   "its buffers are smaller than its counters say")  # fmt: skip
         if S:
             _need(state["sink_keys"] is not None and state["sink_keys"].shape[2] == S,

@@ -64,7 +64,7 @@ from mlxkv.caches import storage as st
 from mlxkv.caches.attention import attention, fused_mask
 from mlxkv.caches.errors import CacheError
 from mlxkv.caches.rotation import Identity, Rotation, ShiftsAhead
-from mlxkv.caches.rows import evicted_after, rebase_shifts, sinks_at, where_rows
+from mlxkv.caches.rows import evicted_after, pad_tokens, rebase_shifts, sinks_at, where_rows
 
 DEFAULT_REBASE_EVERY = 4096
 # A chunk of N tokens through an evicting sink cache attends to S * N extra keys (one
@@ -645,6 +645,20 @@ class StreamingKVCache(SinkWindowCounters):
             **self.scheme_state(),
             "key_offset": self.kstore.offset,
         }
+
+    def stored_state(self) -> dict:
+        """What a file keeps: before the first eviction the buffers hold the tokens in
+        order from slot 0, and only those slots are kept (not the rest of the step)."""
+        s = self.state
+        if self.keys is not None and self._evicted == 0:
+            s.update(keys=st.take(self.keys, 0, self._n), values=st.take(self.values, 0, self._n))
+        return s
+
+    def regrow(self) -> None:
+        """After a file's state: the buffers back to the step the memory model counts."""
+        if self.keys is not None and self._evicted == 0:
+            cap = st.capacity(self._n, self.limit)
+            self.keys, self.values = pad_tokens(self.keys, cap), pad_tokens(self.values, cap)
 
     def scheme_state(self) -> dict:
         """How keys and values are stored (None: unquantized), as saved in a file."""

@@ -71,6 +71,8 @@ def unknown_argument(parser: argparse.ArgumentParser, command: str, extra: list[
 
     options = [o for a in _subparser(parser, command)._actions for o in a.option_strings]
     flags = [x for x in extra if x.startswith("-")]
+    if not flags and "--prompt" in options:  # `generate "Hello"`, or words left unquoted
+        return f"unexpected argument {extra[0]!r}; give the prompt as --prompt 'TEXT' (quoted)"
     if not flags:
         return f"unexpected argument {extra[0]!r}; see 'mlxkv {command} --help'"
     flag = flags[0].split("=", 1)[0]

@@ -34,6 +34,17 @@ from mlxkv.cli import main
             "mlxkv plan: error: unknown option --frobnicate; see 'mlxkv plan --help'",
         ),
         (["plan", "a", "b"], "mlxkv plan: error: unexpected argument 'b'; see 'mlxkv plan --help'"),
+        # a prompt given the way other tools take it, or words of it left unquoted
+        (
+            ["generate", "Why is the sky blue?"],
+            "mlxkv generate: error: unexpected argument 'Why is the sky blue?'; give the prompt "
+            "as --prompt 'TEXT' (quoted)",
+        ),
+        (
+            ["generate", "-p", "Why", "is", "the", "sky", "blue?"],
+            "mlxkv generate: error: unexpected argument 'is'; give the prompt as --prompt 'TEXT' "
+            "(quoted)",
+        ),
     ],
 )
 def test_an_unknown_option_names_the_nearest_one(capsys, argv, line):

@@ -99,6 +99,26 @@ def test_mlx_lm_save_load_round_trip(model, policy, tmp_path):
     assert mx.array_equal(a, b)
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_an_mlxkv_file_loads_with_mlx_lm(model, policy, tmp_path):
+    """mlxkv's files keep only the slots of the tokens before a window evicts; mlx-lm's
+    ``load_prompt_cache`` rebuilds each cache with ``from_state``, which gives it its whole
+    step back: the same bytes as the saved cache, the same logits after it."""
+    from mlxkv.caches import save_caches
+
+    n = 9  # before the window of 12 (+ 4 sinks) evicts: a part of a KIVI key group
+    caches = make_caches(model, policy)
+    feed(model, A[:n], caches, [n - 2, 1, 1])
+    path = tmp_path / "c.safetensors"
+    save_caches(path, caches, {"who": "test"})
+    loaded = load_prompt_cache(str(path))
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
+    a = feed(model, B[:12], caches, [5, 1, 1, 5])
+    b = feed(model, B[:12], loaded, [5, 1, 1, 5])
+    assert mx.array_equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def gpu_tiny():
     return gpu_rule(tiny_llama(layers=2))

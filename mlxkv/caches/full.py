@@ -44,11 +44,14 @@ class FullKVCache(KVCache):
         n = self.offset
         return self.keys[..., :n, :], self.values[..., :n, :], n
 
-    def regrow(self) -> None:
-        """After a file's state: the whole step back, what the memory model counts and where
-        the next tokens go."""
-        if self.keys is not None:
-            self.grow_to(st.round_up(self.offset))
+    @classmethod
+    def from_state(cls, state):
+        """A cache from a file's state (which keeps only the slots of its tokens) with its
+        whole step back: what the memory model counts, and where the next tokens go."""
+        cache = super().from_state(state)
+        if cache.keys is not None:
+            cache.grow_to(st.round_up(cache.offset))
+        return cache
 
     @property
     def tokens_seen(self) -> int:

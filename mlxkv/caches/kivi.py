@@ -498,7 +498,6 @@ class KiviKVCache(SinkWindowCounters):
         return s
 
     def regrow(self) -> None:
-        """After a file's state: the buffers back to the step the memory model counts."""
         if self.residual is not None:
             self.residual = pad_tokens(self.residual, self.group_size)
         if self.values is not None and self._evicted == 0:

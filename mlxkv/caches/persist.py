@@ -73,14 +73,6 @@ def _stored(c):
     return d
 
 
-def _restored(c):
-    """A cache read from a file gets its whole step back: what the memory model counts,
-    and where its next tokens go, as in the cache that was saved."""
-    if hasattr(c, "regrow"):
-        c.regrow()
-    return c
-
-
 def save_caches(path, caches: list, metadata: dict) -> None:
     """Write ``caches`` and ``metadata`` (JSON-able dict) to ``path`` (.safetensors),
     atomically (:func:`mlxkv.files.atomic_file`)."""
@@ -450,7 +442,7 @@ def load_checked(path, expect_metadata: dict, reference: list | None = None):
             except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
                 raise _bad(path, f"layer {i}: {e}") from None
         try:
-            caches.append(_restored(getattr(mlx_cache, name).from_state(state)))
+            caches.append(getattr(mlx_cache, name).from_state(state))
         except Exception as e:
             raise _bad(path, f"layer {i}: {type(e).__name__}") from None
     return caches, caller, seen

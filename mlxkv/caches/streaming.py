@@ -211,7 +211,13 @@ class SinkWindowCounters(_BaseCache):
         writes into its buffers in place (slice assignment), so sharing them with the cache
         the state came from would let either one's later tokens leak into the other."""
         own = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
-        return super().from_state(own)
+        cache = super().from_state(own)
+        cache.regrow()  # a file's state keeps only the slots of its tokens
+        return cache
+
+    def regrow(self) -> None:
+        """The buffers back to the step the memory model counts, after a file's state."""
+        raise NotImplementedError
 
 
 class StreamingKVCache(SinkWindowCounters):
@@ -655,7 +661,6 @@ class StreamingKVCache(SinkWindowCounters):
         return s
 
     def regrow(self) -> None:
-        """After a file's state: the buffers back to the step the memory model counts."""
         if self.keys is not None and self._evicted == 0:
             cap = st.capacity(self._n, self.limit)
             self.keys, self.values = pad_tokens(self.keys, cap), pad_tokens(self.values, cap)

@@ -23,7 +23,9 @@ Intended differences from mlx-lm's caches, each checked here:
   ``load_prompt_cache`` take it as it is (they flatten any tree); code that indexes
   ``state`` by position does not.
 * ``from_state`` copies the arrays it is given (mlx-lm's shares them; a cache writes into
-  its buffers in place).
+  its buffers in place), and gives buffers shorter than the cache's step their whole step:
+  ``mlxkv.caches.save_caches`` writes a cache that has not evicted with only the slots of
+  its tokens (``stored_state``), and mlx-lm's ``load_prompt_cache`` reads it back whole.
 * The quantized caches have no ``bits``: mlx-lm's ``scaled_dot_product_attention`` would
   send a cache with ``bits`` to its own quantized attention, which knows nothing of a key
   store's frame (rotated keys, KIVI's per-channel groups). ``make_caches`` routes the model's

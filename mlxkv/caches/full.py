@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxkv.caches import storage as st
+from mlxkv.caches.rows import pad_tokens
 
 
 class FullKVCache(KVCache):
@@ -23,19 +24,11 @@ class FullKVCache(KVCache):
             self.keys = mx.zeros((*keys.shape[:2], cap, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((*values.shape[:2], cap, values.shape[3]), values.dtype)
         elif self.keys.shape[2] < cap:  # checked here: this runs per token and layer
-            self.grow_to(cap)
+            self.keys, self.values = pad_tokens(self.keys, cap), pad_tokens(self.values, cap)
         self.keys[..., prev:new, :] = keys
         self.values[..., prev:new, :] = values
         self.offset = new
         return self.keys_and_values()
-
-    def grow_to(self, cap: int) -> None:
-        """At least ``cap`` slots (zeros past the old end): the next step's, or the whole
-        step back for a cache read from a file that kept only its tokens' slots."""
-        extra = cap - self.keys.shape[2]
-        if extra > 0:
-            self.keys = st.grow(self.keys, st.FloatStore().zeros(self.keys, extra))
-            self.values = st.grow(self.values, st.FloatStore().zeros(self.values, extra))
 
     def stored_state(self):
         """What a file keeps: the slots of the tokens, not the rest of the 256-slot step."""
@@ -50,7 +43,8 @@ class FullKVCache(KVCache):
         whole step back: what the memory model counts, and where the next tokens go."""
         cache = super().from_state(state)
         if cache.keys is not None:
-            cache.grow_to(st.round_up(cache.offset))
+            cap = st.round_up(cache.offset)
+            cache.keys, cache.values = pad_tokens(cache.keys, cap), pad_tokens(cache.values, cap)
         return cache
 
     @property

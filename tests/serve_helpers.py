@@ -46,6 +46,11 @@ class Server:
             env={**os.environ, **(env or {})},
             cwd=ROOT,
             start_new_session=launcher is not None,  # the ranks stop as a terminal's group
+            # mlx.launch's stdin open, as a terminal's: at its end (pytest's /dev/null) the
+            # launcher's loop re-queues empty reads without pause, and a Ctrl+C landing in
+            # Queue.put leaves the lock held and the launcher hung after its ranks stopped
+            # (docs/distributed.md, "Stopping")
+            stdin=subprocess.PIPE if launcher is not None else None,
         )
         deadline = time.monotonic() + 600
         while True:
@@ -114,6 +119,7 @@ class Server:
             time.sleep(0.2)
         for pid in group_members(group):  # never leave a rank behind
             os.kill(pid, signal.SIGKILL)
+        self.proc.stdin.close()
         self._log.close()
         return self.proc.returncode
 

@@ -339,7 +339,7 @@ def test_a_kept_sink_request_holds_its_counted_bytes(default_model):
 @pytest.mark.model
 @pytest.mark.parametrize(
     "policy",
-    # 8 s each alone, 31 s beside the other CI worker: CI runs the many-sinks case, whose
+    # 8 s each alone, 10 s beside the other CI worker: CI runs the many-sinks case, whose
     # rotated block is largest
     [
         pytest.param(KVPolicy(window=64), marks=pytest.mark.slow),

@@ -420,7 +420,7 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"messages": MSG, "top_p": 0}, None, 400, "top_p", "in (0, 1]"),
     ({"messages": MSG, "seed": -2}, None, 400, "seed",
      "seed must be in [0, 18446744073709551615], got -2; -1 means a random seed"),
-    ({"messages": MSG, "n": 0}, None, 400, "n", "in [1,"),
+    ({"messages": MSG, "n": 0}, None, 400, "n", "got 0; the server takes at most"),
     ({"messages": MSG, "stop": [""]}, None, 400, "stop", "must not be empty"),
     ({"messages": [{"role": ["user"], "content": "hi"}]}, None, 400, "messages[0].role",
      'messages[0].role must be one of system, developer, user, assistant, tool, got ["user"]'),

@@ -424,7 +424,8 @@ def cache_hints(body: dict) -> None:
 
 
 def _n(body: dict, prompts: int, limits: Limits) -> int:
-    n = int_field(body, "n", 1, limits.max_rows, "more answers than the server's rows") or 1
+    hint = f"the server takes at most {limits.max_rows} answers in one request"
+    n = int_field(body, "n", 1, limits.max_rows, hint) or 1
     if prompts * n > limits.max_rows:
         raise bad(
             f"this request asks for {prompts * n} answers ({prompts} prompts x n={n}); the "

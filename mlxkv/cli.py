@@ -76,8 +76,13 @@ def unknown_argument(parser: argparse.ArgumentParser, command: str, extra: list[
     if not flags:
         return f"unexpected argument {extra[0]!r}; see 'mlxkv {command} --help'"
     flag = flags[0].split("=", 1)[0]
-    near = difflib.get_close_matches(flag.replace("_", "-"), options, n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]}?" if near else f"see 'mlxkv {command} --help'"
+    # Names are compared without their dashes, which alone made --nonsense look like --seed;
+    # an option the flag begins with is the nearest (--temperature -> --temp).
+    names = {o.lstrip("-"): o for o in options if o.startswith("--")}
+    name = flag.lstrip("-").replace("_", "-")
+    begins = [n for n in names if len(n) >= 3 and name.startswith(n)]
+    near = [max(begins, key=len)] if begins else difflib.get_close_matches(name, names, 1, 0.6)
+    hint = f"did you mean {names[near[0]]}?" if near else f"see 'mlxkv {command} --help'"
     return f"unknown option {flag}; {hint}"
 
 

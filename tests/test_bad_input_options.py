@@ -26,8 +26,34 @@ from mlxkv.cli import main
         ),
         # the value after an unknown option is taken as MODEL: the option is still what's wrong
         (
+            ["generate", "--sink", "4", "--prompt", "hi"],
+            "mlxkv generate: error: unknown option --sink; did you mean --kv-sinks?",
+        ),
+        (
+            ["generate", "--repeat-penalty", "1.1", "--prompt", "hi"],
+            "mlxkv generate: error: unknown option --repeat-penalty; did you mean "
+            "--repetition-penalty?",
+        ),
+        (
             ["serve", "--sinks", "4"],
             "mlxkv serve: error: unknown option --sinks; did you mean --kv-sinks?",
+        ),
+        # no near option: the help, not an unrelated one (the dashes alone made these alike)
+        (
+            ["chat", "--nonsense"],
+            "mlxkv chat: error: unknown option --nonsense; see 'mlxkv chat --help'",
+        ),
+        (
+            ["generate", "--host", "::1", "--prompt", "hi"],
+            "mlxkv generate: error: unknown option --host; see 'mlxkv generate --help'",
+        ),
+        (
+            ["serve", "--json"],
+            "mlxkv serve: error: unknown option --json; see 'mlxkv serve --help'",
+        ),
+        (
+            ["batch", "in.jsonl", "-o", "out.jsonl", "--frobnicate"],
+            "mlxkv batch: error: unknown option --frobnicate; see 'mlxkv batch --help'",
         ),
         (
             ["plan", "llama-3.1-8b", "--frobnicate"],

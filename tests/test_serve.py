@@ -410,6 +410,14 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
      "prompt_cache_key must be a string, got 5"),
     ({"messages": MSG, "prompt_cache_retention": "1h"}, None, 400, "prompt_cache_retention",
      "prompt_cache_retention must be 'in_memory' or '24h', got \"1h\""),
+    ({"messages": MSG, "store": True}, None, 400, "store",
+     "store: storing completions is not supported; leave 'store' out"),
+    ({"messages": MSG, "service_tier": "flex"}, None, 400, "service_tier",
+     "service_tier: there is one service tier; send 'auto' or leave it out"),
+    ({"messages": MSG, "modalities": ["text", "audio"]}, None, 400, "modalities",
+     'only text output is supported (modalities ["text"])'),
+    ({"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, None, 400, "audio",
+     "audio: audio output is not supported"),
     ({"messages": MSG, "foo": 1}, None, 400, "foo", "Unrecognized request argument supplied: foo"),
     ({"messages": MSG, "temperature": "hot"}, None, 400, "temperature", "must be a number"),
     ({"messages": MSG, "temperature": 3}, None, 400, "temperature", "in [0, 2]"),
@@ -517,6 +525,28 @@ def test_the_openai_client_sees_the_errors(server):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "answer"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_parameters_sent_with_their_no_op_values_are_answered(server):
+    """What clients send as defaults, or copy back from an earlier answer (OpenAI names its
+    standard tier "default"), is taken: the answer is the one without them."""
+    client = server.client()
+    plain = client.chat.completions.create(
+        model="smollm2-135m", messages=MSG, max_tokens=6, temperature=0
+    )
+    for tier in ("auto", "default"):
+        r = client.chat.completions.create(
+            model="smollm2-135m",
+            messages=MSG,
+            max_tokens=6,
+            temperature=0,
+            store=False,
+            metadata={},
+            modalities=["text"],
+            service_tier=tier,
+            extra_body={"functions": [], "function_call": "none"},
+        )
+        assert r.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_a_participants_name_reaches_the_template(server, default_model):

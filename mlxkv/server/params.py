@@ -28,22 +28,23 @@ MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 
-# A parameter accepted only with these values (JSON null always means "not given").
-NO_OP = object()
+# A parameter accepted only with these values (JSON null always means "not given"); none
+# given: refused whatever its value.
 CHAT_NO_OPS = {
-    "store": (False, "storing completions is not supported; leave 'store' out"),
-    "metadata": ({}, "'metadata' goes with 'store', which is not supported; leave it out"),
-    "functions": ([], "'functions' is the retired form of 'tools'; send 'tools'"),
+    "store": ((False,), "storing completions is not supported; leave 'store' out"),
+    "metadata": (({},), "'metadata' goes with 'store', which is not supported; leave it out"),
+    "functions": (([],), "'functions' is the retired form of 'tools'; send 'tools'"),
     "function_call": (
-        "none",
+        ("none",),
         "'function_call' is the retired form of 'tool_choice'; send 'tool_choice'",
     ),
-    "modalities": (["text"], 'only text output is supported (modalities ["text"])'),
-    "audio": (NO_OP, "audio output is not supported"),
-    "prediction": (NO_OP, "predicted outputs are not supported; leave 'prediction' out"),
-    "verbosity": (NO_OP, "verbosity is not supported; leave it out"),
-    "web_search_options": (NO_OP, "web search is not supported"),
-    "service_tier": ("auto", "there is one service tier; send 'auto' or leave it out"),
+    "modalities": ((["text"],), 'only text output is supported (modalities ["text"])'),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "predicted outputs are not supported; leave 'prediction' out"),
+    "verbosity": ((), "verbosity is not supported; leave it out"),
+    "web_search_options": ((), "web search is not supported"),
+    # "default" is what OpenAI's answers name the standard tier, which clients send back
+    "service_tier": (("auto", "default"), "there is one service tier; send 'auto' or leave it out"),
 }
 COMPLETION_NO_OPS: dict = {}
 _HONOURED = {
@@ -264,7 +265,7 @@ def _check_names(body: dict, honoured: set[str], no_ops: dict) -> None:
         if value is None:
             continue
         accepted, why = no_ops[name]
-        if accepted is NO_OP or value != accepted:
+        if value not in accepted:
             raise bad(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 

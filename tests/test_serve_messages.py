@@ -292,7 +292,8 @@ def test_the_anthropic_client_raises_the_errors(server):
         c.messages.create(model="claude-opus-4-6", max_tokens=8, messages=QUESTION)
     assert e.value.body["error"]["message"] == (
         "The model 'claude-opus-4-6' does not exist on this server: it serves 'smollm2-135m' "
-        "(GET /v1/models); the model is chosen when mlxkv serve starts"
+        "(GET /v1/models); the model is chosen when mlxkv serve starts (--served-model-name "
+        "gives it more names)"
     )
     r = httpx.get(f"{server.url}/v1/messages", timeout=60)
     assert (r.status_code, r.json()["error"]["type"]) == (405, "invalid_request_error")

@@ -1,5 +1,6 @@
-"""``mlxkv serve`` with an API key, a small body limit and two rows: authentication, 413,
-429, refusing to listen where it should not, and SIGTERM while answers stream."""
+"""``mlxkv serve`` with an API key, a small body limit, two rows and more model names:
+authentication, 413, 429, refusing to listen where it should not, the names clients send,
+and SIGTERM while answers stream."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def server(tmp_path_factory):
         "8",  # what SIGTERM leaves the short answer (8 tokens) to finish in
         "--kv-bits",
         "4",  # the server's default policy
+        "--served-model-name",
+        "local-chat",
+        "--served-model-name",
+        "claude-*",
         env={"MLXKV_API_KEY": KEY},
         key=KEY,
     )
@@ -153,6 +158,43 @@ def test_anthropics_clients_send_the_key_as_x_api_key(server):
     )
     assert r.usage.output_tokens == 2 and r.stop_reason == "max_tokens"
     assert server.http("GET", "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
+def test_more_model_names_are_answered_under_the_first(server):
+    """--served-model-name local-chat, then 'claude-*': the first plain name is the id listed and
+    answered with; the pattern takes the names an agent sends; the model's own names still
+    answer; any other name is a 404 that says how to add one."""
+    import anthropic
+    import ollama
+
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["local-chat"]
+    for name in ("local-chat", "smollm2-135m"):
+        r = client.chat.completions.create(model=name, messages=MSG, max_tokens=2)
+        assert r.model == "local-chat"
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    r = claude.messages.create(model="claude-haiku-4-5-20251001", max_tokens=2, messages=MSG)
+    assert (r.model, r.usage.output_tokens) == ("local-chat", 2)
+    local = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"})
+    assert local.chat(model="local-chat:latest", messages=MSG, options={"num_predict": 2}).done
+    assert [m.model for m in local.list().models] == ["local-chat"]
+    r = server.http("POST", "/v1/chat/completions", json={"model": "gpt-4o", "messages": MSG})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        404,
+        "The model 'gpt-4o' does not exist on this server: it serves 'local-chat' "
+        "(GET /v1/models); the model is chosen when mlxkv serve starts (--served-model-name "
+        "gives it more names)",
+    )
+
+
+@pytest.mark.parametrize("name", ["", " padded", "tab\there"])
+def test_a_served_name_that_no_client_could_send_is_refused(name):
+    r = serve_cli("--served-model-name", "ok", "--served-model-name", name)
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"mlxkv serve: error: --served-model-name {name!r}: a name is 1 to 256 printable "
+        "characters, without spaces at either end\n"
+    )
 
 
 def test_a_body_over_the_limit_gets_413(server):

@@ -80,6 +80,16 @@ def add_arguments(p) -> None:
         "cut with an error (default 10); a second signal cuts them at once",
     )
     g.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
+    g.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="one more name a request's model may give, beside the model's own (repeat the "
+        "flag for more); a name with *, ? or [ is a pattern ('claude-*', '*' for any), for "
+        "clients that send a name of their own; the first plain name is the one /v1/models "
+        "lists and answers carry",
+    )
     m = p.add_argument_group("memory and the prefix cache")
     m.add_argument(
         "--memory",
@@ -127,6 +137,12 @@ def _check(args) -> str | None:
         raise UserError(f"--max-body must be at least 1024 bytes, got {args.max_body}")
     if not args.shutdown_timeout >= 0:
         raise UserError(f"--shutdown-timeout must be 0 or more, got {args.shutdown_timeout}")
+    for name in args.served_model_name:
+        if not name or len(name) > 256 or not name.isprintable() or name != name.strip():
+            raise UserError(
+                f"--served-model-name {name!r}: a name is 1 to 256 printable characters, "
+                "without spaces at either end"
+            )
     key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
     if key is not None and (not key.strip() or any(c.isspace() for c in key)):
         raise UserError("the API key must be non-empty and hold no spaces")
@@ -302,8 +318,9 @@ def _check_one_answer_fits(args, memory, policy) -> None:
     )
 
 
-def _names(loaded) -> tuple[str, set[str]]:
-    """The model id /v1/models lists, and every name a request may use for it."""
+def _names(loaded, given: list[str]) -> tuple[str, set[str], tuple[str, ...]]:
+    """The model id /v1/models lists, every name a request may use for it, and the patterns
+    of ``--served-model-name`` (whose first plain name is the id)."""
     from mlxkv.models.registry import lookup
 
     name = loaded.name
@@ -312,7 +329,9 @@ def _names(loaded) -> tuple[str, set[str]]:
     entry = lookup(name)
     if entry is not None:
         names |= {entry.alias, entry.hf_repo}
-    return served, names
+    patterns = tuple(n for n in given if any(c in n for c in "*?["))
+    plain = [n for n in given if n not in patterns]
+    return (plain[0] if plain else served), names | set(plain), patterns
 
 
 def _facts(loaded) -> dict:
@@ -412,11 +431,12 @@ def run(args) -> int:
     try:
         loaded, scheduler = _engine(args, model, policy, cluster, shard)
         scheduler.start()
-        model_id, names = _names(loaded)
+        model_id, names, patterns = _names(loaded, args.served_model_name)
         vocab = loaded.config.get("vocab_size")
         served = Served(
             id=model_id,
             names=names,
+            patterns=patterns,
             tokenizer=loaded.tokenizer,
             policy=policy,
             limits=Limits(

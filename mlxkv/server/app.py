@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from fnmatch import fnmatchcase
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -101,6 +102,7 @@ class Served:
     names: set[str]  # every name a request's ``model`` may give (alias, repo id)
     tokenizer: object  # chat template and token texts (no MLX)
     policy: KVPolicy  # the default KV policy
+    patterns: tuple[str, ...] = ()  # shell patterns of more names ('claude-*', '*')
     limits: Limits = field(default_factory=Limits)
     max_batch: int = 16
     ranks: int = 1  # processes the model is split over (mlx.launch); rank 0 serves
@@ -109,6 +111,9 @@ class Served:
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
     facts: dict = field(default_factory=dict)  # size, family, context... (Ollama's listings)
     started: int = field(default_factory=lambda: int(time.time()))
+
+    def serves(self, name: str) -> bool:
+        return name in self.names or any(fnmatchcase(name, p) for p in self.patterns)
 
 
 class ClientGone(Exception):
@@ -200,11 +205,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return b"".join(chunks)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in served.names:
+        if name is not None and not served.serves(name):
             raise APIError(
                 404,
                 f"The model '{name}' does not exist on this server: it serves '{served.id}' "
-                "(GET /v1/models); the model is chosen when mlxkv serve starts",
+                "(GET /v1/models); the model is chosen when mlxkv serve starts "
+                "(--served-model-name gives it more names)",
                 param="model",
                 code="model_not_found",
             )
@@ -315,7 +321,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         else:
             ask = PARSERS[kind](body, served.limits)
         if kind in OLLAMA:  # Ollama's clients add its default tag to a name
-            ask = replace(ask, model=ollama.served_name(ask.model, served.names) or ask.model)
+            ask = replace(ask, model=ollama.served_name(ask.model, served.serves) or ask.model)
         check_model(ask.model)
         check_tool_format(ask)
         if (held := held_calls(ask.tools, served.tokenizer)) is not None:
@@ -581,7 +587,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         name = body.get("model") or body.get("name")
         if not isinstance(name, str):
             raise bad("model is required", "model")
-        check_model(ollama.served_name(name, served.names) or name)
+        check_model(ollama.served_name(name, served.serves) or name)
         tok = served.tokenizer
         abilities = ["completion"]
         abilities += ["tools"] if has_tool_calling(tok) else []

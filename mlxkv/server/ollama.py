@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 
@@ -472,10 +473,10 @@ def model_info(facts: dict, name: str) -> dict:
     return info
 
 
-def served_name(name: str, names: set[str]) -> str | None:
+def served_name(name: str, serves: Callable[[str], bool]) -> str | None:
     """A request's model name without Ollama's default tag (``:latest``), when it names the
     served model."""
     for n in (name, name.removesuffix(":latest")):
-        if n in names:
+        if serves(n):
             return n
     return None

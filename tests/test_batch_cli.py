@@ -358,3 +358,128 @@ def test_fingerprints_of_files_written_before_stay_the_same():
     )
     raw = SimpleNamespace(model="smollm2-135m", dtype="auto", system="", raw=True)
     assert '"raw": "continuation"' in _run_context(raw, KVPolicy(), GenerationSettings())
+
+
+# -- OpenAI Batch API request lines -------------------------------------------------------------
+def _openai_line(custom_id, body, **line):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": body, **line}  # fmt: skip
+
+
+def test_openai_batch_lines_read_as_the_files_own_fields():
+    from mlxkv.commands.batch_input import BadLine, Job, parse_line
+
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                              {"type": "text", "text": "brief."}]},
+            {"role": "user", "content": "Hi"},
+        ],
+        "max_completion_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "logprobs": None,  # null is "not given", as OpenAI's clients send it
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    }  # fmt: skip
+    line = _openai_line("req-1", body)
+    job = parse_line(4, json.dumps(line))
+    assert isinstance(job, Job)
+    assert (job.line, job.id, job.prompt, job.system) == (4, "req-1", None, None)
+    assert job.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert {k: v for k, v in job.overrides.items() if k != "grammar"} == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+    }
+    assert job.overrides["grammar"] is not None
+    assert job.source == line  # the fingerprint is of the line as written
+
+    def error(line) -> tuple:
+        bad = parse_line(1, json.dumps(line))
+        assert isinstance(bad, BadLine)
+        return bad.id, bad.error
+
+    user = [{"role": "user", "content": "Hi"}]
+    assert error(_openai_line("a", {"messages": user}, url="/v1/embeddings")) == (
+        "a",
+        "'url' '/v1/embeddings': only /v1/chat/completions requests run in mlxkv batch",
+    )
+    assert error(_openai_line("b", {"messages": user, "n": 2})) == (
+        "b",
+        "body.n is not supported in mlxkv batch; it takes model, messages, max_tokens, "
+        "max_completion_tokens, temperature, top_p, seed, response_format",
+    )
+    assert error(_openai_line("c", {"model": "m"})) == (
+        "c",
+        "body.messages is required: the conversation to answer",
+    )
+    two = {"messages": user, "max_tokens": [1], "max_completion_tokens": 2}
+    assert error(_openai_line("d", two)) == (
+        "d",
+        "body.max_tokens and body.max_completion_tokens disagree; give one",
+    )
+    assert error(_openai_line("e", {"messages": user}, method="GET")) == (
+        "e",
+        "'method' must be \"POST\", got 'GET'",
+    )
+    assert error(_openai_line("f", {"messages": user}, extra=1)) == (
+        "f",
+        "unknown field(s) extra in an OpenAI batch request line",
+    )
+    assert error(_openai_line("g", {"messages": user, "response_format": {"type": "xml"}})) == (
+        "g",
+        'body.response_format must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"schema": ...}}',
+    )
+    assert error(_openai_line(None, {"messages": user})) == (
+        None,
+        "'custom_id' must be a string or an integer, got None",
+    )
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert error(_openai_line("h", {"messages": image}))[1].startswith(
+        "'messages' has message 0 that is not"
+    )
+
+
+@pytest.mark.model
+def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_path, preloaded):
+    """The same three requests written as OpenAI Batch API lines and as this file's own
+    lines: the same records, token for token, each under its custom_id."""
+    asks = [
+        ("fr", QUESTIONS[0], {"max_tokens": 12}),
+        ("sum", QUESTIONS[2], {"max_completion_tokens": 6, "seed": 1, "temperature": 0.7}),
+        ("json", QUESTIONS[4], {"max_tokens": 16, "response_format": {"type": "json_object"}}),
+    ]
+    openai_lines, own_lines = [], []
+    for cid, question, extra in asks:
+        messages = [{"role": "user", "content": question}]
+        openai_lines.append(
+            _openai_line(cid, {"model": "gpt-4o-mini", "messages": messages, **extra})
+        )
+        own = {
+            "id": cid,
+            "messages": messages,
+            "max_tokens": extra.get("max_tokens") or extra["max_completion_tokens"],
+        }
+        own |= {k: extra[k] for k in ("seed", "temperature") if k in extra}
+        own |= {"json_schema": {"type": "object"}} if "response_format" in extra else {}
+        own_lines.append(own)
+    records = []
+    for name, lines in (("openai", openai_lines), ("own", own_lines)):
+        out = tmp_path / f"{name}.out.jsonl"
+        inp = write_lines(tmp_path / f"{name}.jsonl", lines)
+        assert main(["batch", str(inp), "-o", str(out), "--temp", "0"]) == 0
+        recs = sorted(read_records(out), key=lambda r: r["line"])
+        records.append([(r["id"], r["text"], r["finish_reason"]) for r in recs])
+    assert records[0] == records[1]
+    assert [r[0] for r in records[0]] == ["fr", "sum", "json"]
+    assert "Paris" in records[0][0][1]
+    _, text, finish = records[0][2]
+    assert finish == "length" or isinstance(json.loads(text), dict)

@@ -1,9 +1,10 @@
 """Reading a batch input file: JSONL lines -> jobs, or per-line errors that never stop the run.
 
 A line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}`` with optional
-``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``system`` and ``json_schema``. Only a
-file that cannot be a batch at all (missing, empty, not JSON on any line) raises
-:class:`UserError`.
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``system`` and ``json_schema``, or a
+request line of OpenAI's Batch API (``custom_id``, ``method``, ``url``, ``body``), read as
+the same fields. Only a file that cannot be a batch at all (missing, empty, not JSON on any
+line) raises :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,73 @@ def _check_overrides(obj: dict) -> str | None:
     return None
 
 
+OPENAI_LINE = ("custom_id", "method", "url", "body")
+OPENAI_URL = "/v1/chat/completions"
+# body fields with a field of this file's lines; "model" names the run's model whatever it says
+OPENAI_BODY = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature")
+OPENAI_BODY += ("top_p", "seed", "response_format")
+
+
+def _message(m):
+    """An OpenAI message as this file's: a developer message is a system one, and a list of
+    text parts is its joined text (any other shape is left for the message check to name)."""
+    if not isinstance(m, dict):
+        return m
+    content = m.get("content")
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        content = "".join(p["text"] for p in content)
+    return {
+        **m,
+        "role": "system" if m.get("role") == "developer" else m.get("role"),
+        "content": content,
+    }
+
+
+def from_openai(obj: dict) -> dict | str:
+    """A request line of OpenAI's Batch API as this file's own line (``custom_id`` is its
+    id), or what keeps it from running here."""
+    unknown = sorted(set(obj) - set(OPENAI_LINE))
+    if unknown:
+        return f"unknown field(s) {', '.join(unknown)} in an OpenAI batch request line"
+    if obj.get("method", "POST") != "POST":
+        return f"'method' must be \"POST\", got {obj['method']!r}"
+    if obj.get("url", OPENAI_URL) != OPENAI_URL:
+        return f"'url' {obj['url']!r}: only {OPENAI_URL} requests run in mlxkv batch"
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return "'body' must be the request's JSON object"
+    given = {k: v for k, v in body.items() if v is not None}
+    if extra := sorted(set(given) - set(OPENAI_BODY)):
+        return f"body.{extra[0]} is not supported in mlxkv batch; it takes {', '.join(OPENAI_BODY)}"
+    line = {"id": obj["custom_id"]}
+    if "messages" not in given:
+        return "body.messages is required: the conversation to answer"
+    messages = given["messages"]
+    line["messages"] = [_message(m) for m in messages] if isinstance(messages, list) else messages
+    limits = [given[k] for k in ("max_tokens", "max_completion_tokens") if k in given]
+    if len(limits) == 2 and limits[0] != limits[1]:
+        return "body.max_tokens and body.max_completion_tokens disagree; give one"
+    if limits:
+        line["max_tokens"] = limits[0]
+    line |= {k: given[k] for k in ("temperature", "top_p", "seed") if k in given}
+    answer = given.get("response_format", {"type": "text"})
+    kind = answer.get("type") if isinstance(answer, dict) else None
+    schema = answer.get("json_schema") if isinstance(answer, dict) else None
+    if kind == "json_object":
+        line["json_schema"] = {"type": "object"}
+    elif kind == "json_schema" and isinstance(schema, dict) and "schema" in schema:
+        line["json_schema"] = schema["schema"]
+    elif kind != "text":
+        return (
+            'body.response_format must be {"type": "text"}, {"type": "json_object"} '
+            'or {"type": "json_schema", "json_schema": {"schema": ...}}'
+        )
+    return line
+
+
 def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
     """One input line (``n`` is 1-based) -> a Job, or a BadLine saying what is wrong."""
     raw_bytes = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
@@ -100,14 +168,21 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         return BadLine(n, "JSON nested too deeply", None, raw_bytes)
     if not isinstance(obj, dict):
         return BadLine(n, f"expected a JSON object, got {type(obj).__name__}", None, obj)
-    ident = obj.get("id")
-    if "id" not in obj:
+    source = obj  # what the line's fingerprint is taken of: the line as written
+    key = "custom_id" if "custom_id" in obj else "id"
+    ident = obj.get(key)
+    if key not in obj:
         return BadLine(n, "missing 'id'", None, obj)
     if not (isinstance(ident, str) or _is_int(ident)):
-        return BadLine(n, f"'id' must be a string or an integer, got {ident!r}", None, obj)
+        return BadLine(n, f"'{key}' must be a string or an integer, got {ident!r}", None, obj)
 
     def bad(msg):
-        return BadLine(n, msg, ident, obj)
+        return BadLine(n, msg, ident, source)
+
+    if key == "custom_id":
+        obj = from_openai(obj)
+        if isinstance(obj, str):
+            return bad(obj)
 
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:
@@ -129,7 +204,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
             overrides["grammar"] = json_grammar(obj["json_schema"])
         except UserError as e:
             return bad(f"'json_schema': {e}")
-    return Job(n, ident, obj.get("prompt"), obj.get("messages"), obj.get("system"), overrides, obj)
+    messages, system = obj.get("messages"), obj.get("system")
+    return Job(n, ident, obj.get("prompt"), messages, system, overrides, source)
 
 
 def read_input(path: Path | str) -> list[Job | BadLine]:

@@ -380,6 +380,7 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
         "temperature": 0.5,
         "top_p": 0.9,
         "seed": 3,
+        "stop": "\n\n",
         "logprobs": None,  # null is "not given", as OpenAI's clients send it
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "x", "schema": {"type": "object"}}},
@@ -397,6 +398,7 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
         "temperature": 0.5,
         "top_p": 0.9,
         "seed": 3,
+        "stop": ("\n\n",),
     }
     assert job.overrides["grammar"] is not None
     assert job.source == line  # the fingerprint is of the line as written
@@ -414,7 +416,7 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
     assert error(_openai_line("b", {"messages": user, "n": 2})) == (
         "b",
         "body.n is not supported in mlxkv batch; it takes model, messages, max_tokens, "
-        "max_completion_tokens, temperature, top_p, seed, response_format",
+        "max_completion_tokens, temperature, top_p, seed, stop, response_format",
     )
     assert error(_openai_line("c", {"model": "m"})) == (
         "c",
@@ -442,6 +444,11 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
         None,
         "'custom_id' must be a string or an integer, got None",
     )
+    for stop in ("", [], ["x", ""], ["x"] * 65, 5):
+        assert error(_openai_line("s", {"messages": user, "stop": stop})) == (
+            "s",
+            "'stop' must be a string or a list of 1 to 64 strings, none empty",
+        )
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert error(_openai_line("h", {"messages": image}))[1].startswith(
         "'messages' has message 0 that is not"
@@ -453,7 +460,7 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_p
     """The same three requests written as OpenAI Batch API lines and as this file's own
     lines: the same records, token for token, each under its custom_id."""
     asks = [
-        ("fr", QUESTIONS[0], {"max_tokens": 12}),
+        ("fr", QUESTIONS[0], {"max_tokens": 12, "stop": ["Paris", "paris"]}),
         ("sum", QUESTIONS[2], {"max_completion_tokens": 6, "seed": 1, "temperature": 0.7}),
         ("json", QUESTIONS[4], {"max_tokens": 16, "response_format": {"type": "json_object"}}),
     ]
@@ -468,7 +475,7 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_p
             "messages": messages,
             "max_tokens": extra.get("max_tokens") or extra["max_completion_tokens"],
         }
-        own |= {k: extra[k] for k in ("seed", "temperature") if k in extra}
+        own |= {k: extra[k] for k in ("seed", "temperature", "stop") if k in extra}
         own |= {"json_schema": {"type": "object"}} if "response_format" in extra else {}
         own_lines.append(own)
     records = []
@@ -480,6 +487,6 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_p
         records.append([(r["id"], r["text"], r["finish_reason"]) for r in recs])
     assert records[0] == records[1]
     assert [r[0] for r in records[0]] == ["fr", "sum", "json"]
-    assert "Paris" in records[0][0][1]
+    assert records[0][0][1:] == ("The capital of France is ", "stop_string")
     _, text, finish = records[0][2]
     assert finish == "length" or isinstance(json.loads(text), dict)

@@ -36,13 +36,13 @@ Generate an answer for every line of IN.jsonl and append one JSON record per inp
 to OUT.jsonl as each finishes (so records are in completion order, not input order).
 
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]},
-optionally with "max_tokens", "temperature", "top_p", "seed", "system" (these override the
-flags for that line) and "json_schema" (a JSON Schema the line's answer is held to). Ids
-are strings or integers and must be unique: a repeated id is reported and only its first
-line runs. A request line of OpenAI's Batch API ({"custom_id", "method": "POST", "url":
-"/v1/chat/completions", "body": {"messages", ...}}) runs too: custom_id is its id, and the
-body's max_tokens (or max_completion_tokens), temperature, top_p, seed and response_format
-are its fields; its "model" is ignored (the run's model answers).
+optionally with "max_tokens", "temperature", "top_p", "seed", "stop", "system" (these
+override the flags for that line) and "json_schema" (a JSON Schema the line's answer is
+held to). Ids are strings or integers and must be unique: a repeated id is reported and
+only its first line runs. A request line of OpenAI's Batch API ({"custom_id", "method":
+"POST", "url": "/v1/chat/completions", "body": {"messages", ...}}) runs too: custom_id is
+its id, and the body's max_tokens (or max_completion_tokens), temperature, top_p, seed,
+stop and response_format are its fields; its "model" is ignored (the run's model answers).
 
 IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
 record for that line; the other lines run.

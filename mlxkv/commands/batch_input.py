@@ -19,7 +19,8 @@ from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
 from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, read_stdin, utf8_problem
 
-OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "system", "json_schema")
+OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "system", "json_schema")
+MAX_STOP = 64  # stop strings of a line
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
 INPUT_LIMIT = 1 << 30  # bytes of a whole input file (or stdin)
 LINE_LIMIT = 64 << 20  # characters of one line
@@ -68,6 +69,12 @@ def _check_overrides(obj: dict) -> str | None:
         return f"'top_p' must be a number in (0, 1], got {obj['top_p']!r}"
     if "seed" in obj and not (_is_int(obj["seed"]) and 0 <= obj["seed"] < 2**64):
         return f"'seed' must be an integer in [0, 2**64), got {obj['seed']!r}"
+    if "stop" in obj:
+        stops = [obj["stop"]] if isinstance(obj["stop"], str) else obj["stop"]
+        if not (isinstance(stops, list) and 0 < len(stops) <= MAX_STOP) or not all(
+            isinstance(x, str) and x for x in stops
+        ):
+            return f"'stop' must be a string or a list of 1 to {MAX_STOP} strings, none empty"
     if "system" in obj and not isinstance(obj["system"], str):
         return "'system' must be a string"
     if "json_schema" in obj and not isinstance(obj["json_schema"], dict):
@@ -79,7 +86,7 @@ OPENAI_LINE = ("custom_id", "method", "url", "body")
 OPENAI_URL = "/v1/chat/completions"
 # body fields with a field of this file's lines; "model" names the run's model whatever it says
 OPENAI_BODY = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature")
-OPENAI_BODY += ("top_p", "seed", "response_format")
+OPENAI_BODY += ("top_p", "seed", "stop", "response_format")
 
 
 def _message(m):
@@ -126,7 +133,7 @@ def from_openai(obj: dict) -> dict | str:
         return "body.max_tokens and body.max_completion_tokens disagree; give one"
     if limits:
         line["max_tokens"] = limits[0]
-    line |= {k: given[k] for k in ("temperature", "top_p", "seed") if k in given}
+    line |= {k: given[k] for k in ("temperature", "top_p", "seed", "stop") if k in given}
     answer = given.get("response_format", {"type": "text"})
     kind = answer.get("type") if isinstance(answer, dict) else None
     schema = answer.get("json_schema") if isinstance(answer, dict) else None
@@ -199,6 +206,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
     if bad_text := utf8_problem(obj):
         return bad(f"holds {bad_text}, a lone surrogate that is not valid text")
     overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in obj}
+    if "stop" in obj:  # a line's own stop strings replace --stop's
+        overrides["stop"] = (obj["stop"],) if isinstance(obj["stop"], str) else tuple(obj["stop"])
     if "json_schema" in obj:  # the answer is held to it (constrained decoding)
         try:
             overrides["grammar"] = json_grammar(obj["json_schema"])

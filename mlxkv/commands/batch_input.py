@@ -84,9 +84,19 @@ def _check_overrides(obj: dict) -> str | None:
 
 OPENAI_LINE = ("custom_id", "method", "url", "body")
 OPENAI_URL = "/v1/chat/completions"
-# body fields with a field of this file's lines; "model" names the run's model whatever it says
-OPENAI_BODY = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature")
-OPENAI_BODY += ("top_p", "seed", "stop", "response_format")
+# the body fields this file's lines have a field for; "model" is read past: the run's model
+# answers whatever it names
+OPENAI_BODY = (
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "response_format",
+)
 
 
 def _message(m):

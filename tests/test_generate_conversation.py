@@ -109,12 +109,33 @@ def test_max_kv_size_keeps_that_many_tokens_in_total(cli, preloaded):
     assert r["kv_evicted"] == r["prompt_tokens"] + r["generation_tokens"] - 48
 
 
+@pytest.mark.model
+def test_openai_forms_of_the_messages_give_the_same_answer(cli, preloaded, tmp_path):
+    """A conversation as chat apps export it (OpenAI's developer role, text parts) is the
+    plain conversation: the same prompt, the same greedy tokens."""
+    plain = conversation()
+    forms = [
+        {"role": "developer", "content": [{"type": "text", "text": plain[0]["content"]}]},
+        *plain[1:-1],
+        {"role": "user", "content": [{"type": "text", "text": t + " "} for t in ("Which", "of")]
+         + [{"type": "text", "text": "these topics is the oldest?"}]},
+    ]  # fmt: skip
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = generate(cli, tmp_path / "a", plain, [])
+    b = generate(cli, tmp_path / "b", forms, [])
+    assert (b["text"], b["prompt_tokens"]) == (a["text"], a["prompt_tokens"])
+    assert a["generation_tokens"] > 0
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [
         ("[]", [], 'conv.json must be a non-empty list of {"role", "content"} objects'),
         ("{", [], "not valid JSON"),
         ('[{"role": "robot", "content": "x"}]', [], "conv.json has message 0 that is not {"),
+        ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]', [],
+         "conv.json has message 0 that is not {"),
         ('[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]', [],
          "conv.json has a system message at 1; a system message may only come first"),
         ('[{"role": "system", "content": "a"}]', [], "conv.json has no user message to answer"),

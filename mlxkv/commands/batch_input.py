@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxkv.engine.conversation import conversation_problem
+from mlxkv.engine.conversation import conversation_problem, plain_messages
 from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
 from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, read_stdin, utf8_problem
@@ -99,24 +99,6 @@ OPENAI_BODY = (
 )
 
 
-def _message(m):
-    """An OpenAI message as this file's: a developer message is a system one, and a list of
-    text parts is its joined text (any other shape is left for the message check to name)."""
-    if not isinstance(m, dict):
-        return m
-    content = m.get("content")
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        content = "".join(p["text"] for p in content)
-    return {
-        **m,
-        "role": "system" if m.get("role") == "developer" else m.get("role"),
-        "content": content,
-    }
-
-
 def from_openai(obj: dict) -> dict | str:
     """A request line of OpenAI's Batch API as this file's own line (``custom_id`` is its
     id), or what keeps it from running here."""
@@ -136,8 +118,7 @@ def from_openai(obj: dict) -> dict | str:
     line = {"id": obj["custom_id"]}
     if "messages" not in given:
         return "body.messages is required: the conversation to answer"
-    messages = given["messages"]
-    line["messages"] = [_message(m) for m in messages] if isinstance(messages, list) else messages
+    line["messages"] = given["messages"]
     limits = [given[k] for k in ("max_tokens", "max_completion_tokens") if k in given]
     if len(limits) == 2 and limits[0] != limits[1]:
         return "body.max_tokens and body.max_completion_tokens disagree; give one"
@@ -209,6 +190,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         return bad("needs exactly one of 'prompt' or 'messages'")
     if has_prompt and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
         return bad("'prompt' must be a non-empty string")
+    if has_messages:  # OpenAI's forms of a message read as the plain ones
+        obj = {**obj, "messages": plain_messages(obj["messages"])}
     if has_messages and (err := conversation_problem(obj["messages"])):
         return bad(f"'messages' {err}")
     if err := _check_overrides(obj):

@@ -27,7 +27,7 @@ from mlxkv.commands.common import (
     settings_from_args,
     status,
 )
-from mlxkv.engine.conversation import conversation_problem
+from mlxkv.engine.conversation import conversation_problem, plain_messages
 from mlxkv.engine.distributed import check_stdin_unused
 from mlxkv.errors import UserError
 from mlxkv.files import check_text, parse_json, read_text
@@ -42,8 +42,9 @@ def add_arguments(p) -> None:
         default=None,
         metavar="CONV.json",
         help='a JSON list of chat messages ({"role": "system"|"user"|"assistant", '
-        '"content": "..."}, a system message only first); the answer is the next assistant '
-        "turn. Give --prompt or --messages",
+        '"content": "..."}, a system message only first; OpenAI\'s developer role and text '
+        "parts are read too); the answer is the next assistant turn. Give --prompt or "
+        "--messages",
     )
     p.add_argument(
         "--prompt-cache",
@@ -86,6 +87,7 @@ def _read_messages(path: str) -> list[dict]:
     data = parse_json(
         read_text(path, MESSAGES_LIMIT, "--messages"), f"--messages {path}", utf8=True
     )
+    data = plain_messages(data)  # OpenAI's developer role and text parts
     if problem := conversation_problem(data):
         raise UserError(f"--messages {path} {problem}")
     return [{"role": m["role"], "content": m["content"]} for m in data]

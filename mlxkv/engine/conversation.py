@@ -10,6 +10,28 @@ ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 10_000
 
 
+def plain_messages(messages):
+    """OpenAI's forms of messages as the plain ones (what chat apps and OpenAI's batch files
+    hold): a developer message is a system message, and content given as a list of text
+    parts is their joined text. Anything else is left as it is, for
+    :func:`conversation_problem` to name."""
+    if not isinstance(messages, list):
+        return messages
+    return [_plain(m) for m in messages]
+
+
+def _plain(m):
+    if not isinstance(m, dict):
+        return m
+    content = m.get("content")
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        m = {**m, "content": "".join(p["text"] for p in content)}
+    return {**m, "role": "system"} if m.get("role") == "developer" else m
+
+
 def conversation_problem(messages) -> str | None:
     """What keeps ``messages`` from being a conversation to answer, worded to follow its
     name (None: nothing): it must be a list of 1 to MAX_MESSAGES {"role", "content": text}

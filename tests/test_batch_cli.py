@@ -458,7 +458,11 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
 @pytest.mark.model
 def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_path, preloaded):
     """The same three requests written as OpenAI Batch API lines and as this file's own
-    lines: the same records, token for token, each under its custom_id."""
+    lines: the same answers, token for token; the OpenAI lines' records in the shape of
+    OpenAI's batch output (custom_id, response.body a chat.completion as the openai client
+    reads it), a line that cannot run an error object; a re-run resumes from them."""
+    from openai.types.chat import ChatCompletion
+
     asks = [
         ("fr", QUESTIONS[0], {"max_tokens": 12, "stop": ["Paris", "paris"]}),
         ("sum", QUESTIONS[2], {"max_completion_tokens": 6, "seed": 1, "temperature": 0.7}),
@@ -478,15 +482,37 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_p
         own |= {k: extra[k] for k in ("seed", "temperature", "stop") if k in extra}
         own |= {"json_schema": {"type": "object"}} if "response_format" in extra else {}
         own_lines.append(own)
-    records = []
-    for name, lines in (("openai", openai_lines), ("own", own_lines)):
-        out = tmp_path / f"{name}.out.jsonl"
-        inp = write_lines(tmp_path / f"{name}.jsonl", lines)
-        assert main(["batch", str(inp), "-o", str(out), "--temp", "0"]) == 0
-        recs = sorted(read_records(out), key=lambda r: r["line"])
-        records.append([(r["id"], r["text"], r["finish_reason"]) for r in recs])
-    assert records[0] == records[1]
-    assert [r[0] for r in records[0]] == ["fr", "sum", "json"]
-    assert records[0][0][1:] == ("The capital of France is ", "stop_string")
-    _, text, finish = records[0][2]
-    assert finish == "length" or isinstance(json.loads(text), dict)
+    own_out = tmp_path / "own.out.jsonl"
+    assert main(["batch", str(write_lines(tmp_path / "own.jsonl", own_lines)),
+                 "-o", str(own_out), "--temp", "0"]) == 0  # fmt: skip
+    own = {r["id"]: r for r in read_records(own_out)}
+    assert own["fr"]["text"] == "The capital of France is "
+    assert own["fr"]["finish_reason"] == "stop_string"
+
+    bad = _openai_line("embed", {"input": "hi"}, url="/v1/embeddings")
+    inp = write_lines(tmp_path / "openai.jsonl", [*openai_lines, bad])
+    out = tmp_path / "openai.out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out), "--temp", "0"]) == 1
+    recs = {r["custom_id"]: r for r in read_records(out)}
+    assert sorted(recs) == ["embed", "fr", "json", "sum"]
+    for line, (cid, _, _) in enumerate(asks, 1):
+        rec = recs[cid]
+        assert list(rec) == ["id", "line", "custom_id", "response", "error", "fp"]
+        assert rec["id"].startswith("batch_req_") and rec["line"] == line
+        assert rec["error"] is None and rec["response"]["status_code"] == 200
+        answer = ChatCompletion.model_validate(rec["response"]["body"])
+        assert answer.model == "smollm2-135m"
+        (choice,) = answer.choices
+        assert choice.message.content == own[cid]["text"]
+        mine = own[cid]["finish_reason"]
+        assert choice.finish_reason == {"stop_string": "stop"}.get(mine, mine)
+        assert answer.usage.completion_tokens == own[cid]["generation_tokens"]
+        assert answer.usage.prompt_tokens == own[cid]["prompt_tokens"]
+    assert recs["embed"]["response"] is None and recs["embed"]["line"] == 4
+    assert recs["embed"]["error"] == {
+        "code": "invalid_request",
+        "message": "'url' '/v1/embeddings': only /v1/chat/completions requests run in mlxkv batch",
+    }
+    before = out.read_bytes()
+    assert main(["batch", str(inp), "-o", str(out), "--temp", "0"]) == 1
+    assert out.read_bytes() == before

@@ -134,6 +134,29 @@ def test_log_cuts_a_torn_last_line(tmp_path):
     assert [r["id"] for r in read_records(out)] == ["a", "b"]
 
 
+def test_log_reads_openai_shaped_records_and_cuts_one_torn_first(tmp_path):
+    """The records of OpenAI batch lines resume by custom_id, line and fp; a torn one, even
+    as the file's only line, is cut (it starts as this command's records do)."""
+    from types import SimpleNamespace
+
+    from mlxkv.commands.batch_openai import error_record, result_record
+
+    answer = SimpleNamespace(text="hi", finish_reason="stop", prompt_tokens=3, generation_tokens=1)
+    done = result_record("r-1", 1, "f1", "m", answer)
+    failed = error_record(7, 2, "f2", "bad")
+    out = tmp_path / "out.jsonl"
+    torn = json.dumps(done)[:60]  # past its "line": what marks a torn first record as ours
+    out.write_text(torn)
+    with ResultLog(out) as log:
+        assert log.torn_bytes == len(torn) and log.existing == []
+        log.append(done)
+        log.append(failed)
+    with ResultLog(out) as log:
+        got = [(r.line, r.id, r.fingerprint, r.error) for r in log.existing]
+        assert got == [(1, "r-1", "f1", False), (2, 7, "f2", True)]
+    assert read_records(out) == [done, failed]
+
+
 def test_log_refuses_a_foreign_file_and_leaves_it_alone(tmp_path):
     out = tmp_path / "notes.txt"
     out.write_text("my notes\nmore\n")

@@ -14,6 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from mlxkv.commands import batch_openai as openai_batch
+from mlxkv.commands.batch_openai import is_openai
 from mlxkv.commands.common import (
     add_cache_flags,
     add_generation_flags,
@@ -22,6 +24,7 @@ from mlxkv.commands.common import (
     add_shard_flag,
     grammar_from_args,
     join_cluster,
+    model_id,
     policy_from_args,
     settings_from_args,
     status,
@@ -43,6 +46,8 @@ only its first line runs. A request line of OpenAI's Batch API ({"custom_id", "m
 "POST", "url": "/v1/chat/completions", "body": {"messages", ...}}) runs too: custom_id is
 its id, and the body's max_tokens (or max_completion_tokens), temperature, top_p, seed,
 stop and response_format are its fields; its "model" is ignored (the run's model answers).
+Its record has the shape of OpenAI's batch output ({"id", "line", "custom_id", "response":
+{"status_code", "request_id", "body": a chat.completion}, "error", "fp"}).
 
 IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
 record for that line; the other lines run.
@@ -357,7 +362,7 @@ def run(args) -> int:
         if plan.retried:
             status(f"retrying {len(plan.retried)} lines answered by error records")
         for b in bad:  # before the model loads: cheap, and nothing waits on them
-            log.append({**b.record(), "fp": fps[b.line]})
+            log.append(_error_record(b, b.error, fps[b.line]))
         if cluster is not None:
             from mlxkv.engine.distributed import send_obj
 
@@ -420,6 +425,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
     from mlxkv.engine.batch import Request
 
     loaded, runner = _open(args, policy, cluster)
+    model_name = model_id(loaded.name)  # what OpenAI-shaped records name the model by
     work = runner
     if cluster is not None:
         from mlxkv.engine.batch_ranks import DataParallel, Lockstep
@@ -449,9 +455,8 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
     results, errors = [], list(bad)
 
     def write_error(job, message):
-        err = BadLine(job.line, message, job.id)
-        log.append({**err.record(), "fp": fps[job.line]})
-        errors.append(err)
+        log.append(_error_record(job, message, fps[job.line]))
+        errors.append(BadLine(job.line, message, job.id))
 
     most = _most_characters(loaded, policy)
 
@@ -475,7 +480,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
             if r.error:
                 write_error(job, r.error)
             else:
-                log.append({**_record(job, r), "fp": fps[job.line]})
+                log.append(_result_record(job, r, fps[job.line], model_name))
                 results.append(r)
             progress.update(r.error is None, r.generation_tokens)
     except KeyboardInterrupt:
@@ -504,6 +509,21 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
         if args.shard == "data":
             ranks["results_by_rank"] = work.done_by_rank
     return _finish(args, policy, log, results, errors, plan, elapsed, runner, ranks)
+
+
+def _error_record(entry, message: str, fp: str) -> dict:
+    """The record of a line that could not run, in the shape of its input line's format."""
+    from mlxkv.commands.batch_input import BadLine
+
+    if is_openai(entry.source):
+        return openai_batch.error_record(entry.id, entry.line, fp, message)
+    return {**BadLine(entry.line, message, entry.id).record(), "fp": fp}
+
+
+def _result_record(job, r, fp: str, model: str) -> dict:
+    if is_openai(job.source):
+        return openai_batch.result_record(job.id, job.line, fp, model, r)
+    return {**_record(job, r), "fp": fp}
 
 
 def _record(job, r) -> dict:

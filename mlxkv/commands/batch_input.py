@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxkv.commands.batch_openai import from_openai
 from mlxkv.engine.conversation import conversation_problem, plain_messages
 from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
@@ -80,64 +81,6 @@ def _check_overrides(obj: dict) -> str | None:
     if "json_schema" in obj and not isinstance(obj["json_schema"], dict):
         return "'json_schema' must be a JSON Schema object ({} for any JSON value)"
     return None
-
-
-OPENAI_LINE = ("custom_id", "method", "url", "body")
-OPENAI_URL = "/v1/chat/completions"
-# the body fields this file's lines have a field for; "model" is read past: the run's model
-# answers whatever it names
-OPENAI_BODY = (
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "stop",
-    "response_format",
-)
-
-
-def from_openai(obj: dict) -> dict | str:
-    """A request line of OpenAI's Batch API as this file's own line (``custom_id`` is its
-    id), or what keeps it from running here."""
-    unknown = sorted(set(obj) - set(OPENAI_LINE))
-    if unknown:
-        return f"unknown field(s) {', '.join(unknown)} in an OpenAI batch request line"
-    if obj.get("method", "POST") != "POST":
-        return f"'method' must be \"POST\", got {obj['method']!r}"
-    if obj.get("url", OPENAI_URL) != OPENAI_URL:
-        return f"'url' {obj['url']!r}: only {OPENAI_URL} requests run in mlxkv batch"
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        return "'body' must be the request's JSON object"
-    given = {k: v for k, v in body.items() if v is not None}
-    if extra := sorted(set(given) - set(OPENAI_BODY)):
-        return f"body.{extra[0]} is not supported in mlxkv batch; it takes {', '.join(OPENAI_BODY)}"
-    line = {"id": obj["custom_id"]}
-    if "messages" not in given:
-        return "body.messages is required: the conversation to answer"
-    line["messages"] = given["messages"]
-    limits = [given[k] for k in ("max_tokens", "max_completion_tokens") if k in given]
-    if len(limits) == 2 and limits[0] != limits[1]:
-        return "body.max_tokens and body.max_completion_tokens disagree; give one"
-    if limits:
-        line["max_tokens"] = limits[0]
-    line |= {k: given[k] for k in ("temperature", "top_p", "seed", "stop") if k in given}
-    answer = given.get("response_format", {"type": "text"})
-    kind = answer.get("type") if isinstance(answer, dict) else None
-    schema = answer.get("json_schema") if isinstance(answer, dict) else None
-    if kind == "json_object":
-        line["json_schema"] = {"type": "object"}
-    elif kind == "json_schema" and isinstance(schema, dict) and "schema" in schema:
-        line["json_schema"] = schema["schema"]
-    elif kind != "text":
-        return (
-            'body.response_format must be {"type": "text"}, {"type": "json_object"} '
-            'or {"type": "json_schema", "json_schema": {"schema": ...}}'
-        )
-    return line
 
 
 def parse_line(n: int, raw: str | bytes) -> Job | BadLine:

@@ -36,13 +36,18 @@ def parse_record(raw: bytes) -> ResumeRecord | None:
     if not isinstance(rec, dict):
         return None
     line, ident, fp = rec.get("line"), rec.get("id"), rec.get(FINGERPRINT_FIELD)
+    if "custom_id" in rec:  # the record of an OpenAI batch line (batch_openai.py)
+        ident = rec["custom_id"]
+        has_text = isinstance(rec.get("response"), dict)
+        has_error = isinstance(rec.get("error"), dict)
+    else:
+        has_text, has_error = isinstance(rec.get("text"), str), isinstance(rec.get("error"), str)
     if not (isinstance(line, int) and not isinstance(line, bool) and line >= 1):
         return None
     if ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int))):
         return None
     if fp is not None and not isinstance(fp, str):
         return None
-    has_text, has_error = isinstance(rec.get("text"), str), isinstance(rec.get("error"), str)
     if has_text == has_error:
         return None
     return ResumeRecord(line, ident, fp, has_error)

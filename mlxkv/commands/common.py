@@ -271,6 +271,14 @@ def given_sampling(args) -> set[str]:
 _quiet = False
 
 
+def model_id(name: str) -> str:
+    """What answers name the loaded model ``name`` by: a local folder's own name, else the
+    alias or repo id it was asked by."""
+    from pathlib import Path
+
+    return Path(name).name if ("/" in name and Path(name).exists()) else name
+
+
 def status(message: str) -> None:
     """Progress for the user on stderr (stdout is the command's output)."""
     if not _quiet:

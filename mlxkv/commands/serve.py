@@ -13,6 +13,7 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_shard_flag,
+    model_id,
     policy_from_args,
     settings_from_args,
     status,
@@ -324,7 +325,7 @@ def _names(loaded, given: list[str]) -> tuple[str, set[str], tuple[str, ...]]:
     from mlxkv.models.registry import lookup
 
     name = loaded.name
-    served = Path(name).name if ("/" in name and Path(name).exists()) else name
+    served = model_id(name)
     names = {served}
     entry = lookup(name)
     if entry is not None:

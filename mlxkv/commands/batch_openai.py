@@ -1,0 +1,124 @@
+"""OpenAI's Batch API file format: its request lines read as this command's own lines, and
+the records of those lines written in the shape of its output file, so a file made for
+OpenAI's batches runs here and its results read as OpenAI's would.
+
+A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}``.
+Its record: ``{"id": "batch_req_...", "line", "custom_id", "response": {"status_code": 200,
+"request_id", "body": <a chat.completion>}, "error": null, "fp"}``, or with ``"response":
+null`` and ``"error": {"code", "message"}`` for a line that could not run; ``line`` and
+``fp`` are what a re-run resumes by, as in this command's own records.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+OPENAI_LINE = ("custom_id", "method", "url", "body")
+OPENAI_URL = "/v1/chat/completions"
+# the body fields this file's lines have a field for; "model" is read past: the run's model
+# answers whatever it names
+OPENAI_BODY = (
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "response_format",
+)
+
+
+def from_openai(obj: dict) -> dict | str:
+    """A request line of OpenAI's Batch API as this file's own line (``custom_id`` is its
+    id), or what keeps it from running here."""
+    unknown = sorted(set(obj) - set(OPENAI_LINE))
+    if unknown:
+        return f"unknown field(s) {', '.join(unknown)} in an OpenAI batch request line"
+    if obj.get("method", "POST") != "POST":
+        return f"'method' must be \"POST\", got {obj['method']!r}"
+    if obj.get("url", OPENAI_URL) != OPENAI_URL:
+        return f"'url' {obj['url']!r}: only {OPENAI_URL} requests run in mlxkv batch"
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return "'body' must be the request's JSON object"
+    given = {k: v for k, v in body.items() if v is not None}
+    if extra := sorted(set(given) - set(OPENAI_BODY)):
+        return f"body.{extra[0]} is not supported in mlxkv batch; it takes {', '.join(OPENAI_BODY)}"
+    line = {"id": obj["custom_id"]}
+    if "messages" not in given:
+        return "body.messages is required: the conversation to answer"
+    line["messages"] = given["messages"]
+    limits = [given[k] for k in ("max_tokens", "max_completion_tokens") if k in given]
+    if len(limits) == 2 and limits[0] != limits[1]:
+        return "body.max_tokens and body.max_completion_tokens disagree; give one"
+    if limits:
+        line["max_tokens"] = limits[0]
+    line |= {k: given[k] for k in ("temperature", "top_p", "seed", "stop") if k in given}
+    answer = given.get("response_format", {"type": "text"})
+    kind = answer.get("type") if isinstance(answer, dict) else None
+    schema = answer.get("json_schema") if isinstance(answer, dict) else None
+    if kind == "json_object":
+        line["json_schema"] = {"type": "object"}
+    elif kind == "json_schema" and isinstance(schema, dict) and "schema" in schema:
+        line["json_schema"] = schema["schema"]
+    elif kind != "text":
+        return (
+            'body.response_format must be {"type": "text"}, {"type": "json_object"} '
+            'or {"type": "json_schema", "json_schema": {"schema": ...}}'
+        )
+    return line
+
+
+def is_openai(source) -> bool:
+    """Whether an input line (as parsed) is a request line of OpenAI's Batch API."""
+    return isinstance(source, dict) and "custom_id" in source
+
+
+# OpenAI's finish reasons for this command's: a stop string is a stop, the context's end a
+# length
+FINISH = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+
+
+def result_record(custom_id, line: int, fp: str, model: str, r) -> dict:
+    """The record of a line answered by result ``r`` (text, finish reason, token counts)."""
+    body = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": r.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.generation_tokens,
+            "total_tokens": r.prompt_tokens + r.generation_tokens,
+        },
+    }
+    response = {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}
+    return _record(custom_id, line, fp, response, None)
+
+
+def error_record(custom_id, line: int, fp: str, message: str) -> dict:
+    """The record of a line that could not run, with what was wrong."""
+    return _record(custom_id, line, fp, None, {"code": "invalid_request", "message": message})
+
+
+def _record(custom_id, line, fp, response, error) -> dict:
+    # "id" and "line" first: how a torn last record is known as this command's
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+        "line": line,
+        "custom_id": custom_id,
+        "response": response,
+        "error": error,
+        "fp": fp,
+    }

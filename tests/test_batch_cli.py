@@ -456,7 +456,9 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
 
 
 @pytest.mark.model
-def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_path, preloaded):
+def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(
+    tmp_path, capsys, preloaded
+):
     """The same three requests written as OpenAI Batch API lines and as this file's own
     lines: the same answers, token for token; the OpenAI lines' records in the shape of
     OpenAI's batch output (custom_id, response.body a chat.completion as the openai client
@@ -492,7 +494,11 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(tmp_p
     bad = _openai_line("embed", {"input": "hi"}, url="/v1/embeddings")
     inp = write_lines(tmp_path / "openai.jsonl", [*openai_lines, bad])
     out = tmp_path / "openai.out.jsonl"
+    capsys.readouterr()
     assert main(["batch", str(inp), "-o", str(out), "--temp", "0"]) == 1
+    assert "mlxkv: OpenAI lines name 'gpt-4o-mini'; smollm2-135m answers them\n" in (
+        capsys.readouterr().err
+    )
     recs = {r["custom_id"]: r for r in read_records(out)}
     assert sorted(recs) == ["embed", "fr", "json", "sum"]
     for line, (cid, _, _) in enumerate(asks, 1):

@@ -426,6 +426,11 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
 
     loaded, runner = _open(args, policy, cluster)
     model_name = model_id(loaded.name)  # what OpenAI-shaped records name the model by
+    asked = sorted(
+        {str(m) for j in jobs if is_openai(j.source) and (m := j.source["body"].get("model"))}
+    )
+    if asked and asked != [model_name]:  # said once: the file was written for another model
+        status(f"OpenAI lines name {', '.join(map(repr, asked[:3]))}; {model_name} answers them")
     work = runner
     if cluster is not None:
         from mlxkv.engine.batch_ranks import DataParallel, Lockstep

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxkv.commands.batch_openai import from_openai
+from mlxkv.commands.batch_openai import from_openai, is_openai
 from mlxkv.engine.conversation import conversation_problem, plain_messages
 from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
@@ -110,7 +110,7 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
     if not isinstance(obj, dict):
         return BadLine(n, f"expected a JSON object, got {type(obj).__name__}", None, obj)
     source = obj  # what the line's fingerprint is taken of: the line as written
-    key = "custom_id" if "custom_id" in obj else "id"
+    key = "custom_id" if is_openai(obj) else "id"
     ident = obj.get(key)
     if key not in obj:
         return BadLine(n, "missing 'id'", None, obj)
@@ -120,7 +120,7 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
     def bad(msg):
         return BadLine(n, msg, ident, source)
 
-    if key == "custom_id":
+    if is_openai(source):
         obj = from_openai(obj)
         if isinstance(obj, str):
             return bad(obj)

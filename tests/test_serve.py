@@ -412,6 +412,8 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
      "prompt_cache_retention must be 'in_memory' or '24h', got \"1h\""),
     ({"messages": MSG, "store": True}, None, 400, "store",
      "store: storing completions is not supported; leave 'store' out"),
+    ({"messages": MSG, "verbosity": "terse"}, None, 400, "verbosity",
+     "verbosity: verbosity must be one of low, medium, high"),
     ({"messages": MSG, "service_tier": "flex"}, None, 400, "service_tier",
      "service_tier: there is one service tier; send 'auto' or leave it out"),
     ({"messages": MSG, "modalities": ["text", "audio"]}, None, 400, "modalities",
@@ -529,12 +531,14 @@ def test_the_openai_client_sees_the_errors(server):
 
 def test_parameters_sent_with_their_no_op_values_are_answered(server):
     """What clients send as defaults, or copy back from an earlier answer (OpenAI names its
-    standard tier "default"), is taken: the answer is the one without them."""
+    standard tier "default"; GPT-5's clients send a verbosity, a hint the model here does
+    not take, as the Responses API's text.verbosity), is taken: the answer is the one
+    without them."""
     client = server.client()
     plain = client.chat.completions.create(
         model="smollm2-135m", messages=MSG, max_tokens=6, temperature=0
     )
-    for tier in ("auto", "default"):
+    for tier, verbosity in (("auto", "low"), ("default", "high")):
         r = client.chat.completions.create(
             model="smollm2-135m",
             messages=MSG,
@@ -544,6 +548,7 @@ def test_parameters_sent_with_their_no_op_values_are_answered(server):
             metadata={},
             modalities=["text"],
             service_tier=tier,
+            verbosity=verbosity,
             extra_body={"functions": [], "function_call": "none"},
         )
         assert r.choices[0].message.content == plain.choices[0].message.content

@@ -30,6 +30,7 @@ RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai client
 
 # A parameter accepted only with these values (JSON null always means "not given"); none
 # given: refused whatever its value.
+VERBOSITY = ("low", "medium", "high")
 CHAT_NO_OPS = {
     "store": ((False,), "storing completions is not supported; leave 'store' out"),
     "metadata": (({},), "'metadata' goes with 'store', which is not supported; leave it out"),
@@ -41,7 +42,9 @@ CHAT_NO_OPS = {
     "modalities": ((["text"],), 'only text output is supported (modalities ["text"])'),
     "audio": ((), "audio output is not supported"),
     "prediction": ((), "predicted outputs are not supported; leave 'prediction' out"),
-    "verbosity": ((), "verbosity is not supported; leave it out"),
+    # a hint to OpenAI's own models, as the Responses API's text.verbosity: the model here
+    # answers at its own length
+    "verbosity": (VERBOSITY, "verbosity must be one of low, medium, high"),
     "web_search_options": ((), "web search is not supported"),
     # "default" is what OpenAI's answers name the standard tier, which clients send back
     "service_tier": (("auto", "default"), "there is one service tier; send 'auto' or leave it out"),

@@ -22,6 +22,7 @@ from mlxkv.server.params import (
     EFFORTS,
     MAX_TOP_LOGPROBS,
     ROLES,
+    VERBOSITY,
     Ask,
     Limits,
     answer_grammar,
@@ -60,7 +61,6 @@ HOSTED_TOOLS = {
 # A custom (freeform) tool takes one string; the chat template offers it as a function
 # with this one parameter.
 CUSTOM_INPUT = "input"
-VERBOSITY = ("low", "medium", "high")
 
 COUNTED = {  # the fields of a token count (POST /v1/responses/input_tokens)
     "model",

@@ -128,6 +128,17 @@ def test_openai_forms_of_the_messages_give_the_same_answer(cli, preloaded, tmp_p
     assert a["generation_tokens"] > 0
 
 
+def test_no_input_names_both_forms_and_stdin(cli, no_model):
+    """A newcomer who pipes a prompt in, or gives none, learns how to give it."""
+    for stdin in ("What is 2+2?\n", None):
+        out = cli("generate", "--max-tokens", "3", stdin=stdin)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr == (
+            "mlxkv generate: error: give the input as --prompt TEXT (--prompt - reads stdin) "
+            "or --messages CONV.json (one of them)\n"
+        )
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [

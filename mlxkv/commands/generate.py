@@ -95,7 +95,10 @@ def _read_messages(path: str) -> list[dict]:
 
 def _check_input(args) -> None:
     if (args.prompt is None) == (args.messages is None):
-        raise UserError("give the input as --prompt TEXT or --messages CONV.json (one of them)")
+        raise UserError(
+            "give the input as --prompt TEXT (--prompt - reads stdin) or --messages CONV.json "
+            "(one of them)"
+        )
     if args.messages is not None and args.raw:
         raise UserError("--raw completes plain text; it does not apply to --messages")
     if args.raw and args.system:

@@ -483,6 +483,28 @@ def test_unknown_endpoints_and_methods(server):
     assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
 
 
+def test_the_servers_log_says_why_a_request_was_refused(server):
+    """A client that shows its user a bare status code leaves the reason to the server's
+    log: one line each, with what the request quoted escaped (no forged lines, no escape
+    sequences for the operator's terminal)."""
+    before = len(server.log())
+    r = server.http("POST", "/v1/chat/completions", json={"messages": MSG, "audio": {}})
+    assert r.status_code == 400
+    forged = "gpt\x1b[2J\nmlxkv: forged"
+    r = server.http("POST", "/v1/chat/completions", json={"model": forged, "messages": MSG})
+    assert r.status_code == 404
+    r = server.http("POST", "/api/chat", json={"model": "smollm2-135m", "messages": "x"})
+    assert r.status_code == 400
+    said = [line for line in server.log()[before:].splitlines() if line.startswith("mlxkv: ")]
+    assert said == [
+        "mlxkv: POST /v1/chat/completions 400: audio: audio output is not supported",
+        "mlxkv: POST /v1/chat/completions 404: The model 'gpt\\x1b[2J\\nmlxkv: forged' does "
+        "not exist on this server: it serves 'smollm2-135m' (GET /v1/models); the model is "
+        "chosen when mlxkv serve starts (--served-model-name gives it more names)",
+        "mlxkv: POST /api/chat 400: messages must be a list of {role, content} objects",
+    ]
+
+
 def test_the_openai_client_sees_the_errors(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError) as e:

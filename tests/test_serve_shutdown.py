@@ -5,6 +5,7 @@ shutdown timeout ends. Each was a traceback in the log and a bare text/plain 500
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import threading
@@ -47,6 +48,8 @@ def test_a_second_ctrl_c_cuts_the_answers_at_once_each_with_its_error(tmp_path):
     cut = json.loads(lines[-1][len("data: ") :])
     assert cut["error"]["code"] == "shutting_down"
     assert cut["error"]["message"].startswith("the server is shutting down; this answer was cut")
+    said = r"mlxkv: cmpl-\w+ 503: the server is shutting down; this answer was cut after \d+ "
+    assert re.search(said, server.log()), server.log()
     assert "Traceback" not in server.log() and " 500 " not in server.log()
     server.stop()
 

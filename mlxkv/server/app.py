@@ -92,6 +92,7 @@ FORMAT_PARAMS = {  # where each API asks for an answer's schema
 BLOCKS = ("messages", "responses")  # one answer, as a list of blocks or items
 BODY_WAIT = 30.0  # seconds a request body may pause before it gets 408
 OLLAMA = ("api_chat", "api_generate")
+LOGGED_MESSAGE = 1000  # characters of an error message the log line keeps
 
 
 @dataclass
@@ -441,6 +442,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 yield _data(env.chunk([], True, usage_of(choices, ask.n)))
             yield "data: [DONE]\n\n"
         except APIError as e:
+            _log_error(env.id, e)
             yield _data(e.body())
         finally:
             bridge.finish(run)
@@ -459,6 +461,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             for e in env.end(choices[0]):
                 yield event(*e)
         except APIError as e:
+            _log_error(env.id, e)
             for name, data in env.fail(e):
                 yield event(name, data)
         finally:
@@ -474,6 +477,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                     yield env.line(part)
             yield env.last(choices[0])
         except APIError as e:
+            _log_error(env.id, e)
             yield ollama.error_line(e)
         finally:
             bridge.finish(run)
@@ -745,9 +749,21 @@ def _guard(endpoint, shape=APIError.response):
         try:
             return await endpoint(request)
         except APIError as e:
+            _log_error(f"{request.method} {request.url.path}", e)
             return shape(e)
 
     return guarded
+
+
+def _log_error(where: str, e: APIError) -> None:
+    """The reason for an error answer, for whoever reads the server's log: a client (an
+    editor, an agent) often shows its user a bare status code. A message can quote the
+    request (a model's name): its control characters are written escaped, so a request
+    cannot forge log lines or send escape sequences to the terminal, and a long one is cut."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in e.message)
+    if len(text) > LOGGED_MESSAGE:
+        text = text[: LOGGED_MESSAGE - 3] + "..."
+    print(f"mlxkv: {where} {e.status}: {text}", file=sys.stderr, flush=True)
 
 
 def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: Run) -> list:

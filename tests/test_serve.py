@@ -647,6 +647,7 @@ def test_this_machines_pages_may_call_the_api_from_a_browser(server):
 def test_models_health_and_status(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
+    assert models.data[0].max_model_len == 8192  # the model's context, as vLLM lists it
     assert server.client().models.retrieve("smollm2-135m").id == "smollm2-135m"
     assert server.http("GET", "/health").json() == {"status": "ok", "model": "smollm2-135m"}
     s = server.status()

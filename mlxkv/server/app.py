@@ -615,8 +615,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return JSONResponse({"version": ollama.API_VERSION})
 
     def model_card() -> dict:
-        """The served model as both APIs list one (OpenAI's fields, then Anthropic's)."""
+        """The served model as both APIs list one (OpenAI's fields, then Anthropic's), and
+        its context as vLLM lists it (``max_model_len``), which clients read to size their
+        prompts."""
         started = datetime.fromtimestamp(served.started, timezone.utc)
+        context = served.limits.context_length
         return {
             "id": served.id,
             "object": "model",
@@ -626,6 +629,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             "display_name": served.id,
             "created_at": started.isoformat().replace("+00:00", "Z"),
             "lifecycle": "active",
+            **({"max_model_len": context} if context else {}),
         }
 
     async def models(request: Request) -> Response:

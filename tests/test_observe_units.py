@@ -69,6 +69,7 @@ STATUS = {  # the schema of GET /v1/status with the memory and prefix cache sect
         "kv_bytes_predicted": 3 * MiB + 512,
         "active_bytes": 70 * MiB,
         "peak_bytes": 80 * MiB,
+        "cache_bytes": 6 * MiB,
     },
     "prefix_cache": {
         "entries": 2,
@@ -280,6 +281,7 @@ def test_metrics_read_the_status():
         "mlxkv_runtime_bytes": 10 * MiB,
         "mlxkv_active_bytes": 70 * MiB,
         "mlxkv_peak_bytes": 80 * MiB,
+        "mlxkv_cache_bytes": 6 * MiB,
         "mlxkv_requests_waiting": 3,
         "mlxkv_requests_running": 3,  # two decoding, one prefilling
         "mlxkv_tokens_per_second": 12.5,

@@ -544,6 +544,7 @@ class Scheduler:
             "kv_bytes_predicted": kv_predicted,
             "active_bytes": mx.get_active_memory(),
             "peak_bytes": mx.get_peak_memory(),
+            "cache_bytes": mx.get_cache_memory(),  # freed buffers MLX keeps for reuse
         }
 
     def _tokens_per_second(self, span: float = 5.0) -> float:

@@ -26,6 +26,7 @@ MEMORY_GAUGES = {
     "runtime_bytes": ("runtime_bytes", "bytes the runtime needs beside weights and KV"),
     "active_bytes": ("active_bytes", "bytes MLX holds now"),
     "peak_bytes": ("peak_bytes", "the most bytes MLX has held"),
+    "cache_bytes": ("cache_bytes", "freed buffers MLX keeps for reuse (beside active_bytes)"),
 }
 # name (after mlxkv_, before _total) -> (status key, help)
 COUNTERS = {

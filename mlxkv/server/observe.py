@@ -15,6 +15,7 @@ MEMORY_KEYS = (
     "kv_bytes_predicted",
     "active_bytes",
     "peak_bytes",
+    "cache_bytes",
 )
 COUNTERS = (  # counters since the server started
     "requests_finished",

@@ -664,3 +664,77 @@ def test_the_server_module_runs_no_mlx():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n == "mlx" or n.startswith(("mlx.", "mlx_lm")) for n in names), path
+
+
+def test_tokenize_counts_what_the_endpoints_would_read(server, default_model):
+    """vLLM's /tokenize (``prompt``, ``messages``) and llama.cpp's (``content``): the ids a
+    completion or a chat completion would read (its ``prompt_tokens``), the context beside
+    the count, and /detokenize back to the text."""
+    from mlxkv.engine.request import encode_prompt
+
+    tok = default_model.tokenizer
+    text = "The capital of France is"
+    r = server.http("POST", "/tokenize", json={"prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = encode_prompt(tok, text)
+    assert r.json() == {
+        "count": len(ids),
+        "max_model_len": 8192,
+        "tokens": ids,
+        "token_strs": tok.convert_ids_to_tokens(ids),
+    }
+    back = server.http("POST", "/detokenize", json={"model": "smollm2-135m", "tokens": ids})
+    assert back.json() == {"prompt": text, "content": text}
+
+    chat = server.client().chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=1)
+    whole = server.http("POST", "/tokenize", json={"messages": MSG}).json()
+    assert whole["count"] == chat.usage.prompt_tokens == len(whole["tokens"])
+    body = {"messages": MSG, "add_generation_prompt": False}
+    bare = server.http("POST", "/tokenize", json=body).json()["tokens"]
+    assert whole["tokens"][: len(bare)] == bare and len(bare) < whole["count"]
+
+    r = server.http("POST", "/tokenize", json={"content": "café 🎉", "with_pieces": True})
+    pieces = r.json()["tokens"]
+    assert pieces == [
+        {"id": 83, "piece": "c"},
+        {"id": 1939, "piece": "af"},
+        {"id": 2756, "piece": "é"},
+        {"id": 15107, "piece": [32, 240, 159]},  # a space and part of the emoji: its bytes
+        {"id": 232, "piece": [142]},
+        {"id": 227, "piece": [137]},
+    ]
+    assert server.http("POST", "/tokenize", json={"content": "café 🎉"}).json() == {
+        "tokens": [p["id"] for p in pieces]
+    }
+
+
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        ("/tokenize", {}, None, "send the text to tokenize as one of 'prompt' (a string), "
+         "'messages' (a chat) or 'content' (a string)"),
+        ("/tokenize", {"prompt": "a", "content": "b"}, None, "send the text to tokenize as"),
+        ("/tokenize", {"prompt": 5}, "prompt", "prompt must be a string, got 5"),
+        ("/tokenize", {"content": "x", "add_special_tokens": True}, "add_special_tokens",
+         "add_special_tokens does not go with 'content' in /tokenize (it takes add_special, "
+         "parse_special, with_pieces)"),
+        ("/tokenize", {"content": "x", "parse_special": False}, None,
+         "parse_special false is not supported: special tokens in the text are read"),
+        ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, "return_token_strs",
+         'return_token_strs must be true or false, got "yes"'),
+        ("/tokenize", {"messages": []}, "messages", "messages"),
+        ("/tokenize", {"model": "gpt-4o", "prompt": "x"}, "model", "The model 'gpt-4o' does "
+         "not exist on this server"),
+        ("/detokenize", {"tokens": [-1]}, "tokens", "token id -1 is not in [0, 49152)"),
+        ("/detokenize", {"tokens": [49152]}, "tokens", "token id 49152 is not in [0, 49152)"),
+        ("/detokenize", {"tokens": [1.5]}, "tokens",
+         "tokens must be a list of token ids (integers)"),
+        ("/detokenize", {"tokens": [1], "x": 1}, "x",
+         "Unrecognized request argument supplied: x"),
+    ],
+)  # fmt: skip
+def test_tokenize_and_detokenize_refuse_what_they_cannot_read(server, path, body, param, message):
+    r = server.http("POST", path, json=body)
+    assert r.status_code == (404 if param == "model" else 400), r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param

@@ -67,11 +67,12 @@ def settings_from_json(d: dict) -> GenerationSettings:
     return GenerationSettings(**s)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer, text: str, specials: bool = True) -> list[int]:
     """Token ids of a whole prompt: the tokenizer's BOS is added unless the text (a chat
-    template's output, say) already starts with it. Every front end encodes with this."""
+    template's output, say) already starts with it (or ``specials`` is false: the text's
+    own tokens alone). Every front end encodes with this."""
     bos = getattr(tokenizer, "bos_token", None)
-    add = bool(bos) and not text.startswith(bos)
+    add = specials and bool(bos) and not text.startswith(bos)
     try:
         return tokenizer.encode(text, add_special_tokens=add)
     except BaseException as e:

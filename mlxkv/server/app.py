@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
-from mlxkv.engine.request import RESERVE_STEP
+from mlxkv.engine.request import RESERVE_STEP, encode_prompt
 from mlxkv.errors import UserError
 from mlxkv.models.fim import fim_format
 from mlxkv.policy import KVPolicy
@@ -44,6 +44,7 @@ from mlxkv.server.params import (
     Ask,
     Limits,
     api_names,
+    model_of,
     parse_chat,
     parse_completion,
     parse_json,
@@ -59,12 +60,19 @@ from mlxkv.server.responses import (
     not_found,
     parse_responses,
 )
+from mlxkv.server.tokenize import (
+    detokenize_body,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_body,
+)
 from mlxkv.server.tools import has_tool_calling, held_calls, reader_for
 from mlxkv.server.truncation import answer_room, fitted
 
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, and Ollama's "
+    "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, /tokenize, "
+    "/detokenize, and Ollama's "
     "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
 )
 PARSERS = {
@@ -551,6 +559,34 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             }
         )
 
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        body = parse_json(await read_body(request))
+        ask = parse_tokenize(body)
+        check_model(model_of(body))
+        if ask.form == "messages":
+            chat = parse_chat(ask.chat, served.limits)
+            check_tool_format(chat)
+            prompts, _ = await run_in_threadpool(render, chat, ask.generation_prompt)
+            ids = prompts[0]
+        else:
+            try:
+                ids = await run_in_threadpool(
+                    encode_prompt, served.tokenizer, ask.text, ask.specials
+                )
+            except UserError as e:  # the tokenizer failed on this text
+                raise bad(str(e), ask.form) from None
+        context = served.limits.context_length
+        return JSONResponse(tokenize_body(ask, ids, words, context))
+
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        body = parse_json(await read_body(request))
+        ids = parse_detokenize(body, served.limits.vocab_size)
+        check_model(model_of(body))
+        text = await run_in_threadpool(served.tokenizer.decode, ids)
+        return JSONResponse(detokenize_body(text))
+
     async def count_tokens(request: Request) -> Response:
         check_auth(request)
         ask = parse_messages(parse_json(await read_body(request)), served.limits, counting=True)
@@ -692,6 +728,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/api/ps", _guard(api_ps, ollama.error_response), methods=["GET"]),
         Route("/api/show", _guard(api_show, ollama.error_response), methods=["POST"]),
         Route("/api/version", _guard(api_version, ollama.error_response), methods=["GET"]),
+        Route("/tokenize", _guard(tokenize), methods=["POST"]),
+        Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
         Route("/v1/models/{name:path}", _guard(one_model), methods=["GET"]),
         Route("/v1/status", _guard(status), methods=["GET"]),

@@ -229,7 +229,7 @@ def test_texts_a_user_reads():
         "weights 50.0 MiB  runtime 10.0 MiB  reserved 20.0 MiB (KV 3.0 MiB)",
         "prefixes 10.0 MiB  free 10.0 MiB of budget 100 MiB",
         "KV actual 3.0 MiB · predicted 3.0 MiB (actual -512 B (-0.0%))",
-        "MLX active 70.0 MiB · peak 80.0 MiB",
+        "MLX active 70.0 MiB · peak 80.0 MiB · cache 6.0 MiB",
     ]
     assert max(len(line) for line in mem[1:]) <= 80
     running = top_view.requests_text(v).plain.splitlines()

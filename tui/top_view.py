@@ -92,6 +92,7 @@ class TopView:
     kv_bytes_predicted: int
     active_bytes: int
     peak_bytes: int
+    cache_bytes: int  # freed buffers MLX keeps for reuse
     memory: Tier
     disk: Tier
     disk_dir: str | None
@@ -158,6 +159,7 @@ def view(status: dict) -> TopView:
         kv_bytes_predicted=mem["kv_bytes_predicted"],
         active_bytes=mem["active_bytes"],
         peak_bytes=mem["peak_bytes"],
+        cache_bytes=mem["cache_bytes"],
         memory=tier("memory"),
         disk=tier("disk"),
         disk_dir=cache["disk"]["dir"],
@@ -229,7 +231,9 @@ def memory_text(v: TopView, width: int) -> Text:
         out.append(f" ({gap})", "green" if gap == "exact" else "yellow")
     out.append("\n")
     out.append(
-        f"MLX active {human_bytes(v.active_bytes)} · peak {human_bytes(v.peak_bytes)}", "dim"
+        f"MLX active {human_bytes(v.active_bytes)} · peak {human_bytes(v.peak_bytes)} · "
+        f"cache {human_bytes(v.cache_bytes)}",
+        "dim",
     )
     return out
 

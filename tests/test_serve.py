@@ -717,7 +717,7 @@ def test_tokenize_counts_what_the_endpoints_would_read(server, default_model):
         ("/tokenize", {"prompt": 5}, "prompt", "prompt must be a string, got 5"),
         ("/tokenize", {"content": "x", "add_special_tokens": True}, "add_special_tokens",
          "add_special_tokens does not go with 'content' in /tokenize (it takes add_special, "
-         "parse_special, with_pieces)"),
+         "model, parse_special, with_pieces)"),
         ("/tokenize", {"content": "x", "parse_special": False}, None,
          "parse_special false is not supported: special tokens in the text are read"),
         ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, "return_token_strs",

@@ -45,7 +45,7 @@ def parse_tokenize(body: dict) -> Tokenize:
     allowed = {"model", form, *FLAGS[form], *(CHAT_FIELDS if form == "messages" else ())}
     for name in body:
         if name not in allowed:
-            takes = ", ".join(sorted(FLAGS[form]))
+            takes = ", ".join(sorted(allowed - {form}))
             raise bad(
                 f"{name} does not go with '{form}' in /tokenize (it takes {takes})", param=name
             )

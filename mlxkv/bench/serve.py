@@ -115,9 +115,16 @@ class ServerProcess:
             pass
 
     def peak_rss(self) -> int | None:
+        return self._status_bytes("VmHWM:")
+
+    def rss(self) -> int | None:
+        return self._status_bytes("VmRSS:")
+
+    def _status_bytes(self, field: str) -> int | None:
+        """A memory figure of the process's /proc status (Linux), in bytes."""
         try:
             for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
         except OSError:
             pass

@@ -48,7 +48,7 @@ class Workload:
     """The ``i``-th request of the run, sent and read to its end (or dropped)."""
 
     def __init__(self, url: str, model: str, corpus: Path, conversations: int = 4):
-        self.url, self.model = url, model
+        self.model = model
         self.texts = passages(corpus, 400, 110)
         self.convs = [[] for _ in range(conversations)]
         self.locks = [threading.Lock() for _ in range(conversations)]
@@ -144,7 +144,7 @@ def sample(server: ServerProcess, done: int, started: float) -> dict:
     return {
         "t_s": round(time.monotonic() - started, 1),
         "requests": done,
-        "rss_mib": round(_rss(server.proc.pid) / 2**20, 1),
+        "rss_mib": round((server.rss() or 0) / 2**20, 1),
         "active_mib": round(memory["active_bytes"] / 2**20, 1),
         "cache_mib": round(memory.get("cache_bytes", 0) / 2**20, 1),
         "weights_mib": round(memory["weights_bytes"] / 2**20, 1),
@@ -153,13 +153,6 @@ def sample(server: ServerProcess, done: int, started: float) -> dict:
         "responses_mib": round(status["response_store"]["bytes"] / 2**20, 2),
         "rows": status["rows_in_flight"],
     }
-
-
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def run(

@@ -42,3 +42,19 @@ def answer_penalties(prompt_len: int, presence: float, frequency: float, bias: d
         return mx.array(out)
 
     return process
+
+
+def eos_held(prompt_len: int, eos, until: int | None):
+    """EOS kept from being drawn while the answer has fewer than ``until`` tokens (None:
+    always): vLLM's min_tokens and llama.cpp's ignore_eos, written out."""
+    import mlx.core as mx
+    import numpy as np
+
+    def process(tokens, logits):
+        if until is not None and len(tokens.tolist()) - prompt_len >= until:
+            return logits
+        out = np.array(logits.astype(mx.float32))
+        out[:, list(eos)] = -np.inf
+        return mx.array(out)
+
+    return process

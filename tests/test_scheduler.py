@@ -14,7 +14,7 @@ from mlxkv.engine.events import Failed, Finished, PrefillProgress, TokenDelta
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.engine.session import GenerationSettings, Session
 from mlxkv.policy import KVPolicy
-from tests.mlx_lm_ref import answer_penalties, greedy_tokens
+from tests.mlx_lm_ref import answer_penalties, eos_held, greedy_tokens
 
 pytestmark = pytest.mark.model
 
@@ -187,6 +187,84 @@ def test_penalties_and_logit_bias_give_mlx_lms_tokens_in_a_batch(default_model):
         assert got[name] == ref[: len(got[name])] and len(got[name]) in (len(ref), n), name
     assert got["repetition"] != got["plain"] and got["openai"] != got["plain"]
     assert comma in got["plain"] and comma not in got["openai"]
+
+
+def _run(sched, asked: dict) -> dict:
+    """Each request of ``asked`` (name: (ids, settings)) answered in one batch: name ->
+    (tokens, Finished)."""
+    handles = {k: sched.submit(Request(ids, s)) for k, (ids, s) in asked.items()}
+    while sched.step():
+        pass
+    out = {}
+    for k, h in handles.items():
+        events = _collect(h)
+        tokens = [e.token for e in events if isinstance(e, TokenDelta) and e.token >= 0]
+        out[k] = tokens, [e for e in events if isinstance(e, Finished)][0]
+    return out
+
+
+def test_min_tokens_and_ignore_eos_hold_the_end_back(default_model):
+    """EOS held back for the answer's first min_tokens tokens (vLLM's min_tokens) or for
+    good (ignore_eos): in one batch each row gets the tokens of mlx-lm's generate_step with
+    EOS masked as long, where the plain answer ends at its ninth token. A stop string
+    counts only once it ends after the text of the first min_tokens - 1 tokens."""
+    tok = default_model.tokenizer
+    eos = tok.eos_token_ids
+    sky = _ids(default_model, "Reply with one word: is the sky blue?")
+    hi = _ids(default_model, "Say hi.")
+    stops = ("!", ".")
+    asked = {
+        "plain": (sky, GenerationSettings(max_tokens=24)),
+        "min 14": (sky, GenerationSettings(max_tokens=24, min_tokens=14)),
+        "ignore_eos": (sky, GenerationSettings(max_tokens=24, ignore_eos=True)),
+        "stop": (hi, GenerationSettings(max_tokens=24, stop=stops)),
+        "stop, min 8": (hi, GenerationSettings(max_tokens=24, stop=stops, min_tokens=8)),
+    }
+    got = _run(Scheduler(default_model, KVPolicy(), max_batch=8), asked)
+    refs = {
+        "plain": greedy_tokens(default_model, sky, 24, [], eos),
+        "min 14": greedy_tokens(default_model, sky, 24, [eos_held(len(sky), eos, 14)], eos),
+        "ignore_eos": greedy_tokens(default_model, sky, 24, [eos_held(len(sky), eos, None)]),
+    }
+    for name, ref in refs.items():  # (the reference keeps the EOS it stops at)
+        assert got[name][0] == [t for t in ref if t not in eos], name
+    assert len(refs["plain"]) == 9 and refs["plain"][-1] in eos
+    assert got["plain"][1].finish_reason == got["min 14"][1].finish_reason == "stop"
+    assert len(refs["min 14"]) > 14 and not set(refs["min 14"][:14]) & set(eos)
+    assert got["ignore_eos"][1].finish_reason == "length" and not set(refs["ignore_eos"]) & eos
+    assert got["ignore_eos"][1].text.startswith("The sky is indeed a brilliant blue.")
+    assert got["stop"][1].text == "Hello there"
+    assert got["stop, min 8"][1].text == (
+        "Hello there! I'm here to help with any kind of creative writing project"
+    )
+    assert got["stop, min 8"][1].stop == "."
+
+
+def test_xtc_drops_the_top_choices_as_mlx_lms_sampler_does(default_model):
+    """XTC with probability 1 (mlx_lm.server's xtc_probability and xtc_threshold): at a
+    temperature near 0, seeded or not, each step picks the most likely token XTC leaves,
+    mlx-lm's apply_xtc then argmax; without XTC the answer is the greedy one."""
+    from mlx_lm.sample_utils import apply_xtc
+
+    from mlxkv.engine.samplers import xtc_exempt
+
+    tok = default_model.tokenizer
+    ids = _ids(default_model, "Name three colours.")
+    exempt = xtc_exempt(tok)
+    assert exempt == [tok.encode("\n", add_special_tokens=False)[0], *sorted(tok.eos_token_ids)]
+    xtc = {"temperature": 1e-6, "xtc_probability": 1.0, "xtc_threshold": 0.1, "max_tokens": 10}
+    asked = {
+        "seeded": (ids, GenerationSettings(seed=7, **xtc)),
+        "unseeded": (ids, GenerationSettings(**xtc)),
+        "plain": (ids, GenerationSettings(temperature=1e-6, max_tokens=10)),
+    }
+    got = _run(Scheduler(default_model, KVPolicy(), max_batch=4), asked)
+    ref = greedy_tokens(
+        default_model, ids, 10, [lambda _, x: apply_xtc(x, 1.0, 0.1, exempt)], tok.eos_token_ids
+    )
+    plain = greedy_tokens(default_model, ids, 10, [], tok.eos_token_ids)
+    assert got["seeded"][0] == got["unseeded"][0] == [t for t in ref if t not in exempt[1:]]
+    assert got["plain"][0] == [t for t in plain if t not in exempt[1:]] != got["seeded"][0]
 
 
 def _active_mib() -> float:

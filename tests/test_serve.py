@@ -305,6 +305,52 @@ def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
     assert only.choices[0].text == " the the the the"
 
 
+def test_answers_of_a_set_length_as_benchmarks_ask(server, default_model):
+    """vLLM's and llama.cpp's fields through the openai client's extra_body: ignore_eos
+    gives max_tokens tokens, chat and text completions alike; min_tokens keeps a short
+    answer going past its EOS; mlx_lm.server's repetition_context_size sets the window of
+    the repetition penalty (mlx-lm's own tokens with that window)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlxkv.engine.request import encode_prompt
+    from tests.mlx_lm_ref import greedy_tokens
+
+    client = server.client()
+    sky = [{"role": "user", "content": "Reply with one word: is the sky blue?"}]
+    ask = {"model": "smollm2-135m", "messages": sky, "temperature": 0, "max_tokens": 16}
+    plain = client.chat.completions.create(**ask)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 9
+    long = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 16
+    assert long.choices[0].message.content.startswith(plain.choices[0].message.content)
+    more = client.chat.completions.create(**ask, extra_body={"min_tokens": 12})
+    assert more.usage.completion_tokens > 12
+    assert more.choices[0].message.content.startswith(plain.choices[0].message.content)
+    text = client.completions.create(
+        model="smollm2-135m",
+        prompt="Hi",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert text.usage.completion_tokens == 16 and text.choices[0].finish_reason == "length"
+
+    tok = default_model.tokenizer
+    chat = [{"role": "user", "content": "List the days of the week, twice, then count to 20."}]
+    ids = encode_prompt(
+        tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
+    ref, short = (
+        greedy_tokens(default_model, ids, 12, make_logits_processors(None, 1.3, size))
+        for size in (64, 20)
+    )
+    got = client.chat.completions.create(
+        model="smollm2-135m", messages=chat, temperature=0, max_tokens=12,
+        extra_body={"repetition_penalty": 1.3, "repetition_context_size": 64},
+    )  # fmt: skip
+    assert got.choices[0].message.content == tok.decode(ref) != tok.decode(short)
+
+
 def test_sixteen_streams_decode_as_one_batch(server):
     client = server.client()
     alone = client.completions.create(
@@ -460,6 +506,23 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"prompt": "x", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "in [1,"),
     ({"prompt": "x", "best_of": 2}, "/v1/completions", 400, "best_of", "not supported"),
     ({"prompt": "x", "messages": MSG}, "/v1/completions", 400, "messages", "Unrecognized"),
+    ({"messages": MSG, "max_tokens": 5, "min_tokens": 6}, None, 400, "min_tokens",
+     "min_tokens (6) is more than max_tokens (5); lower min_tokens or raise max_tokens"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "/v1/completions", 400, "min_tokens",
+     "min_tokens (3) is more than max_tokens (2)"),
+    ({"messages": MSG, "min_tokens": -1}, None, 400, "min_tokens",
+     "min_tokens must be in [0, 2147483647], got -1"),
+    ({"messages": MSG, "ignore_eos": "yes"}, None, 400, "ignore_eos",
+     'ignore_eos must be true or false, got "yes"'),
+    ({"messages": MSG, "ignore_eos": True, "response_format": {"type": "json_object"}}, None,
+     400, "ignore_eos", "ignore_eos cannot go with response_format or a forced tool call: that "
+     "answer ends where its schema does; leave ignore_eos out"),
+    ({"messages": MSG, "xtc_threshold": 0.7}, None, 400, "xtc_threshold",
+     "xtc_threshold must be in [0, 0.5], got 0.7"),
+    ({"messages": MSG, "xtc_probability": 2}, None, 400, "xtc_probability",
+     "xtc_probability must be in [0, 1], got 2; 0 means none"),
+    ({"messages": MSG, "repetition_context_size": 0}, None, 400, "repetition_context_size",
+     "repetition_context_size must be in [1, 1048576], got 0"),
 ]  # fmt: skip
 
 

@@ -308,15 +308,15 @@ def test_repeat_last_n_is_the_window_of_the_repetition_penalty(server, default_m
     )
     size = 8192 if window < 0 else window  # the model's context
     penalty = make_logits_processors(repetition_penalty=1.3, repetition_context_size=size)
-    ref = greedy_tokens(default_model, ids, 48, penalty, tok.eos_token_ids)
+    ref = greedy_tokens(default_model, ids, 12, penalty, tok.eos_token_ids)
     ref = [
         t for t in ref[: next((i for i, t in enumerate(ref) if t in tok.eos_token_ids), len(ref))]
     ]
-    opts = {"temperature": 0, "num_predict": 48, "repeat_penalty": 1.3, "repeat_last_n": window}
+    opts = {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.3, "repeat_last_n": window}
     r = whole(server, "/api/chat", {"model": "smollm2-135m", "messages": chat, "options": opts})
     assert r["message"]["content"] == tok.decode(ref)
     short = make_logits_processors(repetition_penalty=1.3, repetition_context_size=20)
-    assert greedy_tokens(default_model, ids, 48, short, tok.eos_token_ids)[: len(ref)] != ref
+    assert greedy_tokens(default_model, ids, 12, short, tok.eos_token_ids)[: len(ref)] != ref
 
 
 def test_ollamas_own_defaults_are_taken(server):

@@ -11,11 +11,18 @@ class FinishRule:
 
     ``add(token)`` returns ``(delta, reason)``: the text that may be shown now, and why the
     answer ends with this token (None: it goes on). An EOS token or a stop string ends it
-    without a delta; ``end()`` then gives the rest of the text and the whole answer.
+    without a delta (a stop string not before the answer's ``min_tokens``-th token);
+    ``end()`` then gives the rest of the text and the whole answer.
     """
 
     def __init__(
-        self, tokenizer, stop, max_tokens: int, capped: bool = False, after: tuple[int, ...] = ()
+        self,
+        tokenizer,
+        stop,
+        max_tokens: int,
+        capped: bool = False,
+        after: tuple[int, ...] = (),
+        min_tokens: int = 0,
     ):
         self.eos = set(tokenizer.eos_token_ids)
         # The answer's text is what its tokens add to the text of ``after`` (the prompt's
@@ -32,6 +39,10 @@ class FinishRule:
             seed.finalize()
             self.before = seed.text
         self.stop = StopMatcher(stop)
+        # a stop string counts once it ends after the text of the first min_tokens - 1
+        # tokens (vLLM's rule; the sampler holds EOS back as long)
+        self.min_tokens = min_tokens
+        self.stops_from = 0
         self.max_tokens = max_tokens
         self.capped = capped  # max_tokens was cut to what the context has room for
         self.tokens: list[int] = []
@@ -47,7 +58,11 @@ class FinishRule:
             return "", self.reason
         self.detok.add_token(token)
         text = self._answer(self.detok.text)
-        hit = self.stop.find(text)
+        hit = None
+        if len(self.tokens) < self.min_tokens:
+            self.stops_from = len(text)
+        else:
+            hit = self.stop.find(text, self.stops_from)
         if hit is not None:
             cut, self.matched = hit
             self.text, self.reason = text[:cut], "stop_string"

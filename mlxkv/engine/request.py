@@ -27,8 +27,17 @@ class GenerationSettings:
     # The answer continues the prompt's text (a raw completion, not a chat message): its
     # text keeps the space its first token starts with ("... is" + " Paris").
     continues: bool = False
+    # XTC (exclude top choices, as mlx-lm's sampler): with this probability each step drops
+    # every token above ``xtc_threshold`` but the least likely of them
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # The end of the answer (EOS, a stop string) held back for its first ``min_tokens``
+    # tokens, or for good with ``ignore_eos`` (EOS alone): vLLM's and llama.cpp's fields,
+    # which benchmarks send for answers of a set length
+    min_tokens: int = 0
+    ignore_eos: bool = False
     prefill_step: int = 512
     # An llguidance grammar the answer must match (constrained decoding; engine/grammar.py)
     grammar: str | None = None
@@ -52,6 +61,12 @@ class GenerationSettings:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.prefill_step < 1:
             raise UserError(f"--prefill-step must be at least 1, got {self.prefill_step}")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens must be 0 or more, got {self.min_tokens}")
+        if not 0 <= self.xtc_probability <= 1:
+            raise UserError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= self.xtc_threshold <= 0.5:  # mlx-lm's apply_xtc raises beyond it
+            raise UserError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
 
 
 def settings_to_json(s: GenerationSettings) -> dict:

@@ -9,12 +9,12 @@ from mlxkv.engine.request import GenerationSettings
 
 
 class SeededSampler:
-    """mlx-lm's make_sampler chain (top-p, min-p, top-k, temperature) drawing from its own
-    key, so a seeded request's text does not depend on what else runs beside it."""
+    """mlx-lm's make_sampler chain (top-p, min-p, XTC, top-k, temperature) drawing from its
+    own key, so a seeded request's text does not depend on what else runs beside it."""
 
-    def __init__(self, s: GenerationSettings):
+    def __init__(self, s: GenerationSettings, xtc_exempt: list[int]):
         import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
         self.key = mx.random.key(s.seed)
         self.temp = s.temperature
@@ -23,6 +23,15 @@ class SeededSampler:
             self.filters.append(lambda x: apply_top_p(x, s.top_p))
         if s.min_p:
             self.filters.append(lambda x: apply_min_p(x, s.min_p))
+        if s.xtc_probability > 0:
+            # apply_xtc draws its coin from MLX's global key: drawn here from this one,
+            # it is applied whenever the coin says so (probability 1 inside)
+            def xtc(x):
+                self.key, sub = mx.random.split(self.key)
+                cut = apply_xtc(x, 1.0, s.xtc_threshold, xtc_exempt)
+                return mx.where(mx.random.uniform(key=sub) < s.xtc_probability, cut, x)
+
+            self.filters.append(xtc)
         if s.top_k > 0:
             self.filters.append(lambda x: apply_top_k(x, s.top_k))
 
@@ -35,14 +44,47 @@ class SeededSampler:
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
 
 
-def sampler_for(s: GenerationSettings) -> Callable | None:
+def xtc_exempt(tokenizer) -> list[int]:
+    """The tokens XTC never drops, as mlx_lm.server sets them: the newline and EOS."""
+    return tokenizer.encode("\n", add_special_tokens=False) + sorted(tokenizer.eos_token_ids)
+
+
+def sampler_for(s: GenerationSettings, tokenizer) -> Callable | None:
     from mlx_lm.sample_utils import make_sampler
 
     if s.temperature == 0:
         return None
+    exempt = xtc_exempt(tokenizer) if s.xtc_probability > 0 else []
     if s.seed is not None:
-        return SeededSampler(s)
-    return make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+        return SeededSampler(s, exempt)
+    return make_sampler(
+        s.temperature,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        top_k=s.top_k,
+        xtc_probability=s.xtc_probability,
+        xtc_threshold=s.xtc_threshold,
+        xtc_special_tokens=exempt,
+    )
+
+
+class EndHeld:
+    """Keeps EOS from being drawn while the answer has fewer than ``until`` tokens (None:
+    for good). ``lead``: the prompt tokens the processors see before the answer's."""
+
+    def __init__(self, eos: list[int], until: int | None, lead: int):
+        self.eos, self.until, self.lead = eos, until, lead
+        self.mask = None
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self.until is not None and len(tokens) - self.lead >= self.until:
+            return logits
+        if self.mask is None or self.mask.shape[-1] != logits.shape[-1]:
+            self.mask = mx.zeros((logits.shape[-1],), dtype=logits.dtype)
+            self.mask[mx.array(self.eos)] = -mx.inf
+        return logits + self.mask
 
 
 # The prompt tokens the logits processors see before the answer's: mlx-lm's generate_step
@@ -68,7 +110,8 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
     penalty looks at the last 20 of them, as in mlx-lm; the presence and frequency
     penalties at the whole answer and nothing of the prompt, as OpenAI defines them
     (mlx_lm.server counts the last 20 tokens, the prompt's among them). A thinking budget
-    closes a thinking model's think block at ``s.think_budget`` tokens. A grammar
+    closes a thinking model's think block at ``s.think_budget`` tokens. EOS is held back
+    for ``s.min_tokens`` answer tokens (or all, ``s.ignore_eos``). A grammar
     (``s.grammar``, read with ``tokenizer``; or ``s.call_grammar``, held over each tool
     call) comes last: what it allows is what is left."""
     from mlx_lm.sample_utils import (
@@ -90,6 +133,9 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
         if penalty:
             over_answer = make(penalty, s.max_tokens)
             processors.append(lambda tokens, logits, p=over_answer: p(tokens[lead:], logits))
+    if s.ignore_eos or s.min_tokens:
+        eos = sorted(tokenizer.eos_token_ids)
+        processors.append(EndHeld(eos, None if s.ignore_eos else s.min_tokens, lead))
     if s.think_budget is not None:
         from mlxkv.engine.thinking import think_budget
 

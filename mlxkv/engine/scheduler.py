@@ -795,7 +795,7 @@ class Scheduler:
                 self.prompt_tokens_prefilled += job.done
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         self._release_shared_prefixes()
-        job.sampler = sampler_for(s)
+        job.sampler = sampler_for(s, self.loaded.tokenizer)
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
@@ -805,6 +805,7 @@ class Scheduler:
             max_tokens,
             capped,
             after=tuple(job.ids[-1:]) if s.continues else (),
+            min_tokens=s.min_tokens,
         )
 
     def _boundary(self, job: _Job) -> None:

@@ -23,6 +23,7 @@ from mlxkv.policy import KVPolicy, PolicyError
 from mlxkv.server.answers import FINISH_REASONS, Choice, Part, kv_figures, without_bytes
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
+    MAX_REPEAT_CONTEXT,
     MAX_STOP,
     MAX_TOP_LOGPROBS,
     Ask,
@@ -83,7 +84,6 @@ RUNTIME = {
 # samplers that only their "off" value is accepted for
 OFF = {"mirostat": 0, "tfs_z": 1, "typical_p": 1}
 MIROSTAT_KNOBS = ("mirostat_eta", "mirostat_tau")  # no effect while mirostat is off
-MAX_REPEAT_LAST_N = 1 << 20  # repeat_last_n: -1 is the context, 0 turns the penalty off
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -212,7 +212,7 @@ def _options(v, limits: Limits) -> tuple:
     try:
         settings = settings_of(given, limits, None if unlimited else predict, unlimited)
         hint = "0 turns the penalty off, -1 looks over the whole context"
-        window = int_field(v, "repeat_last_n", -1, MAX_REPEAT_LAST_N, hint)
+        window = int_field(v, "repeat_last_n", -1, MAX_REPEAT_CONTEXT, hint)
     except APIError as e:
         raise bad(f"options.{e.message}", f"options.{e.param}" if e.param else "options") from None
     if stops:
@@ -223,7 +223,7 @@ def _options(v, limits: Limits) -> tuple:
     elif window is not None and window < 0:
         ctx = v.get("num_ctx")
         ctx = ctx if type(ctx) is int and ctx > 0 else limits.context_length
-        settings = replace(settings, repetition_context=ctx or MAX_REPEAT_LAST_N)
+        settings = replace(settings, repetition_context=ctx or MAX_REPEAT_CONTEXT)
     elif window is not None:
         settings = replace(settings, repetition_context=window)
     return settings, _context(v, limits)

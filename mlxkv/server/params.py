@@ -25,6 +25,7 @@ SEED_RANDOM = -1
 MAX_STOP = 64  # stop strings per request, every API: editors send dozens for code completion
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
+MAX_REPEAT_CONTEXT = 1 << 20  # tokens a repetition penalty may look back over
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 
@@ -64,11 +65,16 @@ _HONOURED = {
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
-    # extensions (as in mlx_lm.server and vLLM)
+    # extensions (as in mlx_lm.server, vLLM and llama.cpp's server)
     "kv",
     "top_k",
     "min_p",
     "repetition_penalty",
+    "repetition_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "min_tokens",
+    "ignore_eos",
 }
 CHAT_HONOURED = _HONOURED | {
     "messages",
@@ -329,12 +335,23 @@ def settings_of(
         "top_k": int_field(body, "top_k", 0, 2**31 - 1, "0 keeps every token"),
         "min_p": number_field(body, "min_p", 0, 1),
         "repetition_penalty": number_field(body, "repetition_penalty", 0, None, lo_open=True),
+        "repetition_context": int_field(body, "repetition_context_size", 1, MAX_REPEAT_CONTEXT),
+        "xtc_probability": number_field(body, "xtc_probability", 0, 1, hint="0 means none"),
+        "xtc_threshold": number_field(body, "xtc_threshold", 0, 0.5),
+        "min_tokens": int_field(body, "min_tokens", 0, 2**31 - 1),
+        "ignore_eos": bool_field(body, "ignore_eos"),
         "presence_penalty": number_field(body, "presence_penalty", -2, 2, hint="0 means none"),
         "frequency_penalty": number_field(body, "frequency_penalty", -2, 2, hint="0 means none"),
         "logit_bias": _logit_bias(body, limits.vocab_size),
         "seed": _seed(body),
         "stop": _stop(body),
     }
+    if max_tokens is not None and (given["min_tokens"] or 0) > max_tokens:
+        raise bad(
+            f"min_tokens ({given['min_tokens']}) is more than max_tokens ({max_tokens}); "
+            "lower min_tokens or raise max_tokens",
+            param="min_tokens",
+        )
     if max_tokens is None and (unlimited or limits.open_ended):
         given |= {"max_tokens": limits.context_length or 2**31 - 1, "open_ended": True}
     try:
@@ -462,6 +479,13 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     cache_hints(body)
     settings = settings_of(body, limits, mct if mct is not None else mt)
     grammar = answer_grammar(tools, _response_format(body.get("response_format")))
+    if grammar is not None and (settings.min_tokens or settings.ignore_eos):
+        name = "min_tokens" if settings.min_tokens else "ignore_eos"
+        raise bad(
+            f"{name} cannot go with response_format or a forced tool call: that answer ends "
+            f"where its schema does; leave {name} out",
+            param=name,
+        )
     budget = int_field(body, "thinking_budget", 0, 2**31 - 1, "0 closes the thinking at once")
     return Ask(
         kind="chat",

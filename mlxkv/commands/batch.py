@@ -146,6 +146,10 @@ NOT_IN_FINGERPRINT = (
     "think_budget",
     "open_ended",
     "repetition_context",
+    "xtc_probability",
+    "xtc_threshold",
+    "min_tokens",
+    "ignore_eos",
 )
 
 

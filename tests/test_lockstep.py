@@ -63,11 +63,13 @@ def _ids(loaded, text: str) -> list[int]:
 
 
 def _lead(loaded) -> tuple[Scheduler, Recorder, list]:
-    """Rank 0: a greedy answer cancelled after 3 tokens beside a sampled one (no seed) under
-    its own policy, both submitted before the first step."""
+    """Rank 0: a greedy answer cancelled after 3 tokens (with a time limit, which no rank
+    applies: each has its own clock) beside a sampled one (no seed) under its own policy,
+    both submitted before the first step."""
     recorder: StepExchange = Recorder()
     sched = Scheduler(loaded, max_batch=4, lockstep=recorder)
-    greedy = sched.submit(Request(_ids(loaded, "Count to ten."), GenerationSettings(max_tokens=16)))
+    timed = GenerationSettings(max_tokens=16, time_limit=0.0)
+    greedy = sched.submit(Request(_ids(loaded, "Count to ten."), timed))
     sampled = sched.submit(
         Request(
             _ids(loaded, "Name a colour."),
@@ -106,6 +108,7 @@ def test_a_follower_replays_rank_0s_steps_in_step(default_model, led):
     # The sampled request travels with the seed rank 0 drew for it, and rank 0 uses it too.
     seed = arrived[1]["settings"]["seed"]
     assert isinstance(seed, int) and arrived[0]["settings"]["seed"] is None
+    assert arrived[0]["settings"]["time_limit"] is None
     assert arrived[1]["policy"]["window"] == 24
     assert [news["cancelled"] for news in sent if news.get("cancelled")] == [[arrived[0]["id"]]]
 

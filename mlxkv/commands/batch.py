@@ -150,6 +150,8 @@ NOT_IN_FINGERPRINT = (
     "xtc_threshold",
     "min_tokens",
     "ignore_eos",
+    "min_indent",
+    "time_limit",
 )
 
 

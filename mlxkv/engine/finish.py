@@ -1,7 +1,10 @@
-"""The one finish rule: EOS, stop strings, the token limit and the context cap, and the
-answer's text as it streams (held back while a stop string may be starting)."""
+"""The one finish rule: EOS, stop strings, the token limit and the context cap, a code
+completion's block and time limits, and the answer's text as it streams (held back while a
+stop string may be starting)."""
 
 from __future__ import annotations
+
+import time
 
 from mlxkv.engine.stopping import StopMatcher
 
@@ -11,8 +14,11 @@ class FinishRule:
 
     ``add(token)`` returns ``(delta, reason)``: the text that may be shown now, and why the
     answer ends with this token (None: it goes on). An EOS token or a stop string ends it
-    without a delta (a stop string not before the answer's ``min_tokens``-th token);
-    ``end()`` then gives the rest of the text and the whole answer.
+    without a delta (a stop string not before the answer's ``min_tokens``-th token), as
+    does a line indented less than ``min_indent`` (cut where its text starts: a code
+    completion's block is done); past ``time_limit`` seconds an answer that holds a line
+    break ends (llama.cpp's ``n_indent`` and ``t_max_predict_ms``). ``end()`` then gives
+    the rest of the text and the whole answer.
     """
 
     def __init__(
@@ -23,6 +29,8 @@ class FinishRule:
         capped: bool = False,
         after: tuple[int, ...] = (),
         min_tokens: int = 0,
+        min_indent: int = 0,
+        time_limit: float | None = None,
     ):
         self.eos = set(tokenizer.eos_token_ids)
         # The answer's text is what its tokens add to the text of ``after`` (the prompt's
@@ -43,6 +51,9 @@ class FinishRule:
         # tokens (vLLM's rule; the sampler holds EOS back as long)
         self.min_tokens = min_tokens
         self.stops_from = 0
+        self.min_indent = min_indent
+        self.lines_from = 0  # where the search for the next line start goes on from
+        self.deadline = None if time_limit is None else time.monotonic() + time_limit
         self.max_tokens = max_tokens
         self.capped = capped  # max_tokens was cut to what the context has room for
         self.tokens: list[int] = []
@@ -67,18 +78,38 @@ class FinishRule:
             cut, self.matched = hit
             self.text, self.reason = text[:cut], "stop_string"
             return "", self.reason
+        if self.min_indent and (cut := self._outdented(text)) is not None:
+            self.text, self.reason = text[:cut], "indent"
+            return "", self.reason
         safe = self.stop.safe_length(text)
         delta, self.shown = text[self.shown : safe], max(self.shown, safe)
         self.text = text
         if len(self.tokens) >= self.max_tokens:
             self.reason = "context" if self.capped else "length"
+        elif self.deadline is not None and time.monotonic() > self.deadline and "\n" in text:
+            self.reason = "time"
         return delta, self.reason
+
+    def _outdented(self, text: str) -> int | None:
+        """Where the first line after a line break that is indented (spaces, tabs) less
+        than ``min_indent`` starts its text, a blank line's break included; None while
+        none is (a line of blanks alone is not decided yet)."""
+        while (brk := text.find("\n", self.lines_from)) >= 0:
+            start = pos = brk + 1
+            while pos < len(text) and text[pos] in " \t":
+                pos += 1
+            if pos == len(text):
+                return None
+            if pos - start < self.min_indent:
+                return pos
+            self.lines_from = start
+        return None
 
     def end(self, reason: str | None = None) -> tuple[str, str]:
         """Close the answer (``reason`` when it ends from outside, e.g. a cancel); returns
         (text not yet shown, the whole answer's text)."""
         self.reason = self.reason or reason or "length"
-        if self.reason != "stop_string":
+        if self.reason not in ("stop_string", "indent"):  # (those cut the text)
             self.detok.finalize()
             self.text = self._answer(self.detok.text)
         rest = self.text[self.shown :]

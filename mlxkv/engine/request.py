@@ -38,6 +38,10 @@ class GenerationSettings:
     # which benchmarks send for answers of a set length
     min_tokens: int = 0
     ignore_eos: bool = False
+    # A code completion's ends (llama.cpp's n_indent and t_max_predict_ms): a line indented
+    # less than this ends the answer; past this many seconds of decoding, a line break does
+    min_indent: int = 0
+    time_limit: float | None = None
     prefill_step: int = 512
     # An llguidance grammar the answer must match (constrained decoding; engine/grammar.py)
     grammar: str | None = None

@@ -401,11 +401,15 @@ class Scheduler:
         from mlxkv.engine.lockstep import pack_request, unpack_request
 
         if self.lockstep.leader:
-            for h in arrived:  # a draw every rank repeats: the seed travels with the request
+            for h in arrived:
                 s = h.request.settings
+                # a draw every rank repeats: the seed travels with the request
                 if s.temperature > 0 and s.seed is None:
-                    seed = int.from_bytes(os.urandom(8), "little")
-                    h.request = replace(h.request, settings=replace(s, seed=seed))
+                    s = replace(s, seed=int.from_bytes(os.urandom(8), "little"))
+                # a time limit would end the answer at each rank's own token: tokens alone do
+                if s.time_limit is not None:
+                    s = replace(s, time_limit=None)
+                h.request = replace(h.request, settings=s)
             news = {
                 "arrived": [pack_request(h.id, h.request) for h in arrived],
                 "cancelled": [h.id for h in asks],
@@ -806,6 +810,8 @@ class Scheduler:
             capped,
             after=tuple(job.ids[-1:]) if s.continues else (),
             min_tokens=s.min_tokens,
+            min_indent=s.min_indent,
+            time_limit=s.time_limit,
         )
 
     def _boundary(self, job: _Job) -> None:
@@ -1055,7 +1061,7 @@ class Scheduler:
             reason = "length"  # an open-ended answer whose memory ran out ends here
         if n > 1:
             job.generation_tps = (n - 1) / max(time.perf_counter() - job.first_token, 1e-9)
-        if reason not in ("stop", "stop_string"):
+        if reason not in ("stop", "stop_string", "indent"):  # (a token cut from the answer)
             logprob, top = lp if lp is not None else (None, None)
             stats = self._stats(job)
             job.handle._emit(TokenDelta(delta, token, stats, logprob, top))

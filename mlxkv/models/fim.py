@@ -20,6 +20,9 @@ class FimFormat:
     middle: str
     suffix_first: bool = False  # Codestral writes the suffix before the prefix
     separators: tuple[str, ...] = ()  # file and repository markers: the middle ended
+    # the repository-level layout's markers: the repository's name, each file's path
+    repo: str | None = None
+    file_sep: str | None = None
 
     def prompt(self, before: str, after: str) -> str:
         """The text the model reads to write what goes between ``before`` and ``after``."""
@@ -40,6 +43,8 @@ FORMATS = (
         "<|fim_suffix|>",
         "<|fim_middle|>",
         separators=("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"),
+        repo="<|repo_name|>",
+        file_sep="<|file_sep|>",
     ),
     FimFormat(
         "starcoder",
@@ -47,6 +52,8 @@ FORMATS = (
         "<fim_suffix>",
         "<fim_middle>",
         separators=("<fim_pad>", "<file_sep>", "<filename>", "<reponame>"),
+        repo="<reponame>",
+        file_sep="<file_sep>",
     ),
     FimFormat("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
     FimFormat("codestral", "[PREFIX]", "[SUFFIX]", "[MIDDLE]", suffix_first=True),
@@ -66,3 +73,65 @@ def fim_format(tokenizer) -> FimFormat | None:
 def _vocab(tokenizer) -> dict:
     inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper, or transformers'
     return inner.get_vocab()
+
+
+# llama.cpp's /infill budgets, from its default batch of 2,048 tokens: the prefix's last
+# three quarters of it, the suffix's first quarter less the middle's start and two markers,
+# and of the other files' text the last tokens that leave the batch and twice the answer
+# free in the context.
+INFILL_BATCH = 2048
+SNIPPET = "\n\n--- snippet ---\n\n"  # between files, for a format without file markers
+
+
+@dataclass(frozen=True)
+class InfillText:
+    prefix: str  # the text before the cursor's line (llama.cpp's input_prefix)
+    suffix: str  # the text after the cursor
+    middle: str = ""  # the cursor's line up to the cursor (its "prompt")
+    files: tuple[tuple[str, str], ...] = ()  # (path, text) of other files, oldest first
+
+
+def infill_ids(
+    tokenizer, fmt: FimFormat, repo_level: bool, text: InfillText, answer: int, context
+) -> tuple[list[int], bool]:
+    """The token ids llama.cpp's /infill gives a model (its layout and budgets, each part
+    tokenized alone), and whether a budget cut any part. ``repo_level``: the model has
+    ``fmt``'s repository markers, so each file is written under its path (the repository
+    named "myproject" and the cursor's file "filename", as llama.cpp names them); else the
+    files' texts come one after another. ``answer``: the tokens the answer may take (-1:
+    unbounded); ``context``: the model's (None: no limit)."""
+
+    def enc(t: str) -> list[int]:
+        return tokenizer.encode(t, add_special_tokens=False) if t else []
+
+    def mark(marker: str) -> list[int]:
+        return [tokenizer.convert_tokens_to_ids(marker)]
+
+    files: list[int] = []
+    if repo_level:
+        files += mark(fmt.repo) + enc("myproject\n")
+    for path, body in text.files:
+        files += mark(fmt.file_sep) + enc(path + "\n") if repo_level else enc(SNIPPET)
+        files += enc(body)
+    if repo_level:
+        files += mark(fmt.file_sep) + enc("filename\n")
+    prefix, suffix, middle = enc(text.prefix), enc(text.suffix), enc(text.middle)
+    take_prefix = min(len(prefix), 3 * (INFILL_BATCH // 4))
+    take_suffix = min(len(suffix), max(0, INFILL_BATCH // 4 - (2 + len(middle))))
+    room = len(files) if context is None else max(0, context - INFILL_BATCH - 2 * answer)
+    take_files = min(room, len(files))
+    before = mark(fmt.prefix) + prefix[len(prefix) - take_prefix :] + middle
+    after = mark(fmt.suffix) + suffix[:take_suffix]
+    # the BOS the tokenizer itself adds to a text (CodeGemma's; Qwen's and StarCoder's none)
+    lead = tokenizer.encode("", add_special_tokens=True)
+    bos = lead if lead == [getattr(tokenizer, "bos_token_id", None)] else []
+    ids = bos + files[len(files) - take_files :]
+    ids += after + before if fmt.suffix_first else before + after + mark(fmt.middle)
+    cut = (take_prefix, take_suffix, take_files) != (len(prefix), len(suffix), len(files))
+    return ids, cut
+
+
+def has_tokens(tokenizer, *texts: str | None) -> bool:
+    """Whether each of ``texts`` is one token of ``tokenizer``'s vocabulary."""
+    vocab = _vocab(tokenizer)
+    return all(t is not None and t in vocab for t in texts)

@@ -12,7 +12,15 @@ from mlxkv.engine.grammar import guidance_tokenizer
 from mlxkv.server.reasoning import ThinkReader
 from mlxkv.server.tools import CallReader
 
-FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+FINISH_REASONS = {
+    "stop": "stop",
+    "stop_string": "stop",
+    "length": "length",
+    "context": "length",
+    # a code completion's limits (llama.cpp's n_indent and t_max_predict_ms)
+    "indent": "length",
+    "time": "length",
+}
 
 
 def new_id(prefix: str) -> str:

@@ -24,9 +24,9 @@ from starlette.routing import Route
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
 from mlxkv.engine.request import RESERVE_STEP, encode_prompt
 from mlxkv.errors import UserError
-from mlxkv.models.fim import fim_format
+from mlxkv.models.fim import fim_format, has_tokens, infill_ids
 from mlxkv.policy import KVPolicy
-from mlxkv.server import metrics, ollama
+from mlxkv.server import llamacpp, metrics, ollama
 from mlxkv.server.answers import (
     Choice,
     Envelope,
@@ -72,7 +72,7 @@ from mlxkv.server.truncation import answer_room, fitted
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
     "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, /tokenize, "
-    "/detokenize, and Ollama's "
+    "/detokenize, llama.cpp's /infill, and Ollama's "
     "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
 )
 PARSERS = {
@@ -155,6 +155,7 @@ class Disconnect:
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
     fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
+    repo_level = fim is not None and has_tokens(served.tokenizer, fim.repo, fim.file_sep)
 
     def check_auth(request: Request) -> None:
         if served.api_key is None:
@@ -235,7 +236,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             except UserError as e:  # the tokenizer failed on this text
                 raise bad(str(e), "messages" if ask.messages else "prompt") from None
 
-        if ask.kind == "completion":
+        if ask.kind in ("completion", "infill"):
             return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
         tools = {"tools": ask.tools.tools} if ask.tools.on else {}
         # a last assistant message is the start of the answer: the template leaves it open
@@ -327,6 +328,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         body = parse_json(await read_body(request))
         if kind == "responses":
             ask, turn = parse_responses(body, served.limits)
+        elif kind == "infill":
+            ask, fill = llamacpp.parse_infill(body, served.limits)
         else:
             ask = PARSERS[kind](body, served.limits)
         if kind in OLLAMA:  # Ollama's clients add its default tag to a name
@@ -342,6 +345,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 ask, rendered = await run_in_threadpool(truncated, ask)
         if ask.suffix is not None:
             ask = fill_in(ask)
+        if kind == "infill":
+            ask = await run_in_threadpool(infill_prompt, ask, fill)
         if kind in OLLAMA and not (ask.messages or ask.prompts):
             # nothing to answer: a client making sure the model is loaded (it always is)
             return JSONResponse(ollama.Reply(served.id, kind == "api_chat").loaded())
@@ -355,6 +360,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             env = Reply(served.id, turn, keeper(turn))
         elif kind in OLLAMA:
             env = ollama.Reply(served.id, kind == "api_chat")
+        elif kind == "infill":
+            env = llamacpp.Reply(served.id, fill, fim.stops)
         else:
             env = Envelope(kind, served.id)
         choices = [
@@ -363,7 +370,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 reader_for(served.tokenizer, ask.tools),
                 # a forced call's answer is all JSON: no reasoning comes apart from it
                 None
-                if ask.kind == "completion" or ask.tools.forced
+                if ask.kind in ("completion", "infill") or ask.tools.forced
                 else think_reader(served.tokenizer, text),
             )
             for i in range(run.rows)
@@ -382,13 +389,16 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 if kind in OLLAMA:
                     lines = _ndjson(run, first, env, ask, choices)
                     return _Stream(lines, lambda: bridge.finish(run), ollama.STREAM_MEDIA)
-                events = (_block_events if kind in BLOCKS else _sse)(run, first, env, ask, choices)
+                shape = _infill_sse if kind == "infill" else _sse
+                events = (_block_events if kind in BLOCKS else shape)(run, first, env, ask, choices)
                 return _Stream(events, lambda: bridge.finish(run))
             async for _, part in _parts(run, first, lambda: gone.next(run), ask, choices):
                 if kind in BLOCKS:
                     env.add(part)
             if kind in BLOCKS or kind in OLLAMA:
                 return JSONResponse(env.whole(choices[0]))
+            if kind == "infill":
+                return JSONResponse(env.last(choices[0], "".join(choices[0].text)))
             return JSONResponse(env.whole(choices, ask.n))
         except ClientGone:
             return Response(status_code=499)
@@ -413,6 +423,25 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         prompts = [fim.prompt(p, ask.suffix) for p in ask.prompts]
         stop = tuple(dict.fromkeys((*ask.settings.stop, *fim.stops)))
         return replace(ask, prompts=prompts, settings=replace(ask.settings, stop=stop))
+
+    def infill_prompt(ask: Ask, infill: llamacpp.Infill) -> Ask:
+        """An /infill request's prompt, laid out as llama.cpp lays it out; its middle ends
+        where the model writes one of the format's markers. Runs in a worker thread."""
+        if fim is None:
+            raise APIError(
+                400,
+                f"the model '{served.id}' has no fill-in-the-middle tokens (as code models "
+                "such as Qwen2.5-Coder, StarCoder2, DeepSeek-Coder and Codestral have), so "
+                "/infill cannot run on it; serve a code model",
+                code="fim_unsupported",
+            )
+        answer = -1 if ask.settings.open_ended else ask.settings.max_tokens
+        limit = served.limits.context_length
+        ids, infill.truncated = infill_ids(
+            served.tokenizer, fim, repo_level, infill.text, answer, limit
+        )
+        stop = tuple(dict.fromkeys((*ask.settings.stop, *fim.stops)))
+        return replace(ask, prompts=[ids], settings=replace(ask.settings, stop=stop))
 
     def check_tool_format(ask: Ask) -> None:
         """Tools the model may call need its family's call format; a forced call does not
@@ -490,6 +519,24 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         finally:
             bridge.finish(run)
             _log(env, ask, choices, run)
+
+    async def _infill_sse(run: Run, first, env, ask: Ask, choices: list[Choice]):
+        """llama.cpp's stream: a ``data:`` line per part of the middle, then the last
+        object (its text sent already: ``content`` "")."""
+        try:
+            async for _, part in _parts(run, first, run.next, ask, choices):
+                if part.text:
+                    yield _data(env.chunk(part.text))
+            yield _data(env.last(choices[0], ""))
+        except APIError as e:
+            _log_error(env.id, e)
+            yield _data(llamacpp.error_body(e))
+        finally:
+            bridge.finish(run)
+            _log(env, ask, choices, run)
+
+    async def infill(request: Request) -> Response:
+        return await completions(request, "infill")
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, "chat")
@@ -728,6 +775,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/api/ps", _guard(api_ps, ollama.error_response), methods=["GET"]),
         Route("/api/show", _guard(api_show, ollama.error_response), methods=["POST"]),
         Route("/api/version", _guard(api_version, ollama.error_response), methods=["GET"]),
+        Route("/infill", _guard(infill, llamacpp.error_response), methods=["POST"]),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
@@ -849,7 +897,9 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
 def _raise_failed(ev, ask: Ask) -> None:
     if not isinstance(ev, Failed):
         return
-    where = {"completion": "prompt", "responses": "input"}.get(ask.kind, "messages")
+    where = {"completion": "prompt", "infill": "input_prefix", "responses": "input"}.get(
+        ask.kind, "messages"
+    )
     if ev.code == "invalid_policy":
         raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
     if ev.code == "context_length_exceeded":
@@ -936,4 +986,6 @@ def _shaped(request: Request, e: APIError) -> Response:
         return error_response(e)
     if request.url.path.startswith("/api/"):
         return ollama.error_response(e)
+    if request.url.path == "/infill":
+        return llamacpp.error_response(e)
     return e.response()

@@ -351,6 +351,34 @@ def test_answers_of_a_set_length_as_benchmarks_ask(server, default_model):
     assert got.choices[0].message.content == tok.decode(ref) != tok.decode(short)
 
 
+def test_llama_vims_instructions_warm_the_cache_then_stream(server):
+    """llama.vim's instruct mode, as it talks to llama.cpp's server: a warm-up with its own
+    fields (n_predict 0: prefill only, and answer nothing), then the instruction streamed,
+    whose prompt the warm-up's prefill serves but for the answer's opening."""
+    chat = [
+        {"role": "system", "content": "You edit code as instructed."},
+        {"role": "user", "content": "Rename x to count:\n\nx = 0\nx += 1\nprint(x)\n"},
+    ]
+    warm = {"id_slot": 0, "messages": chat, "samplers": [], "n_predict": 0, "stream": False}
+    warm |= {"cache_prompt": True, "response_fields": [""]}
+    r = _post(server, warm)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["message"]["content"] == ""
+    assert (out["choices"][0]["finish_reason"], out["usage"]["completion_tokens"]) == ("length", 0)
+    prompt = out["usage"]["prompt_tokens"]
+    ask = {"id_slot": 0, "messages": chat, "min_p": 0.1, "temperature": 0.1, "stream": True}
+    ask |= {"samplers": ["min_p", "temperature"], "cache_prompt": True, "n_predict": 8}
+    ask |= {"stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=ask, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    usage = chunks[-1]["usage"]
+    assert text and usage["completion_tokens"] <= 8 and usage["prompt_tokens"] == prompt
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= prompt - 1
+
+
 def test_sixteen_streams_decode_as_one_batch(server):
     client = server.client()
     alone = client.completions.create(
@@ -506,6 +534,12 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
     ({"prompt": "x", "max_tokens": 0}, "/v1/completions", 400, "max_tokens", "in [1,"),
     ({"prompt": "x", "best_of": 2}, "/v1/completions", 400, "best_of", "not supported"),
     ({"prompt": "x", "messages": MSG}, "/v1/completions", 400, "messages", "Unrecognized"),
+    ({"messages": MSG, "max_tokens": 6, "n_predict": 5}, None, 400, "n_predict",
+     "max_tokens (6) and n_predict (5) disagree; send one"),
+    ({"messages": MSG, "samplers": 5}, None, 400, "samplers",
+     "samplers must be a list of at most 64 strings"),
+    ({"messages": MSG, "id_slot": -2}, None, 400, "id_slot",
+     "id_slot must be in [-1, 2147483647], got -2; -1: any"),
     ({"messages": MSG, "max_tokens": 5, "min_tokens": 6}, None, 400, "min_tokens",
      "min_tokens (6) is more than max_tokens (5); lower min_tokens or raise max_tokens"),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "/v1/completions", 400, "min_tokens",

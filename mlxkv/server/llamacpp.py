@@ -27,6 +27,7 @@ from mlxkv.server.params import (
     Limits,
     bool_field,
     int_field,
+    llama_cpp_hints,
     model_of,
     settings_of,
     show,
@@ -81,7 +82,6 @@ OFF = {
 }
 LLAMA_RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's "any seed", as -1 is
 MAX_FILES = 1024  # input_extra chunks
-MAX_FIELDS = 64  # response_fields
 
 
 @dataclass
@@ -151,10 +151,7 @@ def parse_infill(body: dict, limits: Limits) -> tuple[Ask, Infill]:
         stream=stream,
         warm_only=n_predict == 0,
     )
-    for name in ("samplers", "response_fields"):
-        _strings(body, name)
-    bool_field(body, "cache_prompt")
-    int_field(body, "id_slot", -1, 2**31 - 1, "-1: any")
+    llama_cpp_hints(body)
     int_field(body, "t_max_prompt_ms", -1, 2**31 - 1)
     return ask, Infill(text, body.get("response_fields") or None)  # [] is every field
 
@@ -187,15 +184,6 @@ def _files(v) -> tuple[tuple[str, str], ...]:
             raise bad(f"{where}.filename and {where}.text must be strings", where)
         out.append((path, body))
     return tuple(out)
-
-
-def _strings(body: dict, name: str) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    ok = isinstance(v, list) and len(v) <= MAX_FIELDS and all(isinstance(s, str) for s in v)
-    if not (ok or (name == "samplers" and isinstance(v, str))):
-        raise bad(f"{name} must be a list of at most {MAX_FIELDS} strings", name)
 
 
 class Reply:

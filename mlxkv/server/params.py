@@ -26,6 +26,7 @@ MAX_STOP = 64  # stop strings per request, every API: editors send dozens for co
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
 MAX_REPEAT_CONTEXT = 1 << 20  # tokens a repetition penalty may look back over
+MAX_FIELDS = 64  # llama.cpp's samplers and response_fields
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 
@@ -75,6 +76,12 @@ _HONOURED = {
     "xtc_threshold",
     "min_tokens",
     "ignore_eos",
+    # llama.cpp's server's own, which its clients (llama.vim) send
+    "n_predict",
+    "id_slot",
+    "cache_prompt",
+    "samplers",
+    "response_fields",
 }
 CHAT_HONOURED = _HONOURED | {
     "messages",
@@ -444,6 +451,32 @@ def cache_hints(body: dict) -> None:
         )
 
 
+def llama_cpp_hints(body: dict) -> None:
+    """llama.cpp's fields its clients send with every request, checked: the slot to run in
+    and whether to reuse its cache (the prefix cache serves every request), the samplers'
+    order (mlx-lm's is fixed), and the fields to answer with (an OpenAI answer keeps them
+    all, as llama.cpp's own does)."""
+    int_field(body, "id_slot", -1, 2**31 - 1, "-1: any")
+    bool_field(body, "cache_prompt")
+    for name in ("samplers", "response_fields"):
+        v = body.get(name)
+        strings = isinstance(v, list) and all(isinstance(x, str) for x in v)
+        if v is not None and not (strings and len(v) <= MAX_FIELDS):
+            if not (name == "samplers" and isinstance(v, str)):  # llama.cpp's letters form
+                raise bad(f"{name} must be a list of at most {MAX_FIELDS} strings", name)
+
+
+def n_predict_of(body: dict, *limits: tuple[str, int | None]) -> int | None:
+    """llama.cpp's ``n_predict`` (-1: no limit, None) beside the API's own ``limits``
+    (name, value): those given must agree."""
+    n = int_field(body, "n_predict", -1, 2**31 - 1, "-1: until the model stops")
+    given = [(k, v) for k, v in (*limits, ("n_predict", None if n == -1 else n)) if v is not None]
+    for name, v in given[1:]:
+        if v != given[0][1]:
+            raise bad(f"{given[0][0]} ({given[0][1]}) and {name} ({v}) disagree; send one", name)
+    return given[0][1] if given else None
+
+
 def _n(body: dict, prompts: int, limits: Limits) -> int:
     hint = f"the server takes at most {limits.max_rows} answers in one request"
     n = int_field(body, "n", 1, limits.max_rows, hint) or 1
@@ -464,20 +497,20 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     messages = _messages(body["messages"])
     tools = check_tools(body)
     kwargs = {**_effort(body), **template_kwargs_of(body.get("chat_template_kwargs"))}
-    mt = int_field(body, "max_tokens", 1, 2**31 - 1)
-    mct = int_field(body, "max_completion_tokens", 1, 2**31 - 1)
-    if mt is not None and mct is not None and mt != mct:
-        raise bad(
-            f"max_tokens ({mt}) and max_completion_tokens ({mct}) disagree; send one",
-            param="max_completion_tokens",
-        )
+    llama_cpp_hints(body)
+    most = n_predict_of(
+        body,
+        ("max_tokens", int_field(body, "max_tokens", 1, 2**31 - 1)),
+        ("max_completion_tokens", int_field(body, "max_completion_tokens", 1, 2**31 - 1)),
+    )
     logprobs = bool_field(body, "logprobs")
     top = int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
     stream, usage = _stream(body)
     cache_hints(body)
-    settings = settings_of(body, limits, mct if mct is not None else mt)
+    # n_predict 0 (llama.vim's warm-up): the conversation is prefilled and kept, no answer
+    settings = settings_of(body, limits, 1 if most == 0 else most)
     grammar = answer_grammar(tools, _response_format(body.get("response_format")))
     if grammar is not None and (settings.min_tokens or settings.ignore_eos):
         name = "min_tokens" if settings.min_tokens else "ignore_eos"
@@ -504,6 +537,7 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         template_kwargs=kwargs,
         user=user_of(body, "user", "safety_identifier"),
         tools=tools,
+        warm_only=most == 0,
     )
 
 
@@ -526,8 +560,12 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
     if echo and stream:
         raise bad("echo is not supported with stream: true; ask for the whole answer", "echo")
     suffix = _suffix(body.get("suffix"), prompts, echo)
-    # with echo, max_tokens 0 scores the prompt alone (one token is decoded and not sent)
-    max_tokens = int_field(body, "max_tokens", 0 if echo else 1, 2**31 - 1)
+    # with echo, max_tokens 0 scores the prompt alone (one token is decoded and not sent);
+    # llama.cpp's n_predict 0 prefills it alone
+    llama_cpp_hints(body)
+    max_tokens = n_predict_of(
+        body, ("max_tokens", int_field(body, "max_tokens", 0 if echo else 1, 2**31 - 1))
+    )
     logprobs = int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     return Ask(
         kind="completion",

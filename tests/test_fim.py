@@ -227,6 +227,25 @@ def test_infill_fills_the_middle_as_llama_cpp_answers(fim_server, fim_model):
 
 
 @pytest.mark.model
+def test_infill_answers_llama_vscodes_three_completions_as_a_list(fim_server):
+    """llama.vscode asks for n_cmpl 3 (llama.cpp then answers a list, one object each)
+    after a warm-up of its files with n_predict 0 and t_max_predict_ms 1."""
+    files = [{"filename": "a.py", "text": "A = 1\n"}]
+    warm = {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": files}
+    warm |= {"prompt": "", "n_predict": 0, "samplers": [], "cache_prompt": True}
+    warm |= {"t_max_prompt_ms": 500, "t_max_predict_ms": 1}
+    out = fim_server.http("POST", "/infill", json=warm).json()
+    assert (out["content"], out["tokens_predicted"]) == ("", 0)
+    ask = {**warm, "input_prefix": BEFORE, "input_suffix": AFTER, "n_predict": 32, "n_cmpl": 3}
+    ask |= {"top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"]}
+    ask |= {"t_max_predict_ms": 1000}
+    out = fim_server.http("POST", "/infill", json=ask).json()
+    assert [(o["index"], o["content"], o["stop_type"]) for o in out] == [
+        (i, MIDDLE, "eos") for i in range(3)
+    ]
+
+
+@pytest.mark.model
 def test_infill_ends_at_a_line_outside_the_block_or_at_the_time_limit(fim_server):
     """n_indent: the middle ends where a line indented less than the cursor's starts
     (stop_type limit, the line's indentation kept); t_max_predict_ms: past it, the middle

@@ -398,7 +398,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             if kind in BLOCKS or kind in OLLAMA:
                 return JSONResponse(env.whole(choices[0]))
             if kind == "infill":
-                return JSONResponse(env.last(choices[0], "".join(choices[0].text)))
+                return JSONResponse(env.whole(choices))
             return JSONResponse(env.whole(choices, ask.n))
         except ClientGone:
             return Response(status_code=499)
@@ -521,13 +521,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             _log(env, ask, choices, run)
 
     async def _infill_sse(run: Run, first, env, ask: Ask, choices: list[Choice]):
-        """llama.cpp's stream: a ``data:`` line per part of the middle, then the last
-        object (its text sent already: ``content`` "")."""
+        """llama.cpp's stream: a ``data:`` line per part of a middle, then each middle's
+        last object (its text sent already: ``content`` "")."""
         try:
-            async for _, part in _parts(run, first, run.next, ask, choices):
+            async for row, part in _parts(run, first, run.next, ask, choices):
                 if part.text:
-                    yield _data(env.chunk(part.text))
-            yield _data(env.last(choices[0], ""))
+                    yield _data(env.chunk(part.text, row))
+            for c in choices:
+                yield _data(env.last(c, ""))
         except APIError as e:
             _log_error(env.id, e)
             yield _data(llamacpp.error_body(e))

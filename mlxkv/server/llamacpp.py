@@ -56,6 +56,7 @@ FIELDS = {
     "prompt",
     "n_predict",
     "max_tokens",
+    "n_cmpl",
     "stop",
     "repeat_last_n",
     "n_indent",
@@ -142,12 +143,15 @@ def parse_infill(body: dict, limits: Limits) -> tuple[Ask, Infill]:
         time_limit=ms / 1000 if ms else None,
     )
     stream = bool(bool_field(body, "stream"))
+    hint = f"the server takes at most {limits.max_rows} answers in one request"
+    n = int_field(body, "n_cmpl", 1, limits.max_rows, hint) or 1
     ask = Ask(
         kind="infill",
         model=model_of(body),
         settings=settings,
         policy=None,
         logprobs=None,
+        n=n,  # llama.vscode asks for 3 and shows the different ones
         stream=stream,
         warm_only=n_predict == 0,
     )
@@ -195,9 +199,9 @@ class Reply:
         self.markers = markers  # the format's own markers end the middle as EOS does
         self.id = f"infill-{time.perf_counter_ns()}"  # for the server's log line
 
-    def chunk(self, text: str) -> dict:
-        """A streamed part (the counts come with the last object)."""
-        return {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": 0}
+    def chunk(self, text: str, index: int) -> dict:
+        """A streamed part of answer ``index`` (the counts come with its last object)."""
+        return {"index": index, "content": text, "tokens": [], "stop": False, "id_slot": 0}
 
     def last(self, c: Choice, text: str) -> dict:
         """The answer's last object: its whole text (``text``; "" after a stream) and
@@ -216,7 +220,7 @@ class Reply:
             stop_type, word = "limit", ""
         whole = "".join(c.text)
         out = {
-            "index": 0,
+            "index": c.index,
             "content": text,
             "tokens": [],
             "id_slot": 0,
@@ -244,6 +248,11 @@ class Reply:
             },
         }
         return pick(out, self.infill.fields)
+
+    def whole(self, choices: list[Choice]) -> dict | list[dict]:
+        """The answer (several: a list, as llama.cpp answers ``n_cmpl``)."""
+        out = [self.last(c, "".join(c.text)) for c in choices]
+        return out[0] if len(out) == 1 else out
 
 
 def pick(obj: dict, fields: list[str] | None) -> dict:

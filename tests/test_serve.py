@@ -379,6 +379,41 @@ def test_llama_vims_instructions_warm_the_cache_then_stream(server):
     assert usage["prompt_tokens_details"]["cached_tokens"] >= prompt - 1
 
 
+def test_llama_vscode_reads_the_context_and_counts_a_chat_as_llama_cpp_answers(
+    server, default_model
+):
+    """llama.cpp's /props (llama.vscode sizes its prompts by n_ctx) and /apply-template,
+    whose text /tokenize (llama.cpp's form) counts as many tokens as the chat completion
+    reads; both refuse in llama.cpp's error shape."""
+    props = server.http("GET", "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 8192
+    assert (props["total_slots"], props["model_alias"]) == (16, "smollm2-135m")
+    assert props["chat_template"] == default_model.tokenizer.chat_template
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = server.http("POST", "/apply-template", json={"messages": chat})
+    prompt = r.json()["prompt"]
+    assert prompt == default_model.tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    body = {"content": prompt, "add_special": False, "parse_special": True}
+    tokens = server.http("POST", "/tokenize", json=body).json()["tokens"]
+    used = (
+        server.client()
+        .chat.completions.create(model="smollm2-135m", messages=chat, max_tokens=1)
+        .usage.prompt_tokens
+    )
+    assert len(tokens) == used
+    r = server.http("POST", "/apply-template", json={"messages": chat, "add_generation_prompt": 1})
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": {
+            "code": 400,
+            "message": "add_generation_prompt is not a field of /apply-template; send messages",
+            "type": "invalid_request_error",
+        }
+    }
+
+
 def test_sixteen_streams_decode_as_one_batch(server):
     client = server.client()
     alone = client.completions.create(

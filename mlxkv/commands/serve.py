@@ -22,7 +22,7 @@ from mlxkv.errors import UserError
 
 HELP = (
     "serve one model over OpenAI's HTTP API (chat and text completions, responses), "
-    "Anthropic's (messages) and Ollama's (chat, generate)"
+    "Anthropic's (messages), Ollama's (chat, generate) and llama.cpp's /infill"
 )
 KEY_ENV = "MLXKV_API_KEY"
 

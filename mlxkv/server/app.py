@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlxkv import __version__
 from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
 from mlxkv.engine.request import RESERVE_STEP, encode_prompt
 from mlxkv.errors import UserError
@@ -72,7 +73,7 @@ from mlxkv.server.truncation import answer_room, fitted
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
     "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, /tokenize, "
-    "/detokenize, llama.cpp's /infill, and Ollama's "
+    "/detokenize, llama.cpp's /infill, /props and /apply-template, and Ollama's "
     "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
 )
 PARSERS = {
@@ -627,6 +628,32 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         context = served.limits.context_length
         return JSONResponse(tokenize_body(ask, ids, words, context))
 
+    async def props(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse(
+            llamacpp.props_body(
+                served.id,
+                served.limits,
+                served.tokenizer,
+                served.max_batch,
+                f"mlxkv {__version__}",
+            )
+        )
+
+    async def apply_template(request: Request) -> Response:
+        """llama.cpp's ``/apply-template``: ``{"messages", "tools"?, ...}`` as the chat
+        template renders it for an answer, ``{"prompt": TEXT}``."""
+        check_auth(request)
+        body = parse_json(await read_body(request))
+        for name in body:
+            if name not in ("model", "messages", "tools", "tool_choice", "chat_template_kwargs"):
+                raise bad(f"{name} is not a field of /apply-template; send messages", name)
+        chat = parse_chat(body, served.limits)
+        check_model(chat.model)
+        check_tool_format(chat)
+        _, text = await run_in_threadpool(render, chat)
+        return JSONResponse({"prompt": text})
+
     async def detokenize(request: Request) -> Response:
         check_auth(request)
         body = parse_json(await read_body(request))
@@ -777,6 +804,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/api/show", _guard(api_show, ollama.error_response), methods=["POST"]),
         Route("/api/version", _guard(api_version, ollama.error_response), methods=["GET"]),
         Route("/infill", _guard(infill, llamacpp.error_response), methods=["POST"]),
+        Route("/props", _guard(props, llamacpp.error_response), methods=["GET"]),
+        Route("/apply-template", _guard(apply_template, llamacpp.error_response), methods=["POST"]),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
@@ -987,6 +1016,6 @@ def _shaped(request: Request, e: APIError) -> Response:
         return error_response(e)
     if request.url.path.startswith("/api/"):
         return ollama.error_response(e)
-    if request.url.path == "/infill":
+    if request.url.path in ("/infill", "/props", "/apply-template"):
         return llamacpp.error_response(e)
     return e.response()

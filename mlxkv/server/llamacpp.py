@@ -1,5 +1,7 @@
-"""llama.cpp's ``/infill``: code completion at the cursor as its editor plugins ask for it
-(llama.vim, llama.vscode), in the shape of llama.cpp's own answers.
+"""llama.cpp's own endpoints its clients use: ``/infill``, code completion at the cursor as
+its editor plugins ask for it (llama.vim, llama.vscode), in the shape of llama.cpp's own
+answers; ``/props``, the server's context and template; ``/apply-template``, a chat as the
+template renders it (llama.vscode counts a prompt's tokens with it and ``/tokenize``).
 
 A request gives the text before the cursor's line (``input_prefix``), that line up to the
 cursor (``prompt``), the text after the cursor (``input_suffix``) and chunks of other files
@@ -276,6 +278,32 @@ def pick(obj: dict, fields: list[str] | None) -> dict:
 
 def _ms(tokens: int, per_second: float) -> float:
     return tokens / per_second * 1000 if per_second else 0.0
+
+
+def props_body(model: str, limits: Limits, tokenizer, slots: int, build: str) -> dict:
+    """``GET /props``: what llama.cpp's clients read of a server (the context, ``n_ctx``,
+    which llama.vscode sizes its prompts by), for the one model served."""
+    s = limits.defaults
+    return {
+        "default_generation_settings": {
+            "n_ctx": limits.context_length,
+            "model": model,
+            "params": {
+                "n_predict": -1 if limits.open_ended else s.max_tokens,
+                "temperature": s.temperature,
+                "top_k": s.top_k,
+                "top_p": s.top_p,
+                "min_p": s.min_p,
+            },
+        },
+        "total_slots": slots,  # answers decoded in one batch
+        "model_alias": model,
+        "chat_template": getattr(tokenizer, "chat_template", None) or "",
+        "bos_token": getattr(tokenizer, "bos_token", None) or "",
+        "eos_token": getattr(tokenizer, "eos_token", None) or "",
+        "modalities": {"vision": False, "audio": False},
+        "build_info": build,
+    }
 
 
 def error_body(e: APIError) -> dict:

@@ -1,6 +1,6 @@
 """Every field of a full request to each API, replaced in turn by a value of the wrong
 shape, against a real server: each answer is a 2xx or 4xx in that API's error shape,
-never a 5xx, and the server logs no traceback (about 1900 requests in all, 35 s)."""
+never a 5xx, and the server logs no traceback (about 2200 requests in all, 34 s)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,26 @@ BODIES = {
         "return_token_strs": True,
     },
     "/detokenize": {"model": "smollm2-135m", "tokens": [1, 2]},
+    # (the default model has no fill-in-the-middle tokens: what parses is refused after)
+    "/infill": {
+        "input_prefix": "def f():\n",
+        "input_suffix": "x",
+        "input_extra": [{"filename": "a.py", "text": "b"}],
+        "prompt": "  ",
+        "n_predict": 1,
+        "n_cmpl": 1,
+        "n_indent": 2,
+        "t_max_predict_ms": 5,
+        "samplers": ["top_k"],
+        "response_fields": ["content"],
+        "stop": ["x"],
+    },
+    "/apply-template": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": FN}],
+    },
 }  # fmt: skip
+BODIES["/v1/chat/completions"] |= {"n_predict": 1, "id_slot": 0, "samplers": ["top_k"]}
 # lists and objects whose fields are lists cannot be dictionary keys (every suite); then
 # every other type (the slow suite)
 QUICK = [[], {"type": []}]

@@ -414,6 +414,36 @@ def test_llama_vscode_reads_the_context_and_counts_a_chat_as_llama_cpp_answers(
     }
 
 
+def test_llama_cpps_completion_continues_a_prompt_as_v1_completions_does(server, default_model):
+    """llama.cpp's native /completion: the text /v1/completions gives the same prompt (as
+    text or token ids), streamed the same, in llama.cpp's objects; a stop word is named."""
+    prompt = "The capital of France is"
+    ref = server.client().completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=8, temperature=0
+    )
+    ask = {"prompt": prompt, "n_predict": 8, "temperature": 0}
+    out = server.http("POST", "/completion", json=ask).json()
+    assert out["content"] == ref.choices[0].text
+    assert (out["stop_type"], out["tokens_predicted"]) == ("limit", 8)
+    assert out["tokens_evaluated"] == ref.usage.prompt_tokens
+    ids = default_model.tokenizer.encode(prompt)
+    out = server.http("POST", "/completion", json={**ask, "prompt": ids}).json()
+    assert out["content"] == ref.choices[0].text
+    with httpx.stream("POST", f"{server.url}/completion", json={**ask, "stream": True}) as r:
+        lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    assert "".join(x["content"] for x in lines) == ref.choices[0].text
+    assert [x["stop"] for x in lines][-2:] == [False, True]
+    cut = ref.choices[0].text.split(".")[0]
+    out = server.http("POST", "/completion", json={**ask, "stop": ["."]}).json()
+    assert (out["content"], out["stop_type"], out["stopping_word"]) == (cut, "word", ".")
+    for body, message in (
+        ({"prompt": ""}, "prompt must be a non-empty string or a list of token ids in [0, 49152)"),
+        ({"prompt": "x", "input_prefix": "y"}, "input_prefix is not a field of /completion here"),
+    ):
+        r = server.http("POST", "/completion", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message)
+
+
 def test_sixteen_streams_decode_as_one_batch(server):
     client = server.client()
     alone = client.completions.create(

@@ -73,7 +73,7 @@ from mlxkv.server.truncation import answer_room, fitted
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
     "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, /tokenize, "
-    "/detokenize, llama.cpp's /infill, /props and /apply-template, and Ollama's "
+    "/detokenize, llama.cpp's /completion, /infill, /props and /apply-template, and Ollama's "
     "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
 )
 PARSERS = {
@@ -101,6 +101,14 @@ FORMAT_PARAMS = {  # where each API asks for an answer's schema
 BLOCKS = ("messages", "responses")  # one answer, as a list of blocks or items
 BODY_WAIT = 30.0  # seconds a request body may pause before it gets 408
 OLLAMA = ("api_chat", "api_generate")
+LLAMA = ("infill", "llama_completion")  # llama.cpp's own endpoints
+# the field that holds each kind's prompt (an error about the prompt names it)
+PROMPT_PARAMS = {
+    "completion": "prompt",
+    "llama_completion": "prompt",
+    "infill": "input_prefix",
+    "responses": "input",
+}
 LOGGED_MESSAGE = 1000  # characters of an error message the log line keeps
 
 
@@ -237,7 +245,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             except UserError as e:  # the tokenizer failed on this text
                 raise bad(str(e), "messages" if ask.messages else "prompt") from None
 
-        if ask.kind in ("completion", "infill"):
+        if ask.kind in ("completion", *LLAMA):
             return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
         tools = {"tools": ask.tools.tools} if ask.tools.on else {}
         # a last assistant message is the start of the answer: the template leaves it open
@@ -329,8 +337,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         body = parse_json(await read_body(request))
         if kind == "responses":
             ask, turn = parse_responses(body, served.limits)
-        elif kind == "infill":
-            ask, fill = llamacpp.parse_infill(body, served.limits)
+        elif kind in LLAMA:
+            ask, fill = llamacpp.parse_infill(body, served.limits, kind == "infill")
         else:
             ask = PARSERS[kind](body, served.limits)
         if kind in OLLAMA:  # Ollama's clients add its default tag to a name
@@ -361,8 +369,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             env = Reply(served.id, turn, keeper(turn))
         elif kind in OLLAMA:
             env = ollama.Reply(served.id, kind == "api_chat")
-        elif kind == "infill":
-            env = llamacpp.Reply(served.id, fill, fim.stops)
+        elif kind in LLAMA:
+            env = llamacpp.Reply(served.id, fill, fim.stops if kind == "infill" else ())
         else:
             env = Envelope(kind, served.id)
         choices = [
@@ -371,7 +379,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 reader_for(served.tokenizer, ask.tools),
                 # a forced call's answer is all JSON: no reasoning comes apart from it
                 None
-                if ask.kind in ("completion", "infill") or ask.tools.forced
+                if ask.kind in ("completion", *LLAMA) or ask.tools.forced
                 else think_reader(served.tokenizer, text),
             )
             for i in range(run.rows)
@@ -390,7 +398,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 if kind in OLLAMA:
                     lines = _ndjson(run, first, env, ask, choices)
                     return _Stream(lines, lambda: bridge.finish(run), ollama.STREAM_MEDIA)
-                shape = _infill_sse if kind == "infill" else _sse
+                shape = _infill_sse if kind in LLAMA else _sse
                 events = (_block_events if kind in BLOCKS else shape)(run, first, env, ask, choices)
                 return _Stream(events, lambda: bridge.finish(run))
             async for _, part in _parts(run, first, lambda: gone.next(run), ask, choices):
@@ -398,7 +406,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                     env.add(part)
             if kind in BLOCKS or kind in OLLAMA:
                 return JSONResponse(env.whole(choices[0]))
-            if kind == "infill":
+            if kind in LLAMA:
                 return JSONResponse(env.whole(choices))
             return JSONResponse(env.whole(choices, ask.n))
         except ClientGone:
@@ -539,6 +547,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
 
     async def infill(request: Request) -> Response:
         return await completions(request, "infill")
+
+    async def llama_completion(request: Request) -> Response:
+        return await completions(request, "llama_completion")
 
     async def chat_completions(request: Request) -> Response:
         return await completions(request, "chat")
@@ -804,6 +815,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/api/show", _guard(api_show, ollama.error_response), methods=["POST"]),
         Route("/api/version", _guard(api_version, ollama.error_response), methods=["GET"]),
         Route("/infill", _guard(infill, llamacpp.error_response), methods=["POST"]),
+        Route("/completion", _guard(llama_completion, llamacpp.error_response), methods=["POST"]),
         Route("/props", _guard(props, llamacpp.error_response), methods=["GET"]),
         Route("/apply-template", _guard(apply_template, llamacpp.error_response), methods=["POST"]),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
@@ -927,9 +939,7 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
 def _raise_failed(ev, ask: Ask) -> None:
     if not isinstance(ev, Failed):
         return
-    where = {"completion": "prompt", "infill": "input_prefix", "responses": "input"}.get(
-        ask.kind, "messages"
-    )
+    where = PROMPT_PARAMS.get(ask.kind, "messages")
     if ev.code == "invalid_policy":
         raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
     if ev.code == "context_length_exceeded":
@@ -1016,6 +1026,6 @@ def _shaped(request: Request, e: APIError) -> Response:
         return error_response(e)
     if request.url.path.startswith("/api/"):
         return ollama.error_response(e)
-    if request.url.path in ("/infill", "/props", "/apply-template"):
+    if request.url.path in ("/infill", "/completion", "/props", "/apply-template"):
         return llamacpp.error_response(e)
     return e.response()

@@ -52,9 +52,6 @@ SAMPLING = {
 FIELDS = {
     *SAMPLING,
     "model",
-    "input_prefix",
-    "input_suffix",
-    "input_extra",
     "prompt",
     "n_predict",
     "max_tokens",
@@ -73,6 +70,7 @@ FIELDS = {
     "id_slot",
     "t_max_prompt_ms",
 }
+INFILL_FIELDS = {"input_prefix", "input_suffix", "input_extra"}
 # samplers accepted only while off (their llama.cpp defaults)
 OFF = {
     "n_probs": 0,
@@ -89,30 +87,39 @@ MAX_FILES = 1024  # input_extra chunks
 
 @dataclass
 class Infill:
-    """What /infill asked beyond an Ask: the texts and the answer's shape."""
+    """What /infill or /completion asked beyond an Ask: /infill's texts (None: a plain
+    completion) and the answer's shape."""
 
-    text: InfillText
+    text: InfillText | None
     fields: list[str] | None  # response_fields (None: every field)
     truncated: bool = False  # a budget cut the prefix, the suffix or the files
 
 
-def parse_infill(body: dict, limits: Limits) -> tuple[Ask, Infill]:
+def parse_infill(body: dict, limits: Limits, infill: bool = True) -> tuple[Ask, Infill]:
+    """An /infill request, or (not ``infill``) a /completion one: its ``prompt`` (text or
+    token ids) continued, as /v1/completions continues it."""
+    path = "/infill" if infill else "/completion"
+    known = FIELDS | INFILL_FIELDS if infill else FIELDS
     for name, value in body.items():
         if name in OFF:
             if value is not None and value != OFF[name]:
                 raise bad(
-                    f"{name} {show(value)} is not supported on /infill; send {OFF[name]} or "
+                    f"{name} {show(value)} is not supported on {path}; send {OFF[name]} or "
                     "leave it out",
                     name,
                 )
-        elif name not in FIELDS:
-            raise bad(f"{name} is not a field of /infill here; see docs/serve.md", name)
-    text = InfillText(
-        _text(body, "input_prefix"),
-        _text(body, "input_suffix"),
-        _text(body, "prompt"),
-        _files(body.get("input_extra")),
-    )
+        elif name not in known:
+            raise bad(f"{name} is not a field of {path} here; see docs/serve.md", name)
+    text, prompts = None, []
+    if infill:
+        text = InfillText(
+            _text(body, "input_prefix"),
+            _text(body, "input_suffix"),
+            _text(body, "prompt"),
+            _files(body.get("input_extra")),
+        )
+    else:
+        prompts = [_prompt(body.get("prompt"), limits)]
     given = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING}
     if given.get("seed") == LLAMA_RANDOM_SEED:
         given["seed"] = -1
@@ -148,7 +155,8 @@ def parse_infill(body: dict, limits: Limits) -> tuple[Ask, Infill]:
     hint = f"the server takes at most {limits.max_rows} answers in one request"
     n = int_field(body, "n_cmpl", 1, limits.max_rows, hint) or 1
     ask = Ask(
-        kind="infill",
+        kind="infill" if infill else "llama_completion",
+        prompts=prompts,
         model=model_of(body),
         settings=settings,
         policy=None,
@@ -167,6 +175,16 @@ def _text(body: dict, name: str) -> str:
     if v is not None and not isinstance(v, str):
         raise bad(f"{name} must be a string, got {show(v)}", name)
     return v or ""
+
+
+def _prompt(v, limits: Limits) -> str | list[int]:
+    """/completion's ``prompt``: a text or token ids of this model's vocabulary."""
+    if isinstance(v, str) and v:
+        return v
+    top = limits.vocab_size or 2**31
+    if isinstance(v, list) and v and all(type(t) is int and 0 <= t < top for t in v):
+        return v
+    raise bad(f"prompt must be a non-empty string or a list of token ids in [0, {top})", "prompt")
 
 
 def _files(v) -> tuple[tuple[str, str], ...]:

@@ -810,6 +810,7 @@ def test_models_health_and_status(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
     assert models.data[0].max_model_len == 8192  # the model's context, as vLLM lists it
+    assert models.data[0].context_length == 8192  # and as OpenRouter does
     assert server.client().models.retrieve("smollm2-135m").id == "smollm2-135m"
     assert server.http("GET", "/health").json() == {"status": "ok", "model": "smollm2-135m"}
     s = server.status()

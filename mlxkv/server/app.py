@@ -738,7 +738,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
 
     def model_card() -> dict:
         """The served model as both APIs list one (OpenAI's fields, then Anthropic's), and
-        its context as vLLM lists it (``max_model_len``), which clients read to size their
+        its context as vLLM lists it (``max_model_len``) and OpenRouter (``context_length``,
+        which llama.vscode and other clients look for), which clients read to size their
         prompts."""
         started = datetime.fromtimestamp(served.started, timezone.utc)
         context = served.limits.context_length
@@ -751,7 +752,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             "display_name": served.id,
             "created_at": started.isoformat().replace("+00:00", "Z"),
             "lifecycle": "active",
-            **({"max_model_len": context} if context else {}),
+            **({"max_model_len": context, "context_length": context} if context else {}),
         }
 
     async def models(request: Request) -> Response:

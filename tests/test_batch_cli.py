@@ -257,6 +257,35 @@ def test_a_line_with_a_json_schema_answers_in_it(tmp_path, preloaded):
 
 
 @pytest.mark.model
+def test_lines_of_a_set_length_hold_their_end_back(tmp_path, preloaded):
+    """A line's ignore_eos runs its answer to max_tokens, its min_tokens past its EOS (an
+    OpenAI batch body's too, as vLLM's runner takes them); with a json_schema either is
+    that line's error record."""
+    ask = [{"role": "user", "content": "Reply with one word: is the sky blue?"}]
+    body = {"messages": ask, "max_tokens": 16, "ignore_eos": True}
+    lines = [
+        {"id": "plain", "messages": ask, "max_tokens": 16},
+        {"id": "long", "messages": ask, "max_tokens": 16, "ignore_eos": True},
+        {"id": "more", "messages": ask, "max_tokens": 16, "min_tokens": 12},
+        {"custom_id": "openai", "method": "POST", "url": "/v1/chat/completions", "body": body},
+        {"id": "held", "messages": ask, "ignore_eos": True, "json_schema": {}},
+        {"id": "typed", "messages": ask, "min_tokens": "12"},
+    ]
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(write_lines(tmp_path / "in.jsonl", lines)), "-o", str(out)]) == 1
+    recs = {r.get("custom_id") or r["id"]: r for r in read_records(out)}
+    assert (recs["plain"]["finish_reason"], recs["plain"]["generation_tokens"]) == ("stop", 9)
+    assert (recs["long"]["finish_reason"], recs["long"]["generation_tokens"]) == ("length", 16)
+    assert recs["long"]["text"].startswith(recs["plain"]["text"])
+    assert recs["more"]["generation_tokens"] > 12
+    assert recs["openai"]["response"]["body"]["usage"]["completion_tokens"] == 16
+    assert recs["held"]["error"] == (
+        "'ignore_eos' cannot go with 'json_schema': that answer ends where its schema does"
+    )
+    assert recs["typed"]["error"] == "'min_tokens' must be an integer >= 0, got '12'"
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_kill_9_then_resume(tmp_path, default_model_path):
     """A real ``mlxkv batch`` process killed -9 mid-run; the re-run completes the file with
@@ -416,7 +445,8 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
     assert error(_openai_line("b", {"messages": user, "n": 2})) == (
         "b",
         "body.n is not supported in mlxkv batch; it takes model, messages, max_tokens, "
-        "max_completion_tokens, temperature, top_p, seed, stop, response_format",
+        "max_completion_tokens, temperature, top_p, seed, stop, response_format, min_tokens, "
+        "ignore_eos",
     )
     assert error(_openai_line("c", {"model": "m"})) == (
         "c",

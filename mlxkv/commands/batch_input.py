@@ -1,7 +1,8 @@
 """Reading a batch input file: JSONL lines -> jobs, or per-line errors that never stop the run.
 
 A line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}`` with optional
-``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``system`` and ``json_schema``, or a
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``system``, ``json_schema``,
+``min_tokens`` and ``ignore_eos``, or a
 request line of OpenAI's Batch API (``custom_id``, ``method``, ``url``, ``body``), read as
 the same fields. Only a file that cannot be a batch at all (missing, empty, not JSON on any
 line) raises :class:`UserError`.
@@ -20,7 +21,17 @@ from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
 from mlxkv.files import JSON_DEPTH, json_depth, read_bytes, read_stdin, utf8_problem
 
-OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "system", "json_schema")
+OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "system",
+    "json_schema",
+    "min_tokens",
+    "ignore_eos",
+)
 MAX_STOP = 64  # stop strings of a line
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
 INPUT_LIMIT = 1 << 30  # bytes of a whole input file (or stdin)
@@ -80,6 +91,13 @@ def _check_overrides(obj: dict) -> str | None:
         return "'system' must be a string"
     if "json_schema" in obj and not isinstance(obj["json_schema"], dict):
         return "'json_schema' must be a JSON Schema object ({} for any JSON value)"
+    if "min_tokens" in obj and not (_is_int(obj["min_tokens"]) and obj["min_tokens"] >= 0):
+        return f"'min_tokens' must be an integer >= 0, got {obj['min_tokens']!r}"
+    if "ignore_eos" in obj and not isinstance(obj["ignore_eos"], bool):
+        return f"'ignore_eos' must be true or false, got {obj['ignore_eos']!r}"
+    held = [k for k in ("min_tokens", "ignore_eos") if obj.get(k)]
+    if held and "json_schema" in obj:
+        return f"'{held[0]}' cannot go with 'json_schema': that answer ends where its schema does"
     return None
 
 
@@ -141,7 +159,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         return bad(err)
     if bad_text := utf8_problem(obj):
         return bad(f"holds {bad_text}, a lone surrogate that is not valid text")
-    overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in obj}
+    named = ("max_tokens", "temperature", "top_p", "seed", "min_tokens", "ignore_eos")
+    overrides = {k: obj[k] for k in named if k in obj}
     if "stop" in obj:  # a line's own stop strings replace --stop's
         overrides["stop"] = (obj["stop"],) if isinstance(obj["stop"], str) else tuple(obj["stop"])
     if "json_schema" in obj:  # the answer is held to it (constrained decoding)

@@ -28,6 +28,8 @@ OPENAI_BODY = (
     "seed",
     "stop",
     "response_format",
+    "min_tokens",  # vLLM's, as its batch runner takes them
+    "ignore_eos",
 )
 
 
@@ -56,7 +58,8 @@ def from_openai(obj: dict) -> dict | str:
         return "body.max_tokens and body.max_completion_tokens disagree; give one"
     if limits:
         line["max_tokens"] = limits[0]
-    line |= {k: given[k] for k in ("temperature", "top_p", "seed", "stop") if k in given}
+    named = ("temperature", "top_p", "seed", "stop", "min_tokens", "ignore_eos")
+    line |= {k: given[k] for k in named if k in given}
     answer = given.get("response_format", {"type": "text"})
     kind = answer.get("type") if isinstance(answer, dict) else None
     schema = answer.get("json_schema") if isinstance(answer, dict) else None

@@ -57,6 +57,20 @@ def test_json_schema_holds_the_answer(cli, preloaded, tmp_path):
     assert path.read_bytes() == before
 
 
+@pytest.mark.model
+def test_ignore_eos_gives_an_answer_of_max_tokens(cli, preloaded):
+    """--ignore-eos runs the answer to --max-tokens (a set length, to measure speed);
+    --min-tokens keeps it going past its EOS; the plain answer ends at its ninth token."""
+    ask = ["generate", "-p", "Reply with one word: is the sky blue?", "--json"]
+    plain = json.loads(cli(*ask, "--max-tokens", "16").stdout)
+    assert (plain["finish_reason"], plain["generation_tokens"]) == ("stop", 9)
+    long = json.loads(cli(*ask, "--max-tokens", "16", "--ignore-eos").stdout)
+    assert (long["finish_reason"], long["generation_tokens"]) == ("length", 16)
+    assert long["text"].startswith(plain["text"])
+    more = json.loads(cli(*ask, "--max-tokens", "16", "--min-tokens", "12").stdout)
+    assert more["generation_tokens"] > 12
+
+
 @pytest.mark.slow  # bytes under sinks + window are checked per event in test_engine.py
 @pytest.mark.model
 def test_sink_window_keeps_at_most_window_plus_sinks(default_model_path):
@@ -86,6 +100,11 @@ def test_sink_window_keeps_at_most_window_plus_sinks(default_model_path):
         ),
         (["--prompt", "hi", "--kv-sinks", "4"], "--kv-sinks needs a window"),
         (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--prompt", "hi", "--min-tokens", "-1"], "--min-tokens must be at least 0, got -1"),
+        (
+            ["--prompt", "hi", "--ignore-eos", "--json-schema", "x.json"],
+            "--ignore-eos cannot go with --json-schema: the answer ends where its schema does",
+        ),
         (["--prompt", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
     ],
 )

@@ -240,6 +240,22 @@ def test_min_tokens_and_ignore_eos_hold_the_end_back(default_model):
     assert got["stop, min 8"][1].stop == "."
 
 
+def test_a_schema_ends_the_answer_whatever_holds_eos_back(default_model):
+    """A run-wide --ignore-eos or --min-tokens (a server's, a batch's) yields to an answer
+    held to a schema: it ends where the schema does, at its EOS."""
+    from mlxkv.engine.grammar import json_grammar
+
+    ids = _ids(default_model, "Is the sky blue? Answer true or false.")
+    held = {"max_tokens": 12, "grammar": json_grammar({"type": "boolean"})}
+    asked = {
+        "ignore_eos": (ids, GenerationSettings(ignore_eos=True, **held)),
+        "min_tokens": (ids, GenerationSettings(min_tokens=8, **held)),
+    }
+    got = _run(Scheduler(default_model, KVPolicy(), max_batch=4), asked)
+    for name, (_, finished) in got.items():
+        assert finished.finish_reason == "stop" and finished.text in ("true", "false"), name
+
+
 def test_xtc_drops_the_top_choices_as_mlx_lms_sampler_does(default_model):
     """XTC with probability 1 (mlx_lm.server's xtc_probability and xtc_threshold): at a
     temperature near 0, seeded or not, each step picks the most likely token XTC leaves,

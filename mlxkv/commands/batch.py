@@ -178,6 +178,8 @@ def _run_context(args, policy, base, schema: dict | None = None) -> str:
         **({"json_schema": schema} if schema is not None else {}),
         # as the schema: only when given, so records written before the flag still resume
         **({"think_budget": base.think_budget} if base.think_budget is not None else {}),
+        **({"min_tokens": base.min_tokens} if base.min_tokens else {}),
+        **({"ignore_eos": True} if base.ignore_eos else {}),
     )
 
 

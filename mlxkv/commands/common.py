@@ -146,6 +146,19 @@ def add_generation_flags(
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="neither EOS nor a stop string ends an answer before its Nth token (default 0)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="EOS never ends an answer: it runs to --max-tokens (answers of a set length, to "
+        "measure speed)",
+    )
+    g.add_argument(
         "--thinking-budget",
         type=int,
         default=None,
@@ -180,6 +193,11 @@ def grammar_from_args(args) -> tuple[dict | None, str | None]:
     path = getattr(args, "json_schema", None)
     if path is None:
         return None, None
+    held = "--ignore-eos" if args.ignore_eos else "--min-tokens" if args.min_tokens else None
+    if held:
+        raise UserError(
+            f"{held} cannot go with --json-schema: the answer ends where its schema does"
+        )
     from mlxkv.engine.grammar import json_grammar
     from mlxkv.files import parse_json, read_text
 
@@ -237,6 +255,7 @@ def check_generation_flags(args) -> None:
     _number("--seed", args.seed, lo=0, hi=SEED_MAX)
     _number("--prefill-step", args.prefill_step, lo=1)
     _number("--thinking-budget", args.thinking_budget, lo=0, hint="0 closes it at once")
+    _number("--min-tokens", args.min_tokens, lo=0)
 
 
 def settings_from_args(args):
@@ -257,6 +276,8 @@ def settings_from_args(args):
         stop=tuple(args.stop),
         prefill_step=args.prefill_step,
         think_budget=args.thinking_budget,
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
     )
 
 

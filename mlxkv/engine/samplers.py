@@ -111,7 +111,8 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
     penalties at the whole answer and nothing of the prompt, as OpenAI defines them
     (mlx_lm.server counts the last 20 tokens, the prompt's among them). A thinking budget
     closes a thinking model's think block at ``s.think_budget`` tokens. EOS is held back
-    for ``s.min_tokens`` answer tokens (or all, ``s.ignore_eos``). A grammar
+    for ``s.min_tokens`` answer tokens (or all, ``s.ignore_eos``), unless a grammar holds
+    the answer (it ends where its schema does). A grammar
     (``s.grammar``, read with ``tokenizer``; or ``s.call_grammar``, held over each tool
     call) comes last: what it allows is what is left."""
     from mlx_lm.sample_utils import (
@@ -133,7 +134,7 @@ def processors_for(s: GenerationSettings, prompt: list[int], tokenizer=None) -> 
         if penalty:
             over_answer = make(penalty, s.max_tokens)
             processors.append(lambda tokens, logits, p=over_answer: p(tokens[lead:], logits))
-    if s.ignore_eos or s.min_tokens:
+    if (s.ignore_eos or s.min_tokens) and s.grammar is None:  # a schema decides its end
         eos = sorted(tokenizer.eos_token_ids)
         processors.append(EndHeld(eos, None if s.ignore_eos else s.min_tokens, lead))
     if s.think_budget is not None:

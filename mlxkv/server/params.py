@@ -512,8 +512,9 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
     # n_predict 0 (llama.vim's warm-up): the conversation is prefilled and kept, no answer
     settings = settings_of(body, limits, 1 if most == 0 else most)
     grammar = answer_grammar(tools, _response_format(body.get("response_format")))
-    if grammar is not None and (settings.min_tokens or settings.ignore_eos):
-        name = "min_tokens" if settings.min_tokens else "ignore_eos"
+    # (the server's --min-tokens and --ignore-eos yield to a schema: it ends the answer)
+    if grammar is not None and (body.get("min_tokens") or body.get("ignore_eos")):
+        name = "min_tokens" if body.get("min_tokens") else "ignore_eos"
         raise bad(
             f"{name} cannot go with response_format or a forced tool call: that answer ends "
             f"where its schema does; leave {name} out",

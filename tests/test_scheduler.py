@@ -214,17 +214,17 @@ def test_min_tokens_and_ignore_eos_hold_the_end_back(default_model):
     hi = _ids(default_model, "Say hi.")
     stops = ("!", ".")
     asked = {
-        "plain": (sky, GenerationSettings(max_tokens=24)),
+        "plain": (sky, GenerationSettings(max_tokens=18)),
         "min 14": (sky, GenerationSettings(max_tokens=24, min_tokens=14)),
-        "ignore_eos": (sky, GenerationSettings(max_tokens=24, ignore_eos=True)),
-        "stop": (hi, GenerationSettings(max_tokens=24, stop=stops)),
-        "stop, min 8": (hi, GenerationSettings(max_tokens=24, stop=stops, min_tokens=8)),
+        "ignore_eos": (sky, GenerationSettings(max_tokens=18, ignore_eos=True)),
+        "stop": (hi, GenerationSettings(max_tokens=18, stop=stops)),
+        "stop, min 8": (hi, GenerationSettings(max_tokens=18, stop=stops, min_tokens=8)),
     }
     got = _run(Scheduler(default_model, KVPolicy(), max_batch=8), asked)
     refs = {
-        "plain": greedy_tokens(default_model, sky, 24, [], eos),
+        "plain": greedy_tokens(default_model, sky, 18, [], eos),
         "min 14": greedy_tokens(default_model, sky, 24, [eos_held(len(sky), eos, 14)], eos),
-        "ignore_eos": greedy_tokens(default_model, sky, 24, [eos_held(len(sky), eos, None)]),
+        "ignore_eos": greedy_tokens(default_model, sky, 18, [eos_held(len(sky), eos, None)]),
     }
     for name, ref in refs.items():  # (the reference keeps the EOS it stops at)
         assert got[name][0] == [t for t in ref if t not in eos], name

@@ -329,11 +329,11 @@ def test_answers_of_a_set_length_as_benchmarks_ask(server, default_model):
     text = client.completions.create(
         model="smollm2-135m",
         prompt="Hi",
-        max_tokens=16,
+        max_tokens=8,
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    assert text.usage.completion_tokens == 16 and text.choices[0].finish_reason == "length"
+    assert text.usage.completion_tokens == 8 and text.choices[0].finish_reason == "length"
 
     tok = default_model.tokenizer
     chat = [{"role": "user", "content": "List the days of the week, twice, then count to 20."}]
@@ -341,11 +341,11 @@ def test_answers_of_a_set_length_as_benchmarks_ask(server, default_model):
         tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     )
     ref, short = (
-        greedy_tokens(default_model, ids, 12, make_logits_processors(None, 1.3, size))
+        greedy_tokens(default_model, ids, 6, make_logits_processors(None, 1.3, size))
         for size in (64, 20)
     )
     got = client.chat.completions.create(
-        model="smollm2-135m", messages=chat, temperature=0, max_tokens=12,
+        model="smollm2-135m", messages=chat, temperature=0, max_tokens=6,
         extra_body={"repetition_penalty": 1.3, "repetition_context_size": 64},
     )  # fmt: skip
     assert got.choices[0].message.content == tok.decode(ref) != tok.decode(short)

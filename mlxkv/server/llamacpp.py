@@ -24,6 +24,7 @@ from mlxkv.models.fim import InfillText
 from mlxkv.server.answers import Choice
 from mlxkv.server.errors import TYPES, APIError, bad
 from mlxkv.server.params import (
+    LLAMA_SAMPLING,
     MAX_REPEAT_CONTEXT,
     Ask,
     Limits,
@@ -37,14 +38,7 @@ from mlxkv.server.params import (
 
 # llama.cpp's /completion options honoured here, under the names settings_of reads
 SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
+    **LLAMA_SAMPLING,
     "xtc_probability": "xtc_probability",
     "xtc_threshold": "xtc_threshold",
     "ignore_eos": "ignore_eos",

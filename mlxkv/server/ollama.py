@@ -23,6 +23,7 @@ from mlxkv.policy import KVPolicy, PolicyError
 from mlxkv.server.answers import FINISH_REASONS, Choice, Part, kv_figures, without_bytes
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.params import (
+    LLAMA_SAMPLING,
     MAX_REPEAT_CONTEXT,
     MAX_STOP,
     MAX_TOP_LOGPROBS,
@@ -54,17 +55,7 @@ GENERATE_REFUSED = {
     "images": "images are not supported: the served model reads text",
 }
 # options -> the names settings_of reads
-SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "stop": "stop",
-    "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
+SAMPLING = {**LLAMA_SAMPLING, "stop": "stop"}
 # where the model runs and how it is read from disk: MLX decides all of it
 RUNTIME = {
     "numa",

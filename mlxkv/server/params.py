@@ -27,6 +27,17 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per token
 MAX_REPEAT_CONTEXT = 1 << 20  # tokens a repetition penalty may look back over
 MAX_FIELDS = 64  # llama.cpp's samplers and response_fields
+# llama.cpp's names of the sampling options (Ollama's options keep them) -> settings_of's
+LLAMA_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 RETENTIONS = ("in_memory", "in-memory", "24h")  # "in-memory": the openai clients' first spelling
 

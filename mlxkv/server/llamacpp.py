@@ -1,7 +1,7 @@
 """llama.cpp's own endpoints its clients use: ``/infill``, code completion at the cursor as
-its editor plugins ask for it (llama.vim, llama.vscode), in the shape of llama.cpp's own
-answers; ``/props``, the server's context and template; ``/apply-template``, a chat as the
-template renders it (llama.vscode counts a prompt's tokens with it and ``/tokenize``).
+its editor plugins ask for it (llama.vim, llama.vscode), and ``/completion``, a prompt
+continued, both in the shape of llama.cpp's own answers; ``/props``, the server's context
+and template (``/apply-template``, a chat as the template renders it, is app.py's).
 
 A request gives the text before the cursor's line (``input_prefix``), that line up to the
 cursor (``prompt``), the text after the cursor (``input_suffix``) and chunks of other files

@@ -29,6 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlxkv.backend import setup_blas
+
+setup_blas()  # the model copy is made with MLX in this process
+
 HERE = Path(__file__).resolve().parents[1]
 MARKERS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 
@@ -158,9 +162,6 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxkv-infill")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    from mlxkv.backend import setup_blas
-
-    setup_blas()
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = fim_copy(args.workdir / "smollm2-fim")
     result = {}

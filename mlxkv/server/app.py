@@ -430,8 +430,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 code="fim_unsupported",
             )
         prompts = [fim.prompt(p, ask.suffix) for p in ask.prompts]
-        stop = tuple(dict.fromkeys((*ask.settings.stop, *fim.stops)))
-        return replace(ask, prompts=prompts, settings=replace(ask.settings, stop=stop))
+        return replace(ask, prompts=prompts, settings=ending_at_markers(ask.settings))
+
+    def ending_at_markers(settings):
+        """``settings`` whose answer (a middle) also ends at the FIM format's markers."""
+        return replace(settings, stop=tuple(dict.fromkeys((*settings.stop, *fim.stops))))
 
     def infill_prompt(ask: Ask, infill: llamacpp.Infill) -> Ask:
         """An /infill request's prompt, laid out as llama.cpp lays it out; its middle ends
@@ -449,8 +452,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         ids, infill.truncated = infill_ids(
             served.tokenizer, fim, repo_level, infill.text, answer, limit
         )
-        stop = tuple(dict.fromkeys((*ask.settings.stop, *fim.stops)))
-        return replace(ask, prompts=[ids], settings=replace(ask.settings, stop=stop))
+        return replace(ask, prompts=[ids], settings=ending_at_markers(ask.settings))
 
     def check_tool_format(ask: Ask) -> None:
         """Tools the model may call need its family's call format; a forced call does not

@@ -16,6 +16,13 @@ line up to its middle, 64 lines of suffix, ``n_predict`` 16 with ``ignore_eos`` 
 answer is as long). Two servers in turn: the prefix cache on (the default) and off
 (``--prefix-cache-bytes 0``). Per request: wall time, the tokens prefilled
 (``timings.prompt_n``) and reused (``timings.cache_n``).
+
+    python benchmarks/infill_bench.py --cuts
+
+compares where the prefix may start when it is over its 1,536-token budget, with the
+tokenizer alone: for llama.vim's requests down 400 lines of three of mlxkv's files, the
+tokens each completion must prefill when the one before it is in the prefix cache, and
+the prefix tokens kept.
 """
 
 from __future__ import annotations
@@ -80,11 +87,13 @@ def ring_chunks(n: int, lines: int = 32) -> list[dict]:
     return chunks
 
 
-def requests(positions: int, start: int = 300) -> list[dict]:
-    """llama.vim's request at each cursor position, moving down one line each time."""
-    lines = (HERE / "mlxkv" / "server" / "app.py").read_text().splitlines()
+def requests(positions: int, start: int = 300, lines: list[str] | None = None) -> list[dict]:
+    """llama.vim's request at each cursor position, moving down one line each time (in
+    ``lines``, else mlxkv/server/app.py)."""
+    if lines is None:
+        lines = (HERE / "mlxkv" / "server" / "app.py").read_text().splitlines()
     out = []
-    for i in range(start, start + positions):
+    for i in range(start, min(start + positions, len(lines))):
         line = lines[i]
         cut = len(line) - len(line.lstrip()) + len(line.strip()) // 2
         out.append(
@@ -101,6 +110,91 @@ def requests(positions: int, start: int = 300) -> list[dict]:
             }
         )
     return out
+
+
+def common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cut_rules(enc, budget: int) -> dict:
+    """Where the prefix may start: llama.cpp's last tokens, the first whole line or the
+    earliest blank line that fits, and mlxkv's (``prefix_tail``)."""
+    from mlxkv.models.fim import prefix_tail
+
+    def earliest(text: str, anchor) -> list[int] | None:
+        at = [i + 1 for i in range(len(text) - 1) if text[i] == "\n" and anchor(text, i + 1)]
+        lo, hi = 0, len(at)
+        while lo < hi:  # the first that fits (the rest's tokens shrink as the start moves)
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if len(enc(text[at[mid] :])) <= budget else (mid + 1, hi)
+        for p in at[lo:]:
+            if len(ids := enc(text[p:])) <= budget:
+                return ids
+        return None
+
+    def rule(anchor):
+        def cut(text: str) -> list[int]:
+            ids = enc(text)
+            return ids if len(ids) <= budget else earliest(text, anchor) or ids[-budget:]
+
+        return cut
+
+    return {
+        "last 1,536 tokens (llama.cpp)": lambda t: enc(t)[-budget:],
+        "the first whole line that fits": rule(lambda t, p: True),
+        "the earliest blank line that fits": rule(lambda t, p: t[p - 2 : p] == "\n\n"),
+        "mlxkv: earliest blank line, else smallest CRC-32, within 512 of the budget": (
+            lambda t: prefix_tail(enc, t, budget)[0]
+        ),
+    }
+
+
+def cut_table(model: Path) -> list[dict]:
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxkv.models.fim import INFILL_BATCH
+
+    tok = load_tokenizer(model)
+
+    def enc(t: str) -> list[int]:
+        return tok.encode(t, add_special_tokens=False) if t else []
+
+    walks = [("server/app.py", 300, 150), ("engine/scheduler.py", 300, 150)]
+    walks.append(("caches/kivi.py", 260, 100))
+    rows = []
+    for name, cut in cut_rules(enc, 3 * INFILL_BATCH // 4).items():
+        prefilled, kept, seconds = [], [], []
+        for path, start, n in walks:
+            lines = (HERE / "mlxkv" / path).read_text().splitlines()
+            last: list[int] = []
+            for body in requests(n, start, lines):
+                t = time.perf_counter()
+                prefix = cut(body["input_prefix"])
+                seconds.append(time.perf_counter() - t)
+                middle, suffix = enc(body["prompt"]), enc(body["input_suffix"])
+                suffix = suffix[: INFILL_BATCH // 4 - 2 - len(middle)]
+                ids = [-1, *prefix, *middle, -2, *suffix, -3]  # the markers
+                prefilled.append(len(ids) - common(last, ids))
+                kept.append(len(prefix))
+                last = ids
+        rows.append(
+            {
+                "rule": name,
+                "requests": len(prefilled),
+                "prefilled_mean": round(statistics.mean(prefilled)),
+                "prefilled_median": statistics.median(prefilled),
+                "kept_mean": round(statistics.mean(kept)),
+                "kept_min": min(kept),
+                "cut_ms_median": round(1000 * statistics.median(seconds), 1),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def run(
@@ -161,8 +255,16 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxkv-infill")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--cuts", action="store_true", help="compare prefix cuts (tokenizer only)")
     args = p.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.cuts:
+        from mlxkv.models.resolve import resolve
+
+        rows = cut_table(resolve(None).path)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return
     model = fim_copy(args.workdir / "smollm2-fim")
     result = {}
     for name, flags in (("prefix cache on", []), ("off", ["--prefix-cache-bytes", "0"])):

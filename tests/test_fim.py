@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from mlxkv.models.fim import FORMATS, InfillText, fim_format, infill_ids
+from mlxkv.models.fim import FORMATS, InfillText, fim_format, infill_ids, prefix_tail
 from tests.serve_helpers import serving
 from tests.tiny_models import scripted_model
 
@@ -160,8 +160,9 @@ def test_infill_lays_out_files_prefix_line_and_suffix_as_llama_cpp(default_model
 
 
 def test_infill_keeps_llama_cpps_budgets(default_model_path):
-    """The prefix's last 1,536 tokens, the suffix's first 510 less the cursor line's, and
-    the files' last tokens that leave 2,048 and twice the answer free in the context."""
+    """The prefix's last 1,536 tokens (one line: nowhere else to start), the suffix's first
+    510 less the cursor line's, and the files' last tokens that leave 2,048 and twice the
+    answer free in the context."""
     qwen = FORMATS[0]
     tok = tokenizer_with(default_model_path, QWEN_REPO)
     a, b, c = (tok.encode(t, add_special_tokens=False) for t in (" a", " b", " c"))
@@ -174,6 +175,41 @@ def test_infill_keeps_llama_cpps_budgets(default_model_path):
     assert tok.decode(ids[10:11]) == "<|fim_prefix|>"
     whole, cut = infill_ids(tok, qwen, False, text, 16, None)
     assert cut and whole.count(c[0]) == 53  # no context: every file token (and the line's)
+
+
+def code_lines(n: int, blank_every: int = 0) -> list[str]:
+    """Lines of a made-up source file (about ten tokens each)."""
+    return [
+        "" if blank_every and i % blank_every == blank_every - 1 else f"    v{i} = w[{i}] * {i * 7}"
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("blank_every", [9, 0], ids=["blank lines", "no blank line"])
+def test_the_prefix_keeps_its_start_as_the_cursor_moves_down(default_model_path, blank_every):
+    """Over its budget, the prefix starts at a whole line chosen by content, not at its
+    last 1,536 tokens: as the cursor moves down a line at a time (llama.vim's 256 lines
+    before it), the kept prefix starts at the same line for many moves, so the next
+    completion reuses it from the prefix cache; with blank lines it starts at one."""
+    tok = AutoTokenizer.from_pretrained(str(default_model_path))
+
+    def enc(t):
+        return tok.encode(t, add_special_tokens=False)
+
+    lines = code_lines(400, blank_every)
+    starts = []
+    for cursor in range(300, 320):
+        text = "\n".join(lines[cursor - 256 : cursor]) + "\n"
+        kept, cut = prefix_tail(enc, text, 1536)
+        tail = tok.decode(kept)
+        assert cut and 1024 <= len(kept) <= 1536 and text.endswith(tail)
+        assert text[: len(text) - len(tail)].endswith("\n")  # a whole line
+        starts.append(len(lines[:cursor]) - tail.count("\n"))  # the line it starts at
+        if blank_every:
+            assert lines[starts[-1]] == ""
+    assert len(set(starts)) <= 3, starts  # llama.cpp's cut: a new start at every move
+    one_line, cut = prefix_tail(enc, " a" * 2000, 1536)  # no line to start at
+    assert cut and one_line == enc(" a" * 2000)[-1536:]
 
 
 INFILL = {"input_prefix": BEFORE, "input_suffix": AFTER, "n_predict": 32, "temperature": 0}
@@ -224,6 +260,32 @@ def test_infill_fills_the_middle_as_llama_cpp_answers(fim_server, fim_model):
     snippet = tok.encode("\n\n--- snippet ---\n\n") + tok.encode(files[0]["text"])
     assert out["tokens_cached"] == len(snippet) + len(prompt) + out["timings/predicted_n"]
     assert out["timings/prompt_n"] < len(prompt)  # the files came from the warm-up's prefix
+
+
+@pytest.mark.model
+def test_infill_moving_down_a_line_prefills_little_more_than_the_suffix(fim_server):
+    """llama.vim's prefix is the 256 lines before the cursor, over the 1,536-token budget
+    here: one line further down, the completion reuses the prefix from the prefix cache
+    (its start stayed put) and prefills the new line, the cursor's and the suffix."""
+    lines = code_lines(400, 9)
+    outs = []
+    for cursor in (300, 301):
+        body = {
+            "input_prefix": "\n".join(lines[cursor - 256 : cursor]) + "\n",
+            "prompt": "    v",
+            "input_suffix": "\n".join(lines[cursor + 1 : cursor + 4]),
+            "n_predict": 4,
+        }
+        r = fim_server.http("POST", "/infill", json=body)
+        assert r.status_code == 200, r.text
+        outs.append(r.json())
+    first, second = outs
+    assert first["truncated"] and second["truncated"]
+    assert first["tokens_evaluated"] > 1100 and second["tokens_evaluated"] > 1100
+    assert second["timings"]["prompt_n"] < 100  # of over 1,100: 77 when written
+    assert (
+        second["timings"]["cache_n"] == second["tokens_evaluated"] - second["timings"]["prompt_n"]
+    )
 
 
 @pytest.mark.model

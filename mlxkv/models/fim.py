@@ -9,6 +9,7 @@ fill-in-the-middle, and a request for it is refused rather than guessed at.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 
@@ -75,11 +76,13 @@ def _vocab(tokenizer) -> dict:
     return inner.get_vocab()
 
 
-# llama.cpp's /infill budgets, from its default batch of 2,048 tokens: the prefix's last
-# three quarters of it, the suffix's first quarter less the middle's start and two markers,
+# llama.cpp's /infill budgets, from its default batch of 2,048 tokens: the prefix's end,
+# three quarters of it at most, the suffix's first quarter less the middle's start and two markers,
 # and of the other files' text the last tokens that leave the batch and twice the answer
 # free in the context.
 INFILL_BATCH = 2048
+# how far short of its budget the prefix may start, so that its start can stay put
+PREFIX_SLACK = 512
 SNIPPET = "\n\n--- snippet ---\n\n"  # between files, for a format without file markers
 
 
@@ -95,11 +98,12 @@ def infill_ids(
     tokenizer, fmt: FimFormat, repo_level: bool, text: InfillText, answer: int, context
 ) -> tuple[list[int], bool]:
     """The token ids llama.cpp's /infill gives a model (its layout and budgets, each part
-    tokenized alone), and whether a budget cut any part. ``repo_level``: the model has
-    ``fmt``'s repository markers, so each file is written under its path (the repository
-    named "myproject" and the cursor's file "filename", as llama.cpp names them); else the
-    files' texts come one after another. ``answer``: the tokens the answer may take (-1:
-    unbounded); ``context``: the model's (None: no limit)."""
+    tokenized alone; the prefix cut at a line, :func:`prefix_tail`), and whether a budget
+    cut any part. ``repo_level``: the model has ``fmt``'s repository markers, so each file
+    is written under its path (the repository named "myproject" and the cursor's file
+    "filename", as llama.cpp names them); else the files' texts come one after another.
+    ``answer``: the tokens the answer may take (-1: unbounded); ``context``: the model's
+    (None: no limit)."""
 
     def enc(t: str) -> list[int]:
         return tokenizer.encode(t, add_special_tokens=False) if t else []
@@ -115,20 +119,46 @@ def infill_ids(
         files += enc(body)
     if repo_level:
         files += mark(fmt.file_sep) + enc("filename\n")
-    prefix, suffix, middle = enc(text.prefix), enc(text.suffix), enc(text.middle)
-    take_prefix = min(len(prefix), 3 * (INFILL_BATCH // 4))
+    suffix, middle = enc(text.suffix), enc(text.middle)
+    kept, cut = prefix_tail(enc, text.prefix, 3 * (INFILL_BATCH // 4))
     take_suffix = min(len(suffix), max(0, INFILL_BATCH // 4 - (2 + len(middle))))
     room = len(files) if context is None else max(0, context - INFILL_BATCH - 2 * answer)
     take_files = min(room, len(files))
-    before = mark(fmt.prefix) + prefix[len(prefix) - take_prefix :] + middle
+    before = mark(fmt.prefix) + kept + middle
     after = mark(fmt.suffix) + suffix[:take_suffix]
     # the BOS the tokenizer itself adds to a text (CodeGemma's; Qwen's and StarCoder's none)
     lead = tokenizer.encode("", add_special_tokens=True)
     bos = lead if lead == [getattr(tokenizer, "bos_token_id", None)] else []
     ids = bos + files[len(files) - take_files :]
     ids += after + before if fmt.suffix_first else before + after + mark(fmt.middle)
-    cut = (take_prefix, take_suffix, take_files) != (len(prefix), len(suffix), len(files))
+    cut = cut or (take_suffix, take_files) != (len(suffix), len(files))
     return ids, cut
+
+
+def prefix_tail(enc, text: str, budget: int) -> tuple[list[int], bool]:
+    """The tokens of ``text``'s end that an infill prompt keeps, and whether that cut it:
+    all of them within ``budget``, else from the start of a line chosen by content, so
+    that it stays put as the cursor moves down and the next completion reuses the prefix
+    from the prefix cache. Of the lines that leave between ``budget - PREFIX_SLACK`` and
+    ``budget`` tokens: the earliest blank one, else the one whose text has the smallest
+    CRC-32 (winnowing). llama.cpp keeps the last ``budget`` tokens, whose start moves with
+    every new line; so does this when no line qualifies (one long line)."""
+    ids = enc(text)
+    if len(ids) <= budget:
+        return ids, False
+    lines = text.splitlines(keepends=True)
+    counts = [len(enc(line)) for line in lines]
+    scale = len(ids) / max(1, sum(counts))  # lines tokenized alone take more tokens
+    left = len(ids)  # the tokens from this line on, near enough
+    best, start = None, 0
+    for line, n in zip(lines, counts, strict=True):
+        if budget - PREFIX_SLACK <= left <= budget:
+            key = (bool(line.strip()), zlib.crc32(line.encode()))
+            if best is None or key < best[0]:
+                best = (key, start)
+        left, start = left - n * scale, start + len(line)
+    tail = enc(text[best[1] :]) if best else []
+    return (tail if 0 < len(tail) <= budget else ids[len(ids) - budget :]), True
 
 
 def has_tokens(tokenizer, *texts: str | None) -> bool:

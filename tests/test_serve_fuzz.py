@@ -109,6 +109,9 @@ BODIES = {
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": FN}],
     },
+    "/v1/embeddings": {"input": ["hi", "yo"], "dimensions": 8, "encoding_format": "base64"},
+    "/api/embed": {"model": "smollm2-135m", "input": ["hi"], "truncate": True, "options": {}},
+    "/api/embeddings": {"model": "smollm2-135m", "prompt": "hi"},
 }  # fmt: skip
 BODIES["/v1/chat/completions"] |= {"n_predict": 1, "id_slot": 0, "samplers": ["top_k"]}
 # lists and objects whose fields are lists cannot be dictionary keys (every suite); then

@@ -21,8 +21,9 @@ from mlxkv.commands.common import (
 from mlxkv.errors import UserError
 
 HELP = (
-    "serve one model over OpenAI's HTTP API (chat and text completions, responses), "
-    "Anthropic's (messages), Ollama's (chat, generate) and llama.cpp's /infill"
+    "serve one model over OpenAI's HTTP API (chat and text completions, responses, "
+    "embeddings), Anthropic's (messages), Ollama's (chat, generate, embed) and llama.cpp's "
+    "/infill"
 )
 KEY_ENV = "MLXKV_API_KEY"
 
@@ -79,6 +80,14 @@ def add_arguments(p) -> None:
         metavar="S",
         help="on SIGTERM/Ctrl+C, seconds the answers in flight get to finish before they are "
         "cut with an error (default 10); a second signal cuts them at once",
+    )
+    g.add_argument(
+        "--embedding-pooling",
+        choices=("last", "mean"),
+        default="last",
+        help="an embedding is the final hidden state at the input's last token (default: "
+        "what decoder embedding models such as Qwen3-Embedding are trained for) or their "
+        "mean over the input",
     )
     g.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
     g.add_argument(
@@ -452,6 +461,7 @@ def run(args) -> int:
             ranks=1 if cluster is None else cluster.size,
             api_key=key,
             max_body=args.max_body,
+            pooling=args.embedding_pooling,
         )
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]

@@ -59,6 +59,14 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """The prompt's final hidden state pooled into one vector (a request with ``embed``),
+    sent once its prefill ends, before ``Finished``; not normalized."""
+
+    vector: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Notice:
     """Something the user should know that is not an error (e.g. the cache was rebuilt)."""
 
@@ -81,4 +89,4 @@ class Failed:
     code: str  # invalid_policy | context_length_exceeded | shutting_down | internal
 
 
-Event = PrefillProgress | PromptLogprobs | TokenDelta | Notice | Finished | Failed
+Event = PrefillProgress | PromptLogprobs | Embedding | TokenDelta | Notice | Finished | Failed

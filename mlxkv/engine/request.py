@@ -91,9 +91,14 @@ def encode_prompt(tokenizer, text: str, specials: bool = True) -> list[int]:
     template's output, say) already starts with it (or ``specials`` is false: the text's
     own tokens alone). Every front end encodes with this."""
     bos = getattr(tokenizer, "bos_token", None)
-    add = specials and bool(bos) and not text.startswith(bos)
+    return encode_text(tokenizer, text, specials and bool(bos) and not text.startswith(bos))
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode``, its failure a UserError. With ``add_special_tokens`` the
+    tokenizer adds what it was made to add (an embedding model's end-of-text marker)."""
     try:
-        return tokenizer.encode(text, add_special_tokens=add)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except BaseException as e:
         # A tokenizer's Rust code that panics (a crafted tokenizer.json's regex past its
         # backtracking limit) raises pyo3's PanicException, a BaseException.

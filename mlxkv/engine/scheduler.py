@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.events import (
+    Embedding,
     Event,
     Failed,
     Finished,
@@ -78,6 +79,10 @@ class Request:
     prompt_logprobs: int | None = None
     sink: Callable[[Event], None] | None = None  # called on the MLX thread; must not block
     session: object = None  # a Session whose caches the request runs in (see session.py)
+    # None: an answer; "last" or "mean": the prompt's final hidden state at its last token,
+    # or averaged over its tokens (an Embedding event), and no answer; such a prompt is
+    # prefilled whole, never taken from a cache
+    embed: str | None = None
 
 
 class RequestHandle:
@@ -165,6 +170,7 @@ class _Job:
         self.history = None  # the tokens logits processors see
         self.broken: UserError | None = None  # its grammar failed: it ends with this error
         self.scores: list = []  # prompt_logprobs: (logprob, top) per scored prompt token
+        self.pooled = None  # embed "mean": the hidden states' sum so far (float32)
         self.next_input: int | None = None  # the first token: shown, not yet fed
         self.pending_lp = None  # logprobs of the token sampled ahead (not yet shown)
         self.started = self.first_token = 0.0
@@ -631,6 +637,7 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
     def _admit(self) -> None:
         from mlxkv.memory.context import past_trained_context
+        from mlxkv.models.head import has_hidden_states, no_hidden_states
 
         while True:
             if not self._arrived:
@@ -647,6 +654,9 @@ class Scheduler:
             why = self._policy_error(policy)
             if why is not None:
                 self._fail(handle, why, "invalid_policy")
+                continue
+            if req.embed and not has_hidden_states(self.loaded.model):
+                self._fail(handle, no_hidden_states(self.loaded.model), "embeddings_unsupported")
                 continue
             limit = self.loaded.context_length
             if past_trained_context(limit, policy.window, len(req.ids) + 1):
@@ -782,8 +792,8 @@ class Scheduler:
                     job.session.take_checkpoint()
         else:
             held, caches = 0, None
-            scored = job.req.prompt_logprobs is not None  # every token must go through
-            if self.prefix is not None and self._batchable_policy(job.policy) and not scored:
+            whole = job.req.prompt_logprobs is not None or job.req.embed  # every token
+            if self.prefix is not None and self._batchable_policy(job.policy) and not whole:
                 job.keep = True
                 job.boundary = job.total - 1  # the boundary copy, then the last token alone
                 held, caches = self.prefix.take(job.policy, job.ids)
@@ -858,7 +868,7 @@ class Scheduler:
         def new():  # holds no request: the shared prefix outlives the one that made it
             return make_caches(model, policy)
 
-        if job.req.prompt_logprobs is not None:  # scored: every token goes through the model
+        if job.req.prompt_logprobs is not None or job.req.embed:  # every token goes through
             return new(), 0
         if not (self.share_prefix and self._batchable_policy(job.policy)):
             return new(), 0
@@ -894,7 +904,9 @@ class Scheduler:
             )
         last = job.done + n == job.total
         chunk = job.ids[job.done : job.done + n]
-        if job.req.prompt_logprobs is not None:
+        if job.req.embed:
+            logits = self._pool(job, chunk, last)
+        elif job.req.prompt_logprobs is not None:
             logits = self._score(job, chunk, last)
         else:
             logits = feed(self.loaded.model, job.caches, mx.array(chunk), logits=last)
@@ -917,6 +929,10 @@ class Scheduler:
         if now > job.started:
             job.prompt_tps = (job.total - job.cached) / (now - job.started)
         job.history = processor_history(job.ids, job.req.settings) if job.processors else None
+        if job.req.embed:
+            job.handle._emit(Embedding(tuple(logits.tolist())))
+            self._end(job, "stop")
+            return
         if job.req.prompt_logprobs is not None:
             lps, top = zip(*job.scores, strict=True) if job.scores else ((), ())
             job.handle._emit(PromptLogprobs(tuple(job.ids), lps, top))
@@ -955,6 +971,24 @@ class Scheduler:
         for lp, ids, vals in rows:
             job.scores.append((lp, tuple(zip(ids, vals, strict=True))))
         return tail
+
+    def _pool(self, job: _Job, chunk: list[int], last: bool):
+        """Feed ``chunk`` through the model's body (no output head) and pool its final
+        hidden states as ``job.req.embed`` asks, in float32 (a sum over thousands of tokens
+        would round in bfloat16); returns the pooled vector after the last chunk."""
+        import mlx.core as mx
+
+        from mlxkv.models.head import hidden_states
+
+        h = hidden_states(self.loaded.model, mx.array(chunk)[None], job.caches)[0]
+        if job.req.embed == "mean":
+            total = h.astype(mx.float32).sum(axis=0)
+            job.pooled = total if job.pooled is None else job.pooled + total
+            out = job.pooled / job.total if last else job.pooled
+        else:
+            out = h[-1].astype(mx.float32) if last else None
+        mx.eval([c.state for c in job.caches], *([] if out is None else [out]))
+        return out if last else None
 
     # -- decode --------------------------------------------------------------------------------
     def _join(self, job: _Job) -> None:

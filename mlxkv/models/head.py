@@ -1,4 +1,5 @@
-"""Logits of the last position of a model call: what the first token of an answer needs.
+"""Logits of the last position of a model call (what the first token of an answer needs),
+and the final hidden states alone (what an embedding pools).
 
 An mlx-lm model call applies the output head (vocabulary x hidden) at every position it is
 given, while a prompt only needs the logits of its last one. On the default model the head
@@ -40,3 +41,24 @@ def last_logits(model, inputs, cache):
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(h)
     return model.lm_head(h)
+
+
+def has_hidden_states(model) -> bool:
+    """Whether :func:`hidden_states` can read ``model``'s final hidden states."""
+    return head_split(model)
+
+
+def no_hidden_states(model) -> str:
+    """Why a model without them cannot give embeddings, and which can."""
+    families = ", ".join(sorted(m.rsplit(".", 1)[1] for m in BODY_THEN_HEAD))
+    return (
+        f"this model ({type(model).__module__}) gives no final hidden states mlxkv can read, "
+        f"so it cannot make embeddings; serve a model of the {families} families "
+        "(an embedding model such as Qwen3-Embedding is one)"
+    )
+
+
+def hidden_states(model, inputs, cache):
+    """The final hidden states (B, L, hidden) of ``model``'s body over ``inputs``: normed,
+    before the output head."""
+    return model.model(inputs, cache)

@@ -1,5 +1,5 @@
-"""The HTTP API (Starlette): OpenAI's chat and text completions and responses, Anthropic's
-messages, Ollama's chat and generate, models, health, status, metrics."""
+"""The HTTP API (Starlette): OpenAI's chat and text completions, responses and embeddings,
+Anthropic's messages, Ollama's chat, generate and embed, models, health, status, metrics."""
 
 from __future__ import annotations
 
@@ -22,12 +22,20 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from mlxkv import __version__
-from mlxkv.engine.events import Failed, Finished, Notice, PromptLogprobs, Stats, TokenDelta
-from mlxkv.engine.request import RESERVE_STEP, encode_prompt
+from mlxkv.engine.events import (
+    Embedding,
+    Failed,
+    Finished,
+    Notice,
+    PromptLogprobs,
+    Stats,
+    TokenDelta,
+)
+from mlxkv.engine.request import RESERVE_STEP, GenerationSettings, encode_prompt, encode_text
 from mlxkv.errors import UserError
 from mlxkv.models.fim import fim_format, has_tokens, infill_ids
 from mlxkv.policy import KVPolicy
-from mlxkv.server import llamacpp, metrics, ollama
+from mlxkv.server import embeddings, llamacpp, metrics, ollama
 from mlxkv.server.answers import (
     Choice,
     Envelope,
@@ -72,9 +80,10 @@ from mlxkv.server.truncation import answer_room, fitted
 
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/models, /v1/status, /metrics, /health, /tokenize, "
-    "/detokenize, llama.cpp's /completion, /infill, /props and /apply-template, and Ollama's "
-    "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version"
+    "/v1/messages/count_tokens, /v1/embeddings, /v1/models, /v1/status, /metrics, /health, "
+    "/tokenize, /detokenize, llama.cpp's /completion, /infill, /props and /apply-template, "
+    "and Ollama's /api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags, "
+    "/api/show, /api/ps, /api/version"
 )
 PARSERS = {
     "chat": parse_chat,
@@ -108,6 +117,7 @@ PROMPT_PARAMS = {
     "llama_completion": "prompt",
     "infill": "input_prefix",
     "responses": "input",
+    "embeddings": "input",
 }
 LOGGED_MESSAGE = 1000  # characters of an error message the log line keeps
 
@@ -128,6 +138,7 @@ class Served:
     max_body: int = 8 * 2**20
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
     facts: dict = field(default_factory=dict)  # size, family, context... (Ollama's listings)
+    pooling: str = "last"  # how an embedding pools the final hidden states: "last", "mean"
     started: int = field(default_factory=lambda: int(time.time()))
 
     def serves(self, name: str) -> bool:
@@ -391,7 +402,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         streaming = False
         try:
             first = await gone.next(run)
-            _raise_failed(first[1], ask)
+            _raise_failed(first[1], ask.kind, ask.policy)
             if ask.stream:
                 streaming = True
                 gone.stop()
@@ -641,6 +652,93 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         context = served.limits.context_length
         return JSONResponse(tokenize_body(ask, ids, words, context))
 
+    async def embed(request: Request, kind: str) -> Response:
+        """OpenAI's ``/v1/embeddings`` ("openai") and Ollama's ``/api/embed`` ("api_embed")
+        and ``/api/embeddings`` ("api_embeddings"): each input's vector."""
+        check_auth(request)
+        started = time.perf_counter()
+        body = parse_json(await read_body(request))
+        width = served.facts.get("embedding_length")
+        if kind == "openai":
+            ask = embeddings.parse_openai(body, served.limits, width)
+        elif kind == "api_embed":
+            ask = embeddings.parse_ollama(body, served.limits, width)
+        else:
+            ask = embeddings.parse_ollama_old(body)
+        name = ask.model
+        if kind != "openai" and name is not None:  # Ollama's clients add its default tag
+            name = ollama.served_name(name, served.serves) or name
+        check_model(name)
+        if served.ranks > 1:
+            raise APIError(
+                400,
+                "embeddings are not made by a model split over ranks (mlx.launch); serve "
+                "the model on one machine for them",
+                "model",
+                "embeddings_unsupported",
+            )
+        prompts = await run_in_threadpool(embedding_ids, ask)
+        gone = Disconnect(request)
+        try:
+            vectors, tokens = await pooled(prompts, gone)
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            gone.stop()
+        vectors = [embeddings.finished(v, ask) for v in vectors]
+        if kind == "openai":
+            return JSONResponse(embeddings.openai_body(served.id, vectors, tokens, ask.as_base64))
+        if kind == "api_embed":
+            seconds = time.perf_counter() - started
+            return JSONResponse(embeddings.ollama_body(served.id, vectors, tokens, seconds))
+        return JSONResponse({"embedding": vectors[0].tolist()})
+
+    def embedding_ids(ask: embeddings.EmbedAsk) -> list[list[int]]:
+        """Each input's token ids as the model's tokenizer makes them for itself (with the
+        markers it adds: an embedding model's end of text), each within the context (cut to
+        it when the request says ``truncate``); runs in a worker thread."""
+        out, context = [], served.limits.context_length
+        for i, p in enumerate(ask.inputs):
+            try:
+                ids = p if isinstance(p, list) else encode_text(served.tokenizer, p, True)
+            except UserError as e:  # the tokenizer failed on this text
+                raise bad(str(e), "input") from None
+            if context and len(ids) >= context:
+                if not ask.truncate:
+                    where = f"input[{i}]" if len(ask.inputs) > 1 else "input"
+                    raise APIError(
+                        400,
+                        f"{where} has {len(ids)} tokens but the model's context is {context}; "
+                        "shorten it",
+                        "input",
+                        "context_length_exceeded",
+                    )
+                ids = ids[: context - 1]
+            out.append(ids)
+        return out
+
+    async def pooled(prompts: list[list[int]], gone: Disconnect) -> tuple[list, int]:
+        """Each prompt's pooled vector and the prompts' tokens, ``max_batch`` prompts in
+        flight at a time."""
+        s = served.limits.defaults
+        settings = GenerationSettings(max_tokens=1, prefill_step=s.prefill_step)
+        vectors: list = [None] * len(prompts)
+        tokens, step = 0, max(1, served.max_batch)
+        for start in range(0, len(prompts), step):
+            part = prompts[start : start + step]
+            run = bridge.start(part, 1, settings, KVPolicy(), None, embed=served.pooling)
+            try:
+                while run.open:
+                    row, ev = await gone.next(run)
+                    _raise_failed(ev, "embeddings")
+                    if isinstance(ev, Embedding):
+                        vectors[start + row] = ev.vector
+                    elif isinstance(ev, Finished):
+                        tokens += ev.stats.prompt_tokens
+            finally:
+                bridge.finish(run)
+        return vectors, tokens
+
     async def props(request: Request) -> Response:
         check_auth(request)
         return JSONResponse(
@@ -821,6 +919,17 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/completion", _guard(llama_completion, llamacpp.error_response), methods=["POST"]),
         Route("/props", _guard(props, llamacpp.error_response), methods=["GET"]),
         Route("/apply-template", _guard(apply_template, llamacpp.error_response), methods=["POST"]),
+        Route("/v1/embeddings", _guard(lambda r: embed(r, "openai")), methods=["POST"]),
+        Route(
+            "/api/embed",
+            _guard(lambda r: embed(r, "api_embed"), ollama.error_response),
+            methods=["POST"],
+        ),
+        Route(
+            "/api/embeddings",
+            _guard(lambda r: embed(r, "api_embeddings"), ollama.error_response),
+            methods=["POST"],
+        ),
         Route("/tokenize", _guard(tokenize), methods=["POST"]),
         Route("/detokenize", _guard(detokenize), methods=["POST"]),
         Route("/v1/models", _guard(models), methods=["GET"]),
@@ -933,27 +1042,30 @@ def _take(choices: list[Choice], row: int, ev, words: TokenText, ask: Ask, run: 
             c.finish_reason, c.stats = "length", replace(ev.stats, generation_tokens=0)
         return [p for p in (held, Part(reason=c.reason)) if p]
     if isinstance(ev, Failed):
-        _raise_failed(ev, ask)
+        _raise_failed(ev, ask.kind, ask.policy)
     if isinstance(ev, Notice):
         print(f"mlxkv: {ev.message}", file=sys.stderr, flush=True)
     return []
 
 
-def _raise_failed(ev, ask: Ask) -> None:
+def _raise_failed(ev, kind: str, policy: KVPolicy | None = None) -> None:
+    """A Failed event as the error its request (``kind``; ``policy``: its own) answers."""
     if not isinstance(ev, Failed):
         return
-    where = PROMPT_PARAMS.get(ask.kind, "messages")
+    where = PROMPT_PARAMS.get(kind, "messages")
     if ev.code == "invalid_policy":
-        raise APIError(400, ev.message, "kv" if ask.policy else None, "invalid_policy")
+        raise APIError(400, ev.message, "kv" if policy else None, "invalid_policy")
+    if ev.code == "embeddings_unsupported":
+        raise APIError(400, ev.message, "model", ev.code)
     if ev.code == "context_length_exceeded":
         raise APIError(400, api_names(ev.message), where, "context_length_exceeded")
     if ev.code == "invalid_request":
         raise APIError(400, ev.message, where, "invalid_request")
     if ev.code == "invalid_grammar":
-        param = FORMAT_PARAMS.get(ask.kind)
-        raise APIError(400, ev.message, param, "invalid_schema")
+        raise APIError(400, ev.message, FORMAT_PARAMS.get(kind), "invalid_schema")
     if ev.code == "kv_budget":
-        raise APIError(400, ev.message, "max_tokens", "kv_budget_exceeded")
+        param = "input" if kind == "embeddings" else "max_tokens"
+        raise APIError(400, ev.message, param, "kv_budget_exceeded")
     if ev.code == "shutting_down":  # the bridge ended a row the engine did not
         raise APIError(503, ev.message, None, ev.code)
     if ev.code == "cancelled":

@@ -96,9 +96,11 @@ class Bridge:
         policy: KVPolicy | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        embed: str | None = None,
     ) -> Run:
         """Submit ``n`` rows per prompt together (row ``p * n + j``: prompt p, answer j; a
-        seed s gives answer j the seed s + j, so the answers differ and repeat)."""
+        seed s gives answer j the seed s + j, so the answers differ and repeat); ``embed``:
+        each row's answer is its prompt pooled (``Request.embed``)."""
         if self.draining:
             raise APIError(503, "the server is shutting down; no new requests are taken")
         rows = len(prompts) * n
@@ -126,6 +128,7 @@ class Bridge:
                         logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         sink=run.sink(p * n + j),
+                        embed=embed,
                     )
                     run.handles.append(self.scheduler.submit(req))
         except UserError as e:  # the scheduler is closing

@@ -559,7 +559,7 @@ def parse_completion(body: dict, limits: Limits) -> Ask:
         raise bad("prompt is required: a string, a list of strings or token ids", param="prompt")
     # fill in the middle at a file's start: an empty prompt before a suffix
     at_start = isinstance(body.get("suffix"), str) and body["suffix"] != ""
-    prompts = _prompts(body["prompt"], limits, empty_ok=at_start)
+    prompts = prompts_of(body["prompt"], limits, empty_ok=at_start)
     n = _n(body, len(prompts), limits)
     best_of = int_field(body, "best_of", 1, limits.max_rows)
     if best_of is not None and best_of != n:
@@ -783,9 +783,12 @@ def template_kwargs_of(v) -> dict:
     return dict(v)
 
 
-def _prompts(v, limits: Limits, empty_ok: bool = False) -> list:
-    """Completions' prompt: a string, a list of strings, token ids, or lists of token ids
-    (``empty_ok``: an empty string is a prompt too)."""
+def prompts_of(
+    v, limits: Limits, name: str = "prompt", most: int | None = None, empty_ok: bool = False
+) -> list:
+    """Completions' prompt (or embeddings' input, ``name``): a string, a list of strings,
+    token ids, or lists of token ids; at most ``most`` of them (None: ``limits.max_rows``;
+    ``empty_ok``: an empty string is a prompt too)."""
     if isinstance(v, str):
         items = [v]
     elif (
@@ -795,23 +798,24 @@ def _prompts(v, limits: Limits, empty_ok: bool = False) -> list:
     elif isinstance(v, list) and v:
         items = v
     else:
-        raise bad("prompt must be a non-empty string, list of strings or token ids", "prompt")
-    if len(items) > limits.max_rows:
-        raise bad(f"prompt holds {len(items)} prompts; at most {limits.max_rows}", "prompt")
+        raise bad(f"{name} must be a non-empty string, list of strings or token ids", name)
+    most = limits.max_rows if most is None else most
+    if len(items) > most:
+        raise bad(f"{name} holds {len(items)} {name}s; at most {most}", name)
     for i, p in enumerate(items):
-        where = f"prompt[{i}]" if len(items) > 1 or not isinstance(v, str) else "prompt"
+        where = f"{name}[{i}]" if len(items) > 1 or not isinstance(v, str) else name
         if isinstance(p, str):
             if not p and not empty_ok:
-                raise bad(f"{where} is empty", param="prompt")
+                raise bad(f"{where} is empty", param=name)
             continue
         ids = isinstance(p, list) and p
         if not ids or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            raise bad(f"{where} must be a non-empty string or list of token ids", "prompt")
+            raise bad(f"{where} must be a non-empty string or list of token ids", name)
         top = limits.vocab_size
         bad_id = next((x for x in p if x < 0 or (top is not None and x >= top)), None)
         if bad_id is not None:
             raise bad(
                 f"{where} holds token id {bad_id}, outside the vocabulary [0, {top})",
-                param="prompt",
+                param=name,
             )
     return items

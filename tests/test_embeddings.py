@@ -1,0 +1,203 @@
+"""Embeddings: a prompt's final hidden state pooled into one vector (``Request.embed``), as
+one forward pass of mlx-lm's model body over the whole prompt gives it, whatever the
+prefill chunks; and ``/v1/embeddings`` and Ollama's ``/api/embed`` on a real server."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mlxkv.engine.events import Embedding, Failed, Finished, TokenDelta
+from mlxkv.engine.scheduler import Request, Scheduler
+from mlxkv.engine.session import GenerationSettings
+from mlxkv.policy import KVPolicy
+from tests.serve_helpers import serving
+
+pytestmark = pytest.mark.model
+
+TEXT = "The capital of France is Paris. The capital of Italy is Rome."
+
+
+def reference(loaded, ids: list[int]):
+    """mlx-lm's model body over the whole prompt at once: (its last hidden state, their
+    mean), in float32."""
+    import mlx.core as mx
+
+    h = loaded.model.model(mx.array(ids)[None])[0].astype(mx.float32)
+    return h[-1].tolist(), h.mean(axis=0).tolist()
+
+
+@pytest.mark.parametrize("step", [512, 5])  # one chunk, and chunks of 5 tokens
+def test_a_prompt_is_pooled_as_one_forward_pass(default_model, step):
+    """Last-token and mean pooling, in chunks or not, are the whole prompt's in one pass;
+    an answer asked beside them is unchanged, and the pooled prompts answer nothing."""
+    ids = Scheduler(default_model).encode(TEXT)
+    last, mean = reference(default_model, ids)
+    settings = GenerationSettings(max_tokens=4, prefill_step=step)
+    sched = Scheduler(default_model, KVPolicy(), max_batch=2)
+    plain = sched.submit(Request(ids, settings))
+    pooled = {how: sched.submit(Request(ids, settings, embed=how)) for how in ("last", "mean")}
+    alone = Scheduler(default_model, KVPolicy()).submit(Request(ids, settings))
+    while sched.step():
+        pass
+    for how, want in (("last", last), ("mean", mean)):
+        events = list(pooled[how].events())
+        assert [type(e) for e in events if not type(e).__name__ == "PrefillProgress"] == [
+            Embedding,
+            Finished,
+        ]
+        (e,) = [e for e in events if isinstance(e, Embedding)]
+        assert len(e.vector) == default_model.config["hidden_size"] == 576
+        assert e.vector == pytest.approx(want, abs=1e-4)  # float32 sums in other orders
+        done = events[-1]
+        assert done.finish_reason == "stop" and done.text == ""
+        assert done.stats.prompt_tokens == len(ids) and done.stats.prompt_tokens_cached == 0
+        assert done.stats.generation_tokens == 0
+    while alone._scheduler.step():
+        pass
+    text = [e.text for e in plain.events() if isinstance(e, TokenDelta)]
+    assert text and text == [e.text for e in alone.events() if isinstance(e, TokenDelta)]
+
+
+def test_a_prompt_past_the_context_is_refused(default_model):
+    sched = Scheduler(default_model, KVPolicy())
+    limit = default_model.context_length
+    h = sched.submit(Request([1] * limit, embed="last"))
+    while sched.step():
+        pass
+    (e,) = list(h.events())
+    assert isinstance(e, Failed) and e.code == "context_length_exceeded"
+    assert e.message.startswith(f"the prompt has {limit} tokens but the model's context is")
+
+
+# -- through the server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("serve_embed"))
+
+
+def unit(v: list[float]) -> list[float]:
+    norm = math.sqrt(math.fsum(x * x for x in v))
+    return [x / norm for x in v]
+
+
+def test_openai_embeddings_are_the_last_hidden_state_made_unit_length(server, default_model):
+    """The official client (which asks for base64 and decodes it) gets, for each input in
+    order, the final hidden state at its last token, made unit length; as numbers the
+    same; the usage counts every input's tokens."""
+    texts = [TEXT, "hello", "Paris is the capital of France."]
+    want = []
+    for t in texts:
+        ids = default_model.tokenizer.encode(t, add_special_tokens=True)
+        want.append((unit(reference(default_model, ids)[0]), len(ids)))
+    client = server.client()
+    r = client.embeddings.create(model=server.model, input=texts)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == server.model
+    for d, (vector, _) in zip(r.data, want, strict=True):
+        assert len(d.embedding) == 576 and d.embedding == pytest.approx(vector, abs=1e-4)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(n for _, n in want)
+    as_numbers = client.embeddings.create(model=server.model, input=texts, encoding_format="float")
+    for a, b in zip(r.data, as_numbers.data, strict=True):
+        assert a.embedding == b.embedding  # the same float32 numbers, either way
+    # one input alone, or as token ids: the same vector
+    ids = default_model.tokenizer.encode(texts[1], add_special_tokens=True)
+    for given in (texts[1], ids, [ids]):
+        (d,) = client.embeddings.create(model=server.model, input=given).data
+        assert d.embedding == pytest.approx(r.data[1].embedding, abs=1e-6)
+
+
+def test_dimensions_keep_the_first_numbers_made_unit_length(server):
+    body = {"model": server.model, "input": TEXT, "encoding_format": "float"}
+    whole = server.http("POST", "/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    cut = server.http("POST", "/v1/embeddings", json={**body, "dimensions": 64}).json()
+    assert cut["data"][0]["embedding"] == pytest.approx(unit(whole[:64]), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({}, "input", "input is required: a text, a list of texts or of token ids"),
+        ({"input": ""}, "input", "input is empty"),
+        ({"input": []}, "input", "input must be a non-empty string, list of strings or token ids"),
+        ({"input": ["a", ""]}, "input", "input[1] is empty"),
+        ({"input": ["a"] * 2049}, "input", "input holds 2049 inputs; at most 2048"),
+        ({"input": [5, 49152]}, "input", "input[0] holds token id 49152, outside the vocabulary"),
+        ({"input": [1] * 8192}, "input", "input has 8192 tokens but the model's context is 8192"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format", "encoding_format must be"),
+        ({"input": "a", "dimensions": 0}, "dimensions", "dimensions must be in [1, 576], got 0"),
+        ({"input": "a", "dimensions": 577}, "dimensions", "dimensions must be in [1, 576], got"),
+        ({"input": "a", "stream": True}, "stream", "Unrecognized request argument supplied: st"),
+    ],
+)
+def test_a_bad_embeddings_request_is_a_400_naming_the_field(server, body, param, message):
+    r = server.http("POST", "/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(message)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_another_models_name_is_a_404(server):
+    body = {"model": "text-embedding-3-small", "input": "a"}
+    r = server.http("POST", "/v1/embeddings", json=body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_ollama_embed_answers_the_same_unit_vectors(server):
+    """Ollama's /api/embed (its tag added to the name) gives OpenAI's vectors as numbers;
+    the older /api/embeddings answers the pooled state itself."""
+    texts = [TEXT, "hello"]
+    openai = server.client().embeddings.create(model=server.model, input=texts)
+    r = server.http("POST", "/api/embed", json={"model": f"{server.model}:latest", "input": texts})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["model"] == server.model and out["prompt_eval_count"] == openai.usage.prompt_tokens
+    for got, d in zip(out["embeddings"], openai.data, strict=True):
+        assert got == pytest.approx(d.embedding, abs=1e-6)
+    old = server.http("POST", "/api/embeddings", json={"model": server.model, "prompt": "hello"})
+    raw = old.json()["embedding"]
+    assert unit(raw) == pytest.approx(openai.data[1].embedding, abs=1e-5)
+    assert math.sqrt(sum(x * x for x in raw)) > 2  # not made unit length
+    r = server.http("POST", "/api/embed", json={"model": server.model, "input": 5})
+    assert r.status_code == 400
+    assert r.json() == {"error": "input must be a text or a list of texts, got 5"}
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory, default_model_path):
+    """A random llama of a 64-token context, with the default model's tokenizer."""
+    from tests.tiny_models import BASE, model_folder
+
+    cfg = dict(BASE, model_type="llama", vocab_size=49152, max_position_embeddings=64)
+    return model_folder(tmp_path_factory.mktemp("short"), cfg, default_model_path)
+
+
+def test_an_input_past_the_context_is_cut_only_when_asked(tmp_path, short_model):
+    """Ollama's truncate (its default) cuts an input to the context; OpenAI's request and
+    Ollama's with truncate false are refused, naming the input."""
+    long = "word " * 100
+    for s in serving(tmp_path, str(short_model), "--force"):
+        r = s.http("POST", "/api/embed", json={"input": ["hi", long]})
+        assert r.status_code == 200 and r.json()["prompt_eval_count"] == 1 + 63
+        r = s.http("POST", "/api/embed", json={"input": ["hi", long], "truncate": False})
+        assert r.status_code == 400
+        assert r.json()["error"] == (
+            "input[1] has 101 tokens but the model's context is 64; shorten it"
+        )
+        r = s.http("POST", "/v1/embeddings", json={"input": long})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "input"
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_a_model_without_readable_hidden_states_says_so(tmp_path, default_model_path):
+    from tests.tiny_models import CONFIGS, model_folder
+
+    folder = model_folder(tmp_path / "lfm2", CONFIGS["lfm2"], default_model_path)
+    for s in serving(tmp_path / "serve", str(folder), "--force"):
+        r = s.http("POST", "/v1/embeddings", json={"input": [1, 2, 3]})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("embeddings_unsupported", "model")
+        assert err["message"].startswith("this model (mlx_lm.models.lfm2) gives no final hidden")

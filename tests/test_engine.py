@@ -202,3 +202,23 @@ def test_cancel_before_the_turn_starts_is_honoured(default_model):
     assert out.finish_reason == "cancelled" and out.stats.generation_tokens <= 1
     again = finish(gen.run("Hi", GenerationSettings(max_tokens=3)))
     assert again.finish_reason != "cancelled"
+
+
+def test_a_character_cut_short_is_left_out_only_at_a_cut(default_model_path):
+    """Two CJK characters of three tokens each, the last token not given: an answer cut
+    there (a limit, a cancel) ends with the first character; one the model ended (EOS)
+    keeps what its bytes make, a replacement character."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxkv.engine.finish import FinishRule
+
+    tok = load_tokenizer(default_model_path)
+    ids = tok.encode("猫猫", add_special_tokens=False)
+    assert len(ids) == 6
+    for reason, text in (("length", "猫"), ("cancelled", "猫"), ("stop", "猫\ufffd")):
+        rule, shown = FinishRule(tok, (), 100), ""
+        for t in ids[:-1]:
+            shown += rule.add(t)[0]
+        rule.reason = "stop" if reason == "stop" else None  # as an EOS token sets it
+        rest, whole = rule.end(None if reason == "stop" else reason)
+        assert (whole, shown + rest) == (text, text)

@@ -305,6 +305,21 @@ def test_penalties_and_logit_bias_reach_the_answer(server, default_model):
     assert only.choices[0].text == " the the the the"
 
 
+def test_an_answer_cut_inside_a_character_leaves_it_out(server, default_model):
+    """max_tokens that end an answer inside a character (an emoji is three tokens of the
+    default model) leave the character out, whole or streamed, where it was U+FFFD."""
+    emoji = default_model.tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji) == 3  # its four bytes in three tokens
+    client = server.client()
+    ask = {"model": "smollm2-135m", "prompt": "Once", "max_tokens": 1, "temperature": 0}
+    ask["logit_bias"] = {str(emoji[0]): 100}
+    whole = client.completions.create(**ask)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == ("", "length")
+    assert whole.usage.completion_tokens == 1
+    parts = client.completions.create(**ask, stream=True)
+    assert "".join(c.choices[0].text for c in parts if c.choices) == ""
+
+
 def test_answers_of_a_set_length_as_benchmarks_ask(server, default_model):
     """vLLM's and llama.cpp's fields through the openai client's extra_body: ignore_eos
     gives max_tokens tokens, chat and text completions alike; min_tokens keeps a short

@@ -8,6 +8,9 @@ import time
 
 from mlxkv.engine.stopping import StopMatcher
 
+# the reasons an answer ends that may cut it inside a character's bytes (a limit, a cancel)
+CUT = ("length", "context", "time", "cancelled")
+
 
 class FinishRule:
     """Follows one answer token by token.
@@ -111,7 +114,10 @@ class FinishRule:
         self.reason = self.reason or reason or "length"
         if self.reason not in ("stop_string", "indent"):  # (those cut the text)
             self.detok.finalize()
-            self.text = self._answer(self.detok.text)
+            text = self._answer(self.detok.text)
+            if self.reason in CUT:  # a character cut short is left out, not shown as U+FFFD
+                text = text[: max(self.shown, len(text.rstrip("\ufffd")))]
+            self.text = text
         rest = self.text[self.shown :]
         self.shown = len(self.text)
         return rest, self.text

@@ -438,9 +438,14 @@ def test_openai_batch_lines_read_as_the_files_own_fields():
         return bad.id, bad.error
 
     user = [{"role": "user", "content": "Hi"}]
-    assert error(_openai_line("a", {"messages": user}, url="/v1/embeddings")) == (
+    assert error(_openai_line("a", {"messages": user}, url="/v1/responses")) == (
         "a",
-        "'url' '/v1/embeddings': only /v1/chat/completions requests run in mlxkv batch",
+        "'url' '/v1/responses': /v1/chat/completions and /v1/embeddings requests run in "
+        "mlxkv batch",
+    )
+    assert error(_openai_line("e", {"messages": user}, url="/v1/embeddings")) == (
+        "e",
+        "body: Unrecognized request argument supplied: messages",
     )
     assert error(_openai_line("b", {"messages": user, "n": 2})) == (
         "b",
@@ -521,7 +526,7 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(
     assert own["fr"]["text"] == "The capital of France is "
     assert own["fr"]["finish_reason"] == "stop_string"
 
-    bad = _openai_line("embed", {"input": "hi"}, url="/v1/embeddings")
+    bad = _openai_line("embed", {"input": "hi"}, url="/v1/responses")
     inp = write_lines(tmp_path / "openai.jsonl", [*openai_lines, bad])
     out = tmp_path / "openai.out.jsonl"
     capsys.readouterr()
@@ -547,8 +552,65 @@ def test_an_openai_batch_file_answers_as_the_same_lines_in_mlxkvs_own_form(
     assert recs["embed"]["response"] is None and recs["embed"]["line"] == 4
     assert recs["embed"]["error"] == {
         "code": "invalid_request",
-        "message": "'url' '/v1/embeddings': only /v1/chat/completions requests run in mlxkv batch",
+        "message": "'url' '/v1/responses': /v1/chat/completions and /v1/embeddings requests "
+        "run in mlxkv batch",
     }
     before = out.read_bytes()
     assert main(["batch", str(inp), "-o", str(out), "--temp", "0"]) == 1
+    assert out.read_bytes() == before
+
+
+@pytest.mark.model
+def test_openai_embeddings_lines_answer_each_inputs_vector(tmp_path, preloaded, default_model):
+    """An OpenAI batch line for /v1/embeddings answers OpenAI's embeddings list: each
+    input's last-token hidden state made unit length (a text or token ids; dimensions and
+    base64 as asked), beside chat lines; a bad body and an id outside the vocabulary are
+    that line's error record; a re-run runs nothing again."""
+    import base64
+    import math
+    import struct
+
+    import mlx.core as mx
+
+    def unit_last(ids, dims=None):
+        h = default_model.model.model(mx.array(ids)[None])[0, -1].astype(mx.float32).tolist()
+        h = h[:dims] if dims else h
+        norm = math.sqrt(sum(x * x for x in h))
+        return [x / norm for x in h]
+
+    def line(custom_id, body):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+
+    tok = default_model.tokenizer
+    text = "The capital of France is Paris."
+    ids = tok.encode("hello", add_special_tokens=True)
+    lines = [
+        line("two", {"model": "text-embedding-3-small", "input": [text, ids]}),
+        line("cut", {"input": text, "dimensions": 32, "encoding_format": "base64"}),
+        line("empty", {"input": ""}),
+        line("far", {"input": [[1, 2], [3, 99999]]}),
+        _openai_line("chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    ]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    recs = {r["custom_id"]: r for r in read_records(out)}
+    from openai.types import CreateEmbeddingResponse
+
+    body = recs["two"]["response"]["body"]
+    assert CreateEmbeddingResponse.model_validate(body).model == "smollm2-135m"
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["object"] == "list"
+    want = [unit_last(tok.encode(text, add_special_tokens=True)), unit_last(ids)]
+    for d, w in zip(body["data"], want, strict=True):
+        assert d["embedding"] == pytest.approx(w, abs=1e-4)
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(text)) + len(ids)
+    packed = base64.b64decode(recs["cut"]["response"]["body"]["data"][0]["embedding"])
+    got = list(struct.unpack("<32f", packed))
+    assert got == pytest.approx(unit_last(tok.encode(text, add_special_tokens=True), 32), abs=1e-4)
+    assert recs["empty"]["error"]["message"] == "body: input is empty"
+    assert recs["far"]["error"]["message"] == (
+        "input 1 holds token id 99999, outside the vocabulary [0, 49152)"
+    )
+    assert recs["chat"]["response"]["body"]["object"] == "chat.completion"
+    before = out.read_bytes()
+    assert main(["batch", str(inp), "-o", str(out)]) == 1  # the error records stand
     assert out.read_bytes() == before

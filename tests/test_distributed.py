@@ -327,6 +327,24 @@ def test_data_parallel_batch_writes_the_single_process_records(cli, tiny_qwen2, 
     assert read_records(out) == split
 
 
+@pytest.mark.slow
+def test_an_embeddings_line_under_mlx_launch_is_its_error_record(tiny_qwen2, tmp_path):
+    """Embeddings run on one machine: under two ranks an embeddings line is its error
+    record, saying so, and the chat line beside it is answered."""
+    embed = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}}
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(embed) + "\n" + json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    flags = ["--model", str(tiny_qwen2), "--max-tokens", "2", "--no-progress"]
+    two = launch(2, "batch", str(src), "-o", str(out), *flags)
+    assert "Traceback" not in two.stderr, two.stderr
+    recs = {r.get("custom_id", r["id"]): r for r in read_records(out)}
+    assert recs["e"]["error"]["message"] == (
+        "embeddings run in a batch on one machine, not under mlx.launch; run it alone"
+    )
+    assert "text" in recs[1]
+
+
 def _rank_pid(rank: int, marker: str) -> int | None:
     """The pid of the mlxkv process with MLX_RANK=rank whose command line has ``marker``."""
     for proc in Path("/proc").iterdir():

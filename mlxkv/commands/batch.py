@@ -47,7 +47,9 @@ only its first line runs. A request line of OpenAI's Batch API ({"custom_id", "m
 its id, and the body's max_tokens (or max_completion_tokens), temperature, top_p, seed,
 stop and response_format are its fields; its "model" is ignored (the run's model answers).
 Its record has the shape of OpenAI's batch output ({"id", "line", "custom_id", "response":
-{"status_code", "request_id", "body": a chat.completion}, "error", "fp"}).
+{"status_code", "request_id", "body": a chat.completion}, "error", "fp"}). A line for
+"url": "/v1/embeddings" ({"input", "dimensions", "encoding_format"}) answers OpenAI's
+embeddings list: each input's final hidden state at its last token, made unit length.
 
 IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
 record for that line; the other lines run.
@@ -430,7 +432,8 @@ def _follow(args, policy, cluster) -> int:
 
 def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> int:
     from mlxkv.commands.batch_input import BadLine
-    from mlxkv.engine.batch import Request
+    from mlxkv.engine.batch import Request, Result
+    from mlxkv.engine.request import GenerationSettings
 
     loaded, runner = _open(args, policy, cluster)
     model_name = model_id(loaded.name)  # what OpenAI-shaped records name the model by
@@ -473,8 +476,18 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
 
     most = _most_characters(loaded, policy)
 
+    embedding = GenerationSettings(max_tokens=1, prefill_step=base.prefill_step)
+
     def requests():
         for job in jobs:
+            if job.embed is not None:
+                if (why := _embedding_problem(job, cluster, loaded, most)) is not None:
+                    write_error(job, why)
+                    progress.update(False, 0)
+                    continue
+                for i, given in enumerate(job.embed.inputs):
+                    yield Request((job.line, i), given, embedding, embed="last")
+                continue
             try:
                 _check_length(_characters(job), most, loaded)  # before the template copies it
                 text = _prompt_text(job, loaded.tokenizer, args)
@@ -486,9 +499,39 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
             raw = args.raw and job.prompt is not None
             yield Request(job.line, text, replace(_settings(job, base), continues=raw))
 
+    parts: dict[int, dict | None] = {}  # an embeddings line's results so far (None: failed)
+
+    def embedded(r) -> None:
+        """One input of an embeddings line done: the line's record once all are."""
+        line, i = r.key
+        job, got = by_line[line], parts.setdefault(line, {})
+        if got is None:  # the line failed on an earlier input
+            return
+        if r.error:
+            parts[line] = None
+            write_error(job, f"input {i}: {r.error}")
+            progress.update(False, 0)
+            return
+        got[i] = r
+        if len(got) < len(job.embed.inputs):
+            return
+        done = [got[k] for k in range(len(got))]
+        tokens = sum(x.prompt_tokens for x in done)
+        vectors = [x.vector for x in done]
+        fp = fps[line]
+        log.append(
+            openai_batch.embeddings_record(job.id, line, fp, model_name, vectors, tokens, job.embed)
+        )
+        results.append(Result(line, prompt_tokens=tokens))
+        del parts[line]
+        progress.update(True, 0)
+
     t0 = time.perf_counter()
     try:
         for r in work.run(requests()):
+            if isinstance(r.key, tuple):
+                embedded(r)
+                continue
             job = by_line[r.key]
             if r.error:
                 write_error(job, r.error)
@@ -522,6 +565,23 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
         if args.shard == "data":
             ranks["results_by_rank"] = work.done_by_rank
     return _finish(args, policy, log, results, errors, plan, elapsed, runner, ranks)
+
+
+def _embedding_problem(job, cluster, loaded, most) -> str | None:
+    """Why an embeddings line cannot run (None: it can): each input within the context
+    and the vocabulary, on one machine."""
+    if cluster is not None:
+        return "embeddings run in a batch on one machine, not under mlx.launch; run it alone"
+    vocab = loaded.config.get("vocab_size")
+    for i, given in enumerate(job.embed.inputs):
+        if isinstance(given, str):
+            try:
+                _check_length(len(given), most, loaded)
+            except UserError as e:
+                return f"input {i}: {e}"
+        elif isinstance(vocab, int) and (far := max(given)) >= vocab:
+            return f"input {i} holds token id {far}, outside the vocabulary [0, {vocab})"
+    return None
 
 
 def _error_record(entry, message: str, fp: str) -> dict:

@@ -48,6 +48,7 @@ class Job:
     # GenerationSettings fields: max_tokens / temperature / top_p / seed / grammar
     overrides: dict = field(default_factory=dict)
     source: object = None  # the parsed line (what its fingerprint is taken of)
+    embed: object = None  # an embeddings request line: its checked body (an EmbedAsk)
 
 
 @dataclass
@@ -142,6 +143,8 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         obj = from_openai(obj)
         if isinstance(obj, str):
             return bad(obj)
+        if "embed" in obj:
+            return Job(n, ident, source=source, embed=obj["embed"])
 
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:

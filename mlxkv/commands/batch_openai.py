@@ -2,9 +2,10 @@
 the records of those lines written in the shape of its output file, so a file made for
 OpenAI's batches runs here and its results read as OpenAI's would.
 
-A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}``.
-Its record: ``{"id": "batch_req_...", "line", "custom_id", "response": {"status_code": 200,
-"request_id", "body": <a chat.completion>}, "error": null, "fp"}``, or with ``"response":
+A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}``
+(or ``"url": "/v1/embeddings"`` with an embeddings body). Its record: ``{"id":
+"batch_req_...", "line", "custom_id", "response": {"status_code": 200, "request_id", "body":
+<a chat.completion, or an embeddings list>}, "error": null, "fp"}``, or with ``"response":
 null`` and ``"error": {"code", "message"}`` for a line that could not run; ``line`` and
 ``fp`` are what a re-run resumes by, as in this command's own records.
 """
@@ -16,6 +17,7 @@ import uuid
 
 OPENAI_LINE = ("custom_id", "method", "url", "body")
 OPENAI_URL = "/v1/chat/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
 # the body fields this file's lines have a field for; "model" is read past: the run's model
 # answers whatever it names
 OPENAI_BODY = (
@@ -41,11 +43,14 @@ def from_openai(obj: dict) -> dict | str:
         return f"unknown field(s) {', '.join(unknown)} in an OpenAI batch request line"
     if obj.get("method", "POST") != "POST":
         return f"'method' must be \"POST\", got {obj['method']!r}"
-    if obj.get("url", OPENAI_URL) != OPENAI_URL:
-        return f"'url' {obj['url']!r}: only {OPENAI_URL} requests run in mlxkv batch"
+    url = obj.get("url", OPENAI_URL)
+    if url not in (OPENAI_URL, EMBEDDINGS_URL):
+        return f"'url' {url!r}: {OPENAI_URL} and {EMBEDDINGS_URL} requests run in mlxkv batch"
     body = obj.get("body")
     if not isinstance(body, dict):
         return "'body' must be the request's JSON object"
+    if url == EMBEDDINGS_URL:
+        return embedding_line(obj["custom_id"], body)
     given = {k: v for k, v in body.items() if v is not None}
     if extra := sorted(set(given) - set(OPENAI_BODY)):
         return f"body.{extra[0]} is not supported in mlxkv batch; it takes {', '.join(OPENAI_BODY)}"
@@ -73,6 +78,19 @@ def from_openai(obj: dict) -> dict | str:
             'or {"type": "json_schema", "json_schema": {"schema": ...}}'
         )
     return line
+
+
+def embedding_line(custom_id, body: dict) -> dict | str:
+    """An embeddings request as ``{"id", "embed": EmbedAsk}``, or what is wrong with it
+    (token ids are checked against the vocabulary once the model is loaded)."""
+    from mlxkv.server.embeddings import MAX_INPUTS, parse_openai
+    from mlxkv.server.errors import APIError
+    from mlxkv.server.params import Limits
+
+    try:
+        return {"id": custom_id, "embed": parse_openai(body, Limits(max_rows=MAX_INPUTS), None)}
+    except APIError as e:
+        return f"body: {e.message}"
 
 
 def is_openai(source) -> bool:
@@ -106,6 +124,17 @@ def result_record(custom_id, line: int, fp: str, model: str, r) -> dict:
             "total_tokens": r.prompt_tokens + r.generation_tokens,
         },
     }
+    response = {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}
+    return _record(custom_id, line, fp, response, None)
+
+
+def embeddings_record(custom_id, line: int, fp: str, model: str, vectors, tokens, ask) -> dict:
+    """The record of an embeddings line: each input's vector (``vectors``, as pooled) as
+    ``ask`` wants it, in OpenAI's embeddings list."""
+    from mlxkv.server.embeddings import finished, openai_body
+
+    shaped = [finished(v, ask) for v in vectors]
+    body = openai_body(model, shaped, tokens, ask.as_base64)
     response = {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}
     return _record(custom_id, line, fp, response, None)
 

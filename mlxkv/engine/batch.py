@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from mlxkv.engine.events import Failed, Finished
-from mlxkv.engine.request import GenerationSettings, encode_prompt
+from mlxkv.engine.events import Embedding, Failed, Finished
+from mlxkv.engine.request import GenerationSettings, encode_prompt, encode_text
 from mlxkv.engine.scheduler import Request as EngineRequest
 from mlxkv.engine.scheduler import Scheduler
 from mlxkv.errors import UserError
@@ -31,8 +31,11 @@ from mlxkv.policy import KVPolicy
 @dataclass(frozen=True)
 class Request:
     key: object  # the caller's handle, returned in the Result
-    prompt: str  # the full prompt text (chat template already applied)
+    prompt: str | list[int]  # the full prompt text (chat template already applied), or ids
     settings: GenerationSettings
+    # None: an answer; "last" or "mean": the prompt's embedding (the scheduler's
+    # Request.embed), in a full cache of its own
+    embed: str | None = None
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Result:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     error: str | None = None  # set instead of text when this prompt could not run
+    vector: tuple[float, ...] | None = None  # an embedding's (not normalized)
 
 
 def why_not_batched(loaded: LoadedModel, policy: KVPolicy) -> str | None:
@@ -150,15 +154,23 @@ class BatchRunner:
                         from dataclasses import replace
 
                         settings = replace(settings, prefill_step=self.prefill_step)
-                    ids = encode_prompt(tok, req.prompt)
-                    h = sched.submit(EngineRequest(ids, settings, sink=events.append))
+                    if isinstance(req.prompt, list):
+                        ids = req.prompt
+                    elif req.embed:  # as the tokenizer makes them for itself
+                        ids = encode_text(tok, req.prompt, True)
+                    else:
+                        ids = encode_prompt(tok, req.prompt)
+                    policy = KVPolicy() if req.embed else None  # no window, no quantization
+                    h = sched.submit(
+                        EngineRequest(ids, settings, policy, sink=events.append, embed=req.embed)
+                    )
                     inflight[h.id] = (req, len(ids), events, h)
                 if not inflight:
                     return
                 sched.step()
                 for hid in [i for i, entry in inflight.items() if entry[3].done]:
                     req, n_prompt, events, _ = inflight.pop(hid)
-                    yield _result(req, n_prompt, events[-1])
+                    yield _result(req, n_prompt, events)
         finally:
             for *_, h in inflight.values():
                 h.cancel()
@@ -166,7 +178,8 @@ class BatchRunner:
                 pass
 
 
-def _result(req: Request, n_prompt: int, last) -> Result:
+def _result(req: Request, n_prompt: int, events: list) -> Result:
+    last = events[-1]
     if isinstance(last, Failed):
         return Result(req.key, error=last.message, prompt_tokens=n_prompt)
     assert isinstance(last, Finished)
@@ -185,4 +198,5 @@ def _result(req: Request, n_prompt: int, last) -> Result:
         latency,
         s.prompt_tps,
         s.generation_tps,
+        vector=next((e.vector for e in events if isinstance(e, Embedding)), None),
     )

@@ -97,6 +97,8 @@ def test_openai_embeddings_are_the_last_hidden_state_made_unit_length(server, de
     for d, (vector, _) in zip(r.data, want, strict=True):
         assert len(d.embedding) == 576 and d.embedding == pytest.approx(vector, abs=1e-4)
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(n for _, n in want)
+    line = f"mlxkv: /v1/embeddings 3 embedding(s) of 576 numbers, {r.usage.prompt_tokens} tokens"
+    assert f"{line}, pooling last\n" in server.log()
     as_numbers = client.embeddings.create(model=server.model, input=texts, encoding_format="float")
     for a, b in zip(r.data, as_numbers.data, strict=True):
         assert a.embedding == b.embedding  # the same float32 numbers, either way
@@ -147,16 +149,16 @@ def test_another_models_name_is_a_404(server):
 def test_ollama_embed_answers_the_same_unit_vectors(server):
     """Ollama's /api/embed (its tag added to the name) gives OpenAI's vectors as numbers;
     the older /api/embeddings answers the pooled state itself."""
+    import ollama
+
     texts = [TEXT, "hello"]
     openai = server.client().embeddings.create(model=server.model, input=texts)
-    r = server.http("POST", "/api/embed", json={"model": f"{server.model}:latest", "input": texts})
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["model"] == server.model and out["prompt_eval_count"] == openai.usage.prompt_tokens
-    for got, d in zip(out["embeddings"], openai.data, strict=True):
-        assert got == pytest.approx(d.embedding, abs=1e-6)
-    old = server.http("POST", "/api/embeddings", json={"model": server.model, "prompt": "hello"})
-    raw = old.json()["embedding"]
+    client = ollama.Client(host=server.url)
+    out = client.embed(model=f"{server.model}:latest", input=texts)
+    assert out.model == server.model and out.prompt_eval_count == openai.usage.prompt_tokens
+    for got, d in zip(out.embeddings, openai.data, strict=True):
+        assert list(got) == pytest.approx(d.embedding, abs=1e-6)
+    raw = list(client.embeddings(model=server.model, prompt="hello").embedding)
     assert unit(raw) == pytest.approx(openai.data[1].embedding, abs=1e-5)
     assert math.sqrt(sum(x * x for x in raw)) > 2  # not made unit length
     r = server.http("POST", "/api/embed", json={"model": server.model, "input": 5})

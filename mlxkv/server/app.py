@@ -686,6 +686,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         finally:
             gone.stop()
         vectors = [embeddings.finished(v, ask) for v in vectors]
+        print(
+            f"mlxkv: {request.url.path} {len(vectors)} embedding(s) of {len(vectors[0])} "
+            f"numbers, {tokens} tokens, pooling {served.pooling}",
+            file=sys.stderr,
+            flush=True,
+        )
         if kind == "openai":
             return JSONResponse(embeddings.openai_body(served.id, vectors, tokens, ask.as_base64))
         if kind == "api_embed":
@@ -1118,7 +1124,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404 and request.url.path.startswith("/api/"):
         message = (
             f"no endpoint {request.method} {request.url.path}: this server runs the one model "
-            "it started with (it does not pull, push, create, copy, delete or embed); it has "
+            "it started with (it does not pull, push, create, copy or delete models); it has "
             f"{ENDPOINTS}"
         )
     elif exc.status_code == 404:

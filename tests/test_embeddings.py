@@ -203,3 +203,76 @@ def test_a_model_without_readable_hidden_states_says_so(tmp_path, default_model_
         err = r.json()["error"]
         assert (err["code"], err["param"]) == ("embeddings_unsupported", "model")
         assert err["message"].startswith("this model (mlx_lm.models.lfm2) gives no final hidden")
+
+
+def sentence_files(folder, modes: dict, path: str = "1_Pooling", modules=None) -> None:
+    """sentence-transformers' files: modules.json naming a Pooling module at ``path``,
+    and its config.json with ``modes``."""
+    import json
+
+    pooling = {"idx": 1, "name": "1", "path": path, "type": "sentence_transformers.models.Pooling"}
+    given = modules if modules is not None else [pooling]
+    (folder / "modules.json").write_text(json.dumps(given))
+    (folder / path).mkdir(exist_ok=True)
+    (folder / path / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **modes})
+    )
+
+
+LAST, MEAN = {"pooling_mode_lasttoken": True}, {"pooling_mode_mean_tokens": True}
+NOTE = "the model's sentence-transformers pooling is "
+NORMALIZE = [{"type": "sentence_transformers.models.Normalize"}]
+OUTSIDE = "modules.json names a Pooling module outside the model (../up)"
+
+
+@pytest.mark.parametrize(
+    "modes, path, modules, want",
+    [
+        ({**LAST, "pooling_mode_mean_tokens": False}, None, None, ("last", None)),
+        (MEAN, None, None, ("mean", None)),
+        ({"pooling_mode_cls_token": True}, None, None, (None, NOTE + "pooling_mode_cls_token")),
+        ({**LAST, **MEAN}, None, None, (None, NOTE + ", ".join([*LAST, *MEAN]))),
+        ({}, None, None, (None, NOTE + "none")),
+        (LAST, "../up", None, (None, OUTSIDE)),
+        (LAST, None, NORMALIZE, (None, None)),  # no Pooling module
+        (LAST, None, {"a": 1}, (None, "the model's modules.json is not a list of modules")),
+    ],
+)  # fmt: skip
+def test_the_trained_pooling_is_read_from_sentence_transformers_files(
+    tmp_path, modes, path, modules, want
+):
+    from mlxkv.models.pooling import trained_pooling
+
+    model = tmp_path / "model"
+    model.mkdir()
+    assert trained_pooling(model) == (None, None)  # a chat model: no such files
+    sentence_files(model, modes, path or "1_Pooling", modules)
+    assert trained_pooling(model) == want
+    (model / "modules.json").write_text("[")
+    assert trained_pooling(model)[1].startswith(
+        "the model's sentence-transformers files cannot be read (Expecting value"
+    )
+
+
+def test_an_embedding_models_files_set_its_pooling(tmp_path, short_model):
+    """A model with sentence-transformers files pools as they say, the server saying so
+    at its start, and Ollama's /api/show lists it as an embedding model; the flag wins."""
+    import shutil
+
+    model = shutil.copytree(short_model, tmp_path / "embedder")
+    sentence_files(model, {"pooling_mode_mean_tokens": True})
+    for s in serving(tmp_path / "a", str(model), "--force"):
+        assert "mlxkv: embeddings are the mean of the states, as the model's sentence" in s.log()
+        shown = s.http("POST", "/api/show", json={"model": s.model}).json()
+        assert "embedding" in shown["capabilities"]
+        r = s.http("POST", "/v1/embeddings", json={"input": "hello"})
+        assert r.status_code == 200
+        assert "tokens, pooling mean\n" in s.log()
+    for s in serving(tmp_path / "b", str(model), "--force", "--embedding-pooling", "last"):
+        s.http("POST", "/v1/embeddings", json={"input": "hello"})
+        assert "tokens, pooling last\n" in s.log() and "embeddings are the" not in s.log()
+    plain = [
+        s.http("POST", "/api/show", json={"model": s.model}).json()
+        for s in serving(tmp_path / "c", str(short_model), "--force")
+    ]
+    assert "embedding" not in plain[0]["capabilities"]

@@ -84,10 +84,10 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--embedding-pooling",
         choices=("last", "mean"),
-        default="last",
-        help="an embedding is the final hidden state at the input's last token (default: "
-        "what decoder embedding models such as Qwen3-Embedding are trained for) or their "
-        "mean over the input",
+        default=None,
+        help="an embedding is the final hidden state at the input's last token or their "
+        "mean over the input (default: as the model's sentence-transformers files say, "
+        "else last, which decoder embedding models such as Qwen3-Embedding are read at)",
     )
     g.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
     g.add_argument(
@@ -344,6 +344,21 @@ def _names(loaded, given: list[str]) -> tuple[str, set[str], tuple[str, ...]]:
     return (plain[0] if plain else served), names | set(plain), patterns
 
 
+def _pooling(args, loaded) -> tuple[str, bool]:
+    """How embeddings pool (--embedding-pooling, else as the model's sentence-transformers
+    files say, else at the last token), and whether the model is an embedding model (has
+    those files)."""
+    from mlxkv.models.pooling import trained_pooling
+
+    trained, note = trained_pooling(Path(loaded.path))
+    if note is not None:
+        status(f"{note}; embeddings pool as --embedding-pooling says (default last)")
+    if args.embedding_pooling is None and trained is not None:
+        where = "the last token's state" if trained == "last" else "the mean of the states"
+        status(f"embeddings are {where}, as the model's sentence-transformers files say")
+    return args.embedding_pooling or trained or "last", trained is not None
+
+
 def _facts(loaded) -> dict:
     """What listings say of the served model (Ollama's /api/tags and /api/show): its family,
     size, parameters, quantization, digest and shape."""
@@ -442,6 +457,7 @@ def run(args) -> int:
         loaded, scheduler = _engine(args, model, policy, cluster, shard)
         scheduler.start()
         model_id, names, patterns = _names(loaded, args.served_model_name)
+        pooling, embedding_model = _pooling(args, loaded)
         vocab = loaded.config.get("vocab_size")
         served = Served(
             id=model_id,
@@ -456,12 +472,12 @@ def run(args) -> int:
                 defaults=defaults,
                 open_ended=args.max_tokens is None,
             ),
-            facts=_facts(loaded),
+            facts={**_facts(loaded), "embedding_model": embedding_model},
             max_batch=args.max_batch,
             ranks=1 if cluster is None else cluster.size,
             api_key=key,
             max_body=args.max_body,
-            pooling=args.embedding_pooling,
+            pooling=pooling,
         )
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]

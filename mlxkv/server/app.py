@@ -825,6 +825,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         abilities += ["tools"] if has_tool_calling(tok) else []
         abilities += ["thinking"] if getattr(tok, "has_thinking", False) else []
         abilities += ["insert"] if fim is not None else []  # fill-in-the-middle
+        abilities += ["embedding"] if served.facts.get("embedding_model") else []
         template = getattr(tok, "chat_template", None)
         return JSONResponse(
             {

@@ -49,7 +49,8 @@ stop and response_format are its fields; its "model" is ignored (the run's model
 Its record has the shape of OpenAI's batch output ({"id", "line", "custom_id", "response":
 {"status_code", "request_id", "body": a chat.completion}, "error", "fp"}). A line for
 "url": "/v1/embeddings" ({"input", "dimensions", "encoding_format"}) answers OpenAI's
-embeddings list: each input's final hidden state at its last token, made unit length.
+embeddings list: each input's final hidden state at its last token (or their mean, where
+the model's sentence-transformers files say so), made unit length.
 
 IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
 record for that line; the other lines run.
@@ -434,6 +435,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
     from mlxkv.commands.batch_input import BadLine
     from mlxkv.engine.batch import Request, Result
     from mlxkv.engine.request import GenerationSettings
+    from mlxkv.models.pooling import trained_pooling
 
     loaded, runner = _open(args, policy, cluster)
     model_name = model_id(loaded.name)  # what OpenAI-shaped records name the model by
@@ -477,6 +479,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
     most = _most_characters(loaded, policy)
 
     embedding = GenerationSettings(max_tokens=1, prefill_step=base.prefill_step)
+    pooling = trained_pooling(Path(loaded.path))[0] or "last"  # as mlxkv serve's default
 
     def requests():
         for job in jobs:
@@ -486,7 +489,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
                     progress.update(False, 0)
                     continue
                 for i, given in enumerate(job.embed.inputs):
-                    yield Request((job.line, i), given, embedding, embed="last")
+                    yield Request((job.line, i), given, embedding, embed=pooling)
                 continue
             try:
                 _check_length(_characters(job), most, loaded)  # before the template copies it

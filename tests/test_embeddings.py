@@ -185,7 +185,14 @@ def test_an_input_past_the_context_is_cut_only_when_asked(tmp_path, short_model)
         r = s.http("POST", "/api/embed", json={"input": ["hi", long], "truncate": False})
         assert r.status_code == 400
         assert r.json()["error"] == (
-            "input[1] has 101 tokens but the model's context is 64; shorten it"
+            "input[1] has 101 tokens but the model's context is 64 tokens; shorten it"
+        )
+        huge = "word " * 5000  # more characters than 64 tokens of any of its vocabulary hold
+        r = s.http("POST", "/api/embed", json={"input": huge})
+        assert r.status_code == 200 and r.json()["prompt_eval_count"] == 63
+        r = s.http("POST", "/api/embed", json={"input": huge, "truncate": False})
+        assert r.json()["error"] == (
+            "input has 25000 characters but the model's context is 64 tokens; shorten it"
         )
         r = s.http("POST", "/v1/embeddings", json={"input": long})
         err = r.json()["error"]

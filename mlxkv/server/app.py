@@ -31,7 +31,13 @@ from mlxkv.engine.events import (
     Stats,
     TokenDelta,
 )
-from mlxkv.engine.request import RESERVE_STEP, GenerationSettings, encode_prompt, encode_text
+from mlxkv.engine.request import (
+    RESERVE_STEP,
+    GenerationSettings,
+    encode_prompt,
+    encode_text,
+    most_prompt_characters,
+)
 from mlxkv.errors import UserError
 from mlxkv.models.fim import fim_format, has_tokens, infill_ids
 from mlxkv.policy import KVPolicy
@@ -174,6 +180,7 @@ class Disconnect:
 
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
+    most_chars: dict = {}  # most_characters(), once read
     fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
     repo_level = fim is not None and has_tokens(served.tokenizer, fim.repo, fim.file_sep)
 
@@ -704,24 +711,41 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         markers it adds: an embedding model's end of text), each within the context (cut to
         it when the request says ``truncate``); runs in a worker thread."""
         out, context = [], served.limits.context_length
+        most = most_characters()
+
+        def too_long(i: int, size: str) -> APIError:
+            where = f"input[{i}]" if len(ask.inputs) > 1 else "input"
+            return APIError(
+                400,
+                f"{where} has {size} but the model's context is {context} tokens; shorten it",
+                "input",
+                "context_length_exceeded",
+            )
+
         for i, p in enumerate(ask.inputs):
+            if isinstance(p, str) and most is not None and len(p) > most:
+                if not ask.truncate:  # refused before the tokenizer reads it all
+                    raise too_long(i, f"{len(p)} characters")
+                p = p[:most]
             try:
                 ids = p if isinstance(p, list) else encode_text(served.tokenizer, p, True)
             except UserError as e:  # the tokenizer failed on this text
                 raise bad(str(e), "input") from None
             if context and len(ids) >= context:
                 if not ask.truncate:
-                    where = f"input[{i}]" if len(ask.inputs) > 1 else "input"
-                    raise APIError(
-                        400,
-                        f"{where} has {len(ids)} tokens but the model's context is {context}; "
-                        "shorten it",
-                        "input",
-                        "context_length_exceeded",
-                    )
+                    raise too_long(i, f"{len(ids)} tokens")
                 ids = ids[: context - 1]
             out.append(ids)
         return out
+
+    def most_characters() -> int | None:
+        """Characters no input can exceed and fit the context (read once: it walks the
+        vocabulary)."""
+        if "most" not in most_chars:
+            most_chars["most"] = most_prompt_characters(
+                served.tokenizer, served.limits.context_length
+            )
+        return most_chars["most"]
 
     async def pooled(prompts: list[list[int]], gone: Disconnect) -> tuple[list, int]:
         """Each prompt's pooled vector and the prompts' tokens, ``max_batch`` prompts in

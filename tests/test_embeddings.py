@@ -140,6 +140,28 @@ def test_a_bad_embeddings_request_is_a_400_naming_the_field(server, body, param,
     assert err["type"] == "invalid_request_error"
 
 
+def test_a_client_that_leaves_stops_its_embeddings(server):
+    """A client that closes its connection while its 64 inputs are embedded: the inputs
+    in flight (the first 16, --max-batch) are cancelled, the others never submitted."""
+    import time
+
+    import httpx
+
+    inputs = [f"{TEXT} Input number {i}. " * 30 for i in range(64)]  # ~500 tokens each
+    before = server.wait_idle()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/embeddings", json={"input": inputs}, timeout=1.0)
+    deadline = time.monotonic() + 120
+    while (now := server.status())["requests_finished"] < before["requests_finished"] + 16:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    time.sleep(1.0)  # a second window would have started by now
+    now = server.wait_idle()
+    assert now["requests_finished"] == before["requests_finished"] + 16
+    assert now["prompt_tokens_prefilled"] - before["prompt_tokens_prefilled"] < 16 * 500
+    assert "Traceback" not in server.log()
+
+
 def test_another_models_name_is_a_404(server):
     body = {"model": "text-embedding-3-small", "input": "a"}
     r = server.http("POST", "/v1/embeddings", json=body)

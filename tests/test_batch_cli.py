@@ -614,3 +614,33 @@ def test_openai_embeddings_lines_answer_each_inputs_vector(tmp_path, preloaded, 
     before = out.read_bytes()
     assert main(["batch", str(inp), "-o", str(out)]) == 1  # the error records stand
     assert out.read_bytes() == before
+
+
+@pytest.mark.model
+def test_own_input_lines_answer_the_same_vectors(tmp_path, preloaded, default_model):
+    """A line {"id", "input", "dimensions"?} answers {"embeddings": [...], "prompt_tokens"}:
+    the vectors of the same OpenAI line; a line that mixes 'input' with a prompt, or an
+    empty input, is its error record; a re-run reads the records back and runs nothing."""
+    text = "The capital of France is Paris."
+    ids = default_model.tokenizer.encode("hello", add_special_tokens=True)
+    body = {"input": [text, ids]}
+    lines = [
+        {"id": "own", "input": [text, ids]},
+        {"custom_id": "openai", "method": "POST", "url": "/v1/embeddings", "body": body},
+        {"id": "cut", "input": text, "dimensions": 32},
+        {"id": "mixed", "input": text, "prompt": "hi"},
+        {"id": "empty", "input": ""},
+    ]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    recs = {r.get("custom_id", r["id"]): r for r in read_records(out)}
+    own, openai = recs["own"], recs["openai"]["response"]["body"]
+    assert list(own) == ["id", "line", "embeddings", "prompt_tokens", "fp"]
+    assert own["embeddings"] == [d["embedding"] for d in openai["data"]]
+    assert own["prompt_tokens"] == openai["usage"]["prompt_tokens"]
+    assert len(recs["cut"]["embeddings"][0]) == 32
+    assert recs["mixed"]["error"] == "an 'input' line takes id, input, dimensions; not prompt"
+    assert recs["empty"]["error"] == "input is empty"
+    before = out.read_bytes()
+    assert main(["batch", str(inp), "-o", str(out)]) == 1
+    assert out.read_bytes() == before

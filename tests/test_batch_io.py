@@ -39,7 +39,7 @@ def test_messages_line_with_system():
         ('{"prompt": "x"}', False, "missing 'id'"),
         ('{"id": 1.5, "prompt": "x"}', False, "'id' must be"),
         ('{"id": true, "prompt": "x"}', False, "'id' must be"),
-        ('{"id": "a"}', True, "exactly one of 'prompt' or 'messages'"),
+        ('{"id": "a"}', True, "exactly one of 'prompt', 'messages' or 'input'"),
         ('{"id": "a", "prompt": "x", "messages": []}', True, "exactly one"),
         ('{"id": "a", "prompt": "  "}', True, "non-empty string"),
         ('{"id": "a", "messages": []}', True, "non-empty list"),

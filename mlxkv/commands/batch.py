@@ -50,7 +50,9 @@ Its record has the shape of OpenAI's batch output ({"id", "line", "custom_id", "
 {"status_code", "request_id", "body": a chat.completion}, "error", "fp"}). A line for
 "url": "/v1/embeddings" ({"input", "dimensions", "encoding_format"}) answers OpenAI's
 embeddings list: each input's final hidden state at its last token (or their mean, where
-the model's sentence-transformers files say so), made unit length.
+the model's sentence-transformers files say so), made unit length. A line of this file's
+own {"id", "input", "dimensions"?} does the same; its record is {"id", "line",
+"embeddings": [one vector per input], "prompt_tokens", "fp"}.
 
 IN.jsonl may be - to read stdin. A line that is not UTF-8 or not JSON becomes an error
 record for that line; the other lines run.
@@ -436,6 +438,7 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
     from mlxkv.engine.batch import Request, Result
     from mlxkv.engine.request import GenerationSettings
     from mlxkv.models.pooling import trained_pooling
+    from mlxkv.server.embeddings import finished
 
     loaded, runner = _open(args, policy, cluster)
     model_name = model_id(loaded.name)  # what OpenAI-shaped records name the model by
@@ -522,9 +525,13 @@ def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> in
         tokens = sum(x.prompt_tokens for x in done)
         vectors = [x.vector for x in done]
         fp = fps[line]
-        log.append(
-            openai_batch.embeddings_record(job.id, line, fp, model_name, vectors, tokens, job.embed)
-        )
+        if is_openai(job.source):
+            record = openai_batch.embeddings_record
+            log.append(record(job.id, line, fp, model_name, vectors, tokens, job.embed))
+        else:
+            shaped = [finished(v, job.embed).tolist() for v in vectors]
+            own = {"id": job.id, "line": line, "embeddings": shaped, "prompt_tokens": tokens}
+            log.append({**own, "fp": fp})
         results.append(Result(line, prompt_tokens=tokens))
         del parts[line]
         progress.update(True, 0)

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxkv.commands.batch_openai import from_openai, is_openai
+from mlxkv.commands.batch_openai import embedding_ask, from_openai, is_openai
 from mlxkv.engine.conversation import conversation_problem, plain_messages
 from mlxkv.engine.grammar import json_grammar
 from mlxkv.errors import UserError
@@ -34,6 +34,7 @@ OPTIONAL_FIELDS = (
 )
 MAX_STOP = 64  # stop strings of a line
 KNOWN_FIELDS = ("id", "prompt", "messages", *OPTIONAL_FIELDS)
+EMBEDDING_FIELDS = ("input", "dimensions")  # an embeddings line's, beside its id
 INPUT_LIMIT = 1 << 30  # bytes of a whole input file (or stdin)
 LINE_LIMIT = 64 << 20  # characters of one line
 
@@ -146,12 +147,14 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
         if "embed" in obj:
             return Job(n, ident, source=source, embed=obj["embed"])
 
+    if "input" in obj:  # an embeddings line
+        return _embedding_line(n, ident, obj, source)
     unknown = sorted(set(obj) - set(KNOWN_FIELDS))
     if unknown:
         return bad(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(KNOWN_FIELDS)}")
     has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt == has_messages:
-        return bad("needs exactly one of 'prompt' or 'messages'")
+        return bad("needs exactly one of 'prompt', 'messages' or 'input'")
     if has_prompt and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
         return bad("'prompt' must be a non-empty string")
     if has_messages:  # OpenAI's forms of a message read as the plain ones
@@ -173,6 +176,18 @@ def parse_line(n: int, raw: str | bytes) -> Job | BadLine:
             return bad(f"'json_schema': {e}")
     messages, system = obj.get("messages"), obj.get("system")
     return Job(n, ident, obj.get("prompt"), messages, system, overrides, source)
+
+
+def _embedding_line(n: int, ident, obj: dict, source) -> Job | BadLine:
+    """``{"id", "input", "dimensions"?}``: each input's embedding, the fields read as an
+    OpenAI embeddings body's."""
+    if extra := sorted(set(obj) - {"id", *EMBEDDING_FIELDS}):
+        known = ", ".join(("id", *EMBEDDING_FIELDS))
+        return BadLine(n, f"an 'input' line takes {known}; not {', '.join(extra)}", ident, source)
+    ask = embedding_ask({k: obj[k] for k in EMBEDDING_FIELDS if k in obj})
+    if isinstance(ask, str):
+        return BadLine(n, ask, ident, source)
+    return Job(n, ident, source=source, embed=ask)
 
 
 def read_input(path: Path | str) -> list[Job | BadLine]:

@@ -50,7 +50,8 @@ def from_openai(obj: dict) -> dict | str:
     if not isinstance(body, dict):
         return "'body' must be the request's JSON object"
     if url == EMBEDDINGS_URL:
-        return embedding_line(obj["custom_id"], body)
+        ask = embedding_ask(body)
+        return f"body: {ask}" if isinstance(ask, str) else {"id": obj["custom_id"], "embed": ask}
     given = {k: v for k, v in body.items() if v is not None}
     if extra := sorted(set(given) - set(OPENAI_BODY)):
         return f"body.{extra[0]} is not supported in mlxkv batch; it takes {', '.join(OPENAI_BODY)}"
@@ -80,17 +81,17 @@ def from_openai(obj: dict) -> dict | str:
     return line
 
 
-def embedding_line(custom_id, body: dict) -> dict | str:
-    """An embeddings request as ``{"id", "embed": EmbedAsk}``, or what is wrong with it
-    (token ids are checked against the vocabulary once the model is loaded)."""
+def embedding_ask(body: dict):
+    """An embeddings request body checked (an EmbedAsk), or what is wrong with it (token
+    ids are checked against the vocabulary once the model is loaded)."""
     from mlxkv.server.embeddings import MAX_INPUTS, parse_openai
     from mlxkv.server.errors import APIError
     from mlxkv.server.params import Limits
 
     try:
-        return {"id": custom_id, "embed": parse_openai(body, Limits(max_rows=MAX_INPUTS), None)}
+        return parse_openai(body, Limits(max_rows=MAX_INPUTS), None)
     except APIError as e:
-        return f"body: {e.message}"
+        return e.message
 
 
 def is_openai(source) -> bool:

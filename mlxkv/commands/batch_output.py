@@ -40,8 +40,9 @@ def parse_record(raw: bytes) -> ResumeRecord | None:
         ident = rec["custom_id"]
         has_text = isinstance(rec.get("response"), dict)
         has_error = isinstance(rec.get("error"), dict)
-    else:
-        has_text, has_error = isinstance(rec.get("text"), str), isinstance(rec.get("error"), str)
+    else:  # an answer's text, or an embeddings line's vectors
+        has_text = isinstance(rec.get("text"), str) or isinstance(rec.get("embeddings"), list)
+        has_error = isinstance(rec.get("error"), str)
     if not (isinstance(line, int) and not isinstance(line, bool) and line >= 1):
         return None
     if ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int))):

@@ -904,8 +904,9 @@ class Scheduler:
             )
         last = job.done + n == job.total
         chunk = job.ids[job.done : job.done + n]
+        logits = pooled = None
         if job.req.embed:
-            logits = self._pool(job, chunk, last)
+            pooled = self._pool(job, chunk, last)
         elif job.req.prompt_logprobs is not None:
             logits = self._score(job, chunk, last)
         else:
@@ -929,8 +930,8 @@ class Scheduler:
         if now > job.started:
             job.prompt_tps = (job.total - job.cached) / (now - job.started)
         job.history = processor_history(job.ids, job.req.settings) if job.processors else None
-        if job.req.embed:
-            job.handle._emit(Embedding(tuple(logits.tolist())))
+        if pooled is not None:  # an embedding: no answer
+            job.handle._emit(Embedding(tuple(pooled.tolist())))
             self._end(job, "stop")
             return
         if job.req.prompt_logprobs is not None:

@@ -4,6 +4,7 @@ Anthropic's messages, Ollama's chat, generate and embed, models, health, status,
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import sys
@@ -180,7 +181,6 @@ class Disconnect:
 
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
-    most_chars: dict = {}  # most_characters(), once read
     fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
     repo_level = fim is not None and has_tokens(served.tokenizer, fim.repo, fim.file_sep)
 
@@ -738,14 +738,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             out.append(ids)
         return out
 
+    @functools.cache
     def most_characters() -> int | None:
         """Characters no input can exceed and fit the context (read once: it walks the
         vocabulary)."""
-        if "most" not in most_chars:
-            most_chars["most"] = most_prompt_characters(
-                served.tokenizer, served.limits.context_length
-            )
-        return most_chars["most"]
+        return most_prompt_characters(served.tokenizer, served.limits.context_length)
 
     async def pooled(prompts: list[list[int]], gone: Disconnect) -> tuple[list, int]:
         """Each prompt's pooled vector and the prompts' tokens, ``max_batch`` prompts in

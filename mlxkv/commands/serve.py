@@ -19,6 +19,7 @@ from mlxkv.commands.common import (
     status,
 )
 from mlxkv.errors import UserError
+from mlxkv.models.pooling import POOLINGS
 
 HELP = (
     "serve one model over OpenAI's HTTP API (chat and text completions, responses, "
@@ -83,7 +84,7 @@ def add_arguments(p) -> None:
     )
     g.add_argument(
         "--embedding-pooling",
-        choices=("last", "mean"),
+        choices=POOLINGS,
         default=None,
         help="an embedding is the final hidden state at the input's last token or their "
         "mean over the input (default: as the model's sentence-transformers files say, "

@@ -637,7 +637,7 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
     def _admit(self) -> None:
         from mlxkv.memory.context import past_trained_context
-        from mlxkv.models.head import has_hidden_states, no_hidden_states
+        from mlxkv.models.head import head_split, no_hidden_states
 
         while True:
             if not self._arrived:
@@ -655,7 +655,7 @@ class Scheduler:
             if why is not None:
                 self._fail(handle, why, "invalid_policy")
                 continue
-            if req.embed and not has_hidden_states(self.loaded.model):
+            if req.embed and not head_split(self.loaded.model):
                 self._fail(handle, no_hidden_states(self.loaded.model), "embeddings_unsupported")
                 continue
             limit = self.loaded.context_length

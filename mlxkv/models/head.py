@@ -43,11 +43,6 @@ def last_logits(model, inputs, cache):
     return model.lm_head(h)
 
 
-def has_hidden_states(model) -> bool:
-    """Whether :func:`hidden_states` can read ``model``'s final hidden states."""
-    return head_split(model)
-
-
 def no_hidden_states(model) -> str:
     """Why a model without them cannot give embeddings, and which can."""
     families = ", ".join(sorted(m.rsplit(".", 1)[1] for m in BODY_THEN_HEAD))
@@ -59,6 +54,6 @@ def no_hidden_states(model) -> str:
 
 
 def hidden_states(model, inputs, cache):
-    """The final hidden states (B, L, hidden) of ``model``'s body over ``inputs``: normed,
-    before the output head."""
+    """The final hidden states (B, L, hidden) of ``model``'s body over ``inputs``, normed,
+    before the output head (a model :func:`head_split` takes)."""
     return model.model(inputs, cache)

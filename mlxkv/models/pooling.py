@@ -12,6 +12,7 @@ from mlxkv.errors import UserError
 from mlxkv.files import read_text
 
 FILE_LIMIT = 1 << 20  # bytes of either file: both are a few hundred
+POOLINGS = ("last", "mean")  # the poolings the engine makes (Request.embed)
 MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
 
 

@@ -24,7 +24,6 @@ from mlxkv.server.params import (
 )
 
 MAX_INPUTS = 2048  # inputs per request, OpenAI's limit
-POOLINGS = ("last", "mean")
 OPENAI_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 OLLAMA_FIELDS = {"model", "input", "truncate", "dimensions", "options", "keep_alive"}
 OLLAMA_OLD_FIELDS = {"model", "prompt", "options", "keep_alive"}

@@ -62,6 +62,9 @@ class FullKVCache(KVCache):
     def trimmable(self) -> int:
         return self.offset
 
+    def trimmable_after(self, n: int) -> int:
+        return self.offset + n
+
     def trim(self, n: int) -> int:
         n = super().trim(n)
         if self.offset == 0:

@@ -413,11 +413,18 @@ class KiviKVCache(SinkWindowCounters):
     def trimmable(self) -> int:
         """Tokens that can be removed exactly: those in the residual (the group being filled),
         or all of them while every token is a sink; none once the window has evicted."""
-        if self._evicted:
+        return 0 if self._evicted else self._residual(self._n)
+
+    def trimmable_after(self, n: int) -> int:
+        """What :meth:`trimmable` will say once an update of ``n`` tokens is in (none where
+        the update reaches the window, which evicts)."""
+        m = self._n + n
+        if self._evicted or (self.window is not None and m > self.limit):
             return 0
-        if self._n <= self.sinks:
-            return self._n
-        return (self._n - self.sinks) % self.group_size
+        return self._residual(m)
+
+    def _residual(self, n: int) -> int:
+        return n if n <= self.sinks else (n - self.sinks) % self.group_size
 
     def is_trimmable(self) -> bool:
         return self.trimmable() > 0

@@ -505,6 +505,14 @@ class StreamingKVCache(SinkWindowCounters):
         first = self._undo[0]
         return self._n - first.start + (first.start if first.evicted == 0 else 0)
 
+    def trimmable_after(self, n: int) -> int:
+        """At least what :meth:`trimmable` will say once an update of ``n`` tokens is in:
+        all of them while the window has room, else the update itself where an undo log
+        records it (``reserve``), else none."""
+        if self._evicted == 0 and (self.limit is None or self._n + n <= self.limit):
+            return self._n + n
+        return n if self.reserve else 0
+
     def is_trimmable(self) -> bool:
         """Whether trims are exact now (mlx-lm's question): before the first eviction, or
         while the undo log covers the last tokens. ``trimmable()`` says how many."""

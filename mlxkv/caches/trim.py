@@ -14,7 +14,7 @@ What each cache can give back:
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxkv.caches.errors import CacheError
 
@@ -30,6 +30,25 @@ def trimmable(cache) -> int:
     if isinstance(cache, KVCache) or (cache.is_trimmable() and hasattr(cache, "offset")):
         return cache.offset
     return 0
+
+
+def trimmable_after(caches: list, n: int) -> int:
+    """How many tokens every cache of ``caches`` can remove exactly once an update of ``n``
+    tokens is in (speculative decoding asks before it feeds its drafts); 0: none."""
+    most = None
+    for cache in caches:
+        if hasattr(cache, "trimmable_after"):
+            k = cache.trimmable_after(n)
+        elif isinstance(cache, CacheList):
+            k = trimmable_after(cache.caches, n)
+        elif isinstance(cache, RotatingKVCache):  # exact until it wraps
+            k = cache.offset + n if cache.offset + n < cache.max_size else 0
+        elif isinstance(cache, KVCache | QuantizedKVCache):
+            k = cache.offset + n
+        else:
+            k = 0  # a recurrent state cannot be rewound
+        most = k if most is None else min(most, k)
+    return most or 0
 
 
 def _why(cache) -> str:

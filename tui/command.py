@@ -89,7 +89,12 @@ def build_app(args):
         if resume.get("policy"):
             policy = policy_from_dict(resume["policy"])
     check_name(model)  # a name that cannot resolve fails here, not on the screen
-    opener = real_opener(dtype=args.dtype, force=args.force, overflow=args.on_overflow)
+    opener = real_opener(
+        dtype=args.dtype,
+        force=args.force,
+        overflow=args.on_overflow,
+        draft_tokens=args.draft_tokens,
+    )
     engine = ChatEngine(
         opener, settings, policy=policy, system=args.system, given=given_sampling(args)
     )

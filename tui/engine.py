@@ -50,7 +50,9 @@ Opener = Callable[
 ]
 
 
-def real_opener(dtype: str = "auto", force: bool = False, overflow: str = "stop") -> Opener:
+def real_opener(
+    dtype: str = "auto", force: bool = False, overflow: str = "stop", draft_tokens: int = 0
+) -> Opener:
     def open_generator(model, policy, on_status, on_progress):
         from mlxkv.engine.loading import open_model
         from mlxkv.engine.session import Session
@@ -58,7 +60,7 @@ def real_opener(dtype: str = "auto", force: bool = False, overflow: str = "stop"
         loaded = open_model(
             model, dtype, policy, force, on_status=on_status, on_progress=on_progress
         )
-        return Session(loaded, policy, overflow=overflow)
+        return Session(loaded, policy, overflow=overflow, draft_tokens=draft_tokens)
 
     return open_generator
 

@@ -414,7 +414,14 @@ def _open(args, policy, cluster):
         cluster=cluster if sharded else None,
         shard=args.shard,
     )
-    runner = BatchRunner(loaded, policy, args.batch_size, args.prefill_step, check_kv=args.stats)
+    runner = BatchRunner(
+        loaded,
+        policy,
+        args.batch_size,
+        args.prefill_step,
+        check_kv=args.stats,
+        draft_tokens=args.draft_tokens,
+    )
     return loaded, runner
 
 

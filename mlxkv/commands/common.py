@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlxkv.engine.lookup import DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from mlxkv.errors import UserError
 from mlxkv.policy import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVPolicy
 
@@ -167,11 +168,32 @@ def add_generation_flags(
         "closed for it (default: no limit)",
     )
     g.add_argument(
+        "--draft-tokens",
+        type=_draft_count,
+        default=DRAFT_TOKENS,
+        metavar="N",
+        help="a greedy answer (--temp 0) checks up to N tokens a step that followed its last "
+        "tokens earlier in the conversation, and keeps those the model agrees with (prompt "
+        f"lookup decoding: same answer, faster where it repeats); 0: off (default {DRAFT_TOKENS})",
+    )
+    g.add_argument(
         "--prefill-step",
         type=int,
         default=prefill_step,
         help=f"prompt tokens per model call (prefill; default {prefill_step})",
     )
+
+
+def _draft_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from 0 (off) to {MAX_DRAFT_TOKENS}, got {text!r}"
+        )
+    return n
 
 
 SCHEMA_LIMIT = 1 << 20  # bytes of a --json-schema file

@@ -202,7 +202,7 @@ def run(args) -> int:
         cluster=cluster,
         shard=args.shard,
     )
-    gen = Session(loaded, policy, overflow=args.on_overflow)
+    gen = Session(loaded, policy, overflow=args.on_overflow, draft_tokens=args.draft_tokens)
     if cache_file is not None and cache_file.exists():
         gen.load_cache(cache_file)  # refuses (one line) a file made for something else
     if args.raw:

@@ -409,6 +409,7 @@ def _engine(args, model, policy, cluster, shard: str = "auto"):
         prefix_cache=prefix,
         memory=memory,
         lockstep=lockstep,
+        draft_tokens=args.draft_tokens,
     )
     return loaded, scheduler
 

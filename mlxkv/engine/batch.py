@@ -103,6 +103,7 @@ class BatchRunner:
         prefill_step: int = 512,
         share_prefix: bool = True,
         check_kv: bool = False,  # compare batched KV bytes with the prediction every step
+        draft_tokens: int = 0,  # prompt lookup drafts (see Scheduler)
     ):
         if batch_size < 1:
             raise UserError(f"--batch-size must be at least 1, got {batch_size}")
@@ -114,7 +115,12 @@ class BatchRunner:
         self.share_prefix = share_prefix
         self.kv_check = KVCheck(loaded) if check_kv else None
         self.scheduler = Scheduler(
-            loaded, self.policy, batch_size, share_prefix=share_prefix, observer=self.kv_check
+            loaded,
+            self.policy,
+            batch_size,
+            share_prefix=share_prefix,
+            observer=self.kv_check,
+            draft_tokens=draft_tokens,
         )
 
     def kv_summary(self) -> dict:

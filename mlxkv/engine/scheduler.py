@@ -22,7 +22,10 @@ One step:
    request decodes on its own single-sequence caches; when a second joins they merge into
    the policy's batched caches (:mod:`mlxkv.caches.batched`), where every row keeps its
    own positions, evictions and sink shifts. Requests under other policies form other
-   groups, stepped in turn, so no request waits for another's whole answer.
+   groups, stepped in turn, so no request waits for another's whole answer. With
+   ``draft_tokens``, a lone greedy request whose last tokens occurred earlier in its
+   conversation feeds what followed them there as drafts in the same step and keeps the
+   ones the model agrees with (:mod:`mlxkv.engine.lookup`): several tokens a step.
 
 A request that carries a session (``chat``, ``generate``) runs in that session's caches,
 reusing what they hold, and keeps its own group: the session gets its caches back, with
@@ -58,12 +61,13 @@ from mlxkv.engine.events import (
 )
 from mlxkv.engine.finish import FinishRule, token_budget
 from mlxkv.engine.kv_stats import KVAccounting
+from mlxkv.engine.lookup import MAX_DRAFT_TOKENS, PromptLookup, adapt_draft_length
 from mlxkv.engine.request import RESERVE_STEP, GenerationSettings, common_prefix, encode_prompt
 from mlxkv.engine.reuse import Checkpoint
 from mlxkv.engine.samplers import processor_history, processors_for, sampler_for
 from mlxkv.errors import UserError, first_line
 from mlxkv.models.loader import LoadedModel
-from mlxkv.policy import KVPolicy
+from mlxkv.policy import KVPolicy, uses_kivi
 
 IDLE_WAIT = 0.05  # seconds an idle loop waits before it looks for new requests again
 
@@ -182,6 +186,9 @@ class _Job:
         self.keep = False  # its caches go to the prefix cache when it ends
         self.fed: list[int] = []  # answer tokens fed to its caches (kept requests)
         self.checkpoint: Checkpoint | None = None  # its caches at the turn boundary
+        self.lookup: PromptLookup | None = None  # its tokens, indexed for drafts
+        self.draft_length = 0  # drafts its next step checks at most (0: not started)
+        self.ahead = 0  # tokens its caches hold after the one being taken (drafts)
 
 
 @dataclass
@@ -209,9 +216,14 @@ class Scheduler:
         memory=None,  # mlxkv.engine.admission.MemoryBudget: admit by KV reservations
         reserve_step: int = RESERVE_STEP,  # an open-ended answer's reservation grows by it
         lockstep=None,  # mlxkv.engine.lockstep.StepExchange: the ranks of a split model
+        draft_tokens: int = 0,  # prompt lookup: most drafts a greedy step checks (0: off)
     ):
         if max_batch < 1:
             raise UserError(f"--max-batch must be at least 1, got {max_batch}")
+        if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise UserError(
+                f"--draft-tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {draft_tokens}"
+            )
         self.loaded = loaded
         self.policy = policy or KVPolicy()
         self.max_batch = max_batch
@@ -222,6 +234,8 @@ class Scheduler:
         self.memory = memory
         self.reserve_step = reserve_step
         self.lockstep = lockstep
+        self.draft_tokens = draft_tokens if lockstep is None else 0  # (ranks decide alike)
+        self.drafted = self.accepted = 0  # draft tokens checked / taken
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[RequestHandle] = deque()  # submitted, not yet seen by a step
@@ -516,6 +530,8 @@ class Scheduler:
             "tokens_generated": self.tokens_generated,
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "prompt_tokens_cached": self.prompt_tokens_cached,
+            "draft_tokens": self.drafted,
+            "draft_tokens_accepted": self.accepted,
             "tokens_per_second": self._tokens_per_second(),
             "refused": {"too_large": self.refused_too_large},
         }
@@ -860,13 +876,21 @@ class Scheduler:
             free += self.prefix.make_room(need - free)
         return need <= free
 
+    def undo_reserve(self, policy: KVPolicy) -> int:
+        """Tokens a window cache keeps an undo log for, so that drafts it rejects after it
+        has evicted come out exactly (a draft step feeds at most ``draft_tokens + 1``).
+        KIVI keys keep none: their drafts are checked only inside the group being filled."""
+        if not self.draft_tokens or policy.window is None or uses_kivi(policy):
+            return 0
+        return self.draft_tokens + 1
+
     def _fresh_caches(self, job: _Job) -> tuple[list, int]:
         from mlxkv.caches import make_caches
 
         model, policy = self.loaded.model, job.policy
 
         def new():  # holds no request: the shared prefix outlives the one that made it
-            return make_caches(model, policy)
+            return make_caches(model, policy, reserve=self.undo_reserve(policy))
 
         if job.req.prompt_logprobs is not None or job.req.embed:  # every token goes through
             return new(), 0
@@ -1021,6 +1045,8 @@ class Scheduler:
         is shown when it is fed, and an answer's last token is in its caches."""
         import mlx.core as mx
 
+        if self._drafts_for(g) and self._draft_step(g):
+            return
         rows = list(g.rows)
         caches = g.caches if g.caches is not None else rows[0].caches
         inputs = g.inputs
@@ -1053,6 +1079,71 @@ class Scheduler:
             self._drop_rows(g, ended + broken)
         for r in broken:
             self._fail(r.handle, str(r.broken), "invalid_grammar")
+
+    def _drafts_for(self, g: _Group) -> bool:
+        """Whether ``g`` may check drafts: a lone row on its own caches whose next token is
+        the argmax (no sampler, no logits processors, no logprobs asked)."""
+        if not self.draft_tokens or g.caches is not None or len(g.rows) != 1:
+            return False
+        r = g.rows[0]
+        return r.sampler is None and not r.processors and r.req.logprobs is None
+
+    def _draft_step(self, g: _Group) -> bool:
+        """One step that feeds the token sampled last step and, after it, the tokens that
+        followed the same last tokens earlier in the conversation; the model's argmax at
+        each position keeps the drafts it agrees with and gives the next token. The caches
+        are trimmed to the tokens taken, so they hold what plain steps would have fed.
+        False (nothing done) when there is no draft or the caches could not give the
+        rejected ones back."""
+        import mlx.core as mx
+
+        from mlxkv.caches import trim_caches, trimmable_after
+
+        r = g.rows[0]
+        first = r.next_input is not None  # its token was shown when it was sampled
+        t = r.next_input if first else g.inputs.item()
+        if r.lookup is None:
+            r.lookup = PromptLookup(r.ids)
+        shown = r.finish.tokens
+        r.lookup.follow(shown)  # (t, when not shown yet, is the pending token)
+        held = r.total + len(shown) - (1 if first else 0)  # tokens in its caches now
+        room = min(
+            r.draft_length or self.draft_tokens,
+            r.limit_tokens - held - 1,  # its reservation
+            r.finish.max_tokens - len(shown) - (0 if first else 1),  # past it: wasted
+        )
+        drafts = r.lookup.draft(room, () if first else (t,))
+        if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):
+            return False
+        logits = self.loaded.model(mx.array([[t, *drafts]]), cache=r.caches)[0]
+        best = mx.argmax(logits, axis=-1).tolist()
+        taken = 0
+        while taken < len(drafts) and best[taken] == drafts[taken]:
+            taken += 1
+        trim_caches(r.caches, len(drafts) - taken)
+        self.drafted += len(drafts)
+        self.accepted += taken
+        r.draft_length = adapt_draft_length(
+            r.draft_length or self.draft_tokens, taken, len(drafts), self.draft_tokens
+        )
+        self.max_rows_in_a_step = max(self.max_rows_in_a_step, 1)
+        g.inputs = mx.array([best[taken]])
+        r.row = 0
+        fed = [t, *drafts[:taken]]
+        for i, token in enumerate(fed):
+            if r.session is not None:
+                r.session.tokens.append(token)
+            if r.keep:
+                r.fed.append(token)
+            if i == 0 and first:
+                r.next_input = None
+                continue
+            r.ahead = len(fed) - 1 - i
+            if self._take_token(r, token, None):
+                self._drop_rows(g, [r])
+                break
+        r.ahead = 0
+        return True
 
     def _sample(self, rows: list[_Job], logits):
         """The next token of each row (and its logprobs where asked), from ``logits``
@@ -1101,6 +1192,11 @@ class Scheduler:
             stats = self._stats(job)
             job.handle._emit(TokenDelta(delta, token, stats, logprob, top))
         if reason is not None:
+            if job.ahead:  # drafts fed after this token: the caches end with it
+                from mlxkv.caches import trim_caches
+
+                trim_caches(job.caches, job.ahead)
+                job.ahead = 0
             self._end(job, reason)
             return True
         return False

@@ -60,6 +60,7 @@ class Session:
     policy: KVPolicy = field(default_factory=KVPolicy)
     overflow: str = "stop"  # at the context limit: stop, or slide into a sink window
     scheduler: Scheduler | None = None  # None: a private one, driven by the caller
+    draft_tokens: int = 0  # the private scheduler's (see Scheduler)
 
     def __post_init__(self):
         if self.overflow not in OVERFLOW_CHOICES:
@@ -68,7 +69,9 @@ class Session:
 
         check_policy(self.loaded.model, self.policy)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.loaded, self.policy, max_batch=1)
+            self.scheduler = Scheduler(
+                self.loaded, self.policy, max_batch=1, draft_tokens=self.draft_tokens
+            )
         self._cancel = threading.Event()
         self._handle = None
         self.reset()
@@ -78,7 +81,8 @@ class Session:
         """Drop the cache (and everything it held)."""
         from mlxkv.caches import make_caches
 
-        self._install(make_caches(self.loaded.model, self.policy), [])
+        reserve = self.scheduler.undo_reserve(self.policy)
+        self._install(make_caches(self.loaded.model, self.policy, reserve=reserve), [])
 
     def _install(self, caches: list, tokens: list[int]) -> None:
         from mlxkv.caches import always_exact

@@ -38,6 +38,14 @@ COUNTERS = {
     ),
     "prompt_tokens_cached": ("prompt_tokens_cached", "prompt tokens served from a cache"),
     "tokens_generated": ("tokens_generated", "tokens generated"),
+    "draft_tokens": (
+        "draft_tokens",
+        "tokens guessed from the conversation and checked in a decode step (prompt lookup)",
+    ),
+    "draft_tokens_accepted": (
+        "draft_tokens_accepted",
+        "checked draft tokens the model agreed with (each saved a decode step)",
+    ),
     "scheduler_steps": ("steps", "scheduler rounds"),
 }
 

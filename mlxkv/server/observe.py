@@ -22,6 +22,8 @@ COUNTERS = (  # counters since the server started
     "prompt_tokens_prefilled",
     "prompt_tokens_cached",
     "tokens_generated",
+    "draft_tokens",
+    "draft_tokens_accepted",
     "steps",
 )
 

@@ -1,0 +1,253 @@
+"""Drafts from the conversation (prompt lookup decoding): the index, the caches' promise
+to give rejected drafts back exactly, and greedy answers on the real model that are the
+plain answers token for token while taking several tokens a step."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from mlxkv.caches import make_caches, trim_caches, trimmable, trimmable_after
+from mlxkv.engine.chat import ChatSession
+from mlxkv.engine.events import Finished, TokenDelta
+from mlxkv.engine.lookup import PromptLookup, adapt_draft_length
+from mlxkv.engine.prefix_cache import PrefixCache
+from mlxkv.engine.request import GenerationSettings
+from mlxkv.engine.scheduler import Request, Scheduler
+from mlxkv.engine.session import Session
+from mlxkv.policy import KVPolicy
+from tests._caches_ref import feed
+from tests.mlx_lm_ref import greedy_tokens
+from tests.tiny_models import tiny_llama
+
+PASSAGE = (
+    "It is a truth universally acknowledged, that a single man in possession of a good "
+    "fortune, must be in want of a wife. However little known the feelings or views of such "
+    "a man may be on his first entering a neighbourhood, this truth is so well fixed in the "
+    "minds of the surrounding families, that he is considered as the rightful property of "
+    "some one or other of their daughters."
+)
+COPY = f"Copy this passage word for word:\n\n{PASSAGE}"
+
+
+# -- the index ---------------------------------------------------------------------------
+def test_a_draft_is_what_followed_the_latest_longest_match():
+    look = PromptLookup([7, 1, 2, 3, 4, 8, 1, 2, 5, 6, 9, 1, 2])
+    # "1 2" last occurred before "5 6"; no earlier "9 1 2", so the 2-gram decides
+    assert look.draft(3) == [5, 6, 9]
+    # a 3-gram beats a later 2-gram: "8 1 2" only ever came before "5"
+    look = PromptLookup([8, 1, 2, 5, 0, 1, 2, 7, 8, 1, 2])
+    assert look.draft(2) == [5, 0]
+
+
+def test_a_lone_shared_token_drafts_nothing_and_a_draft_stops_at_the_end():
+    look = PromptLookup([4, 5, 6, 4])
+    assert look.draft(4) == []  # "4" alone is too weak a sign (NGRAM_MIN 2)
+    look = PromptLookup([4, 5, 6, 4, 5])
+    assert look.draft(8) == [6, 4, 5]  # what exists after the match, no more
+
+
+def test_the_pending_token_is_part_of_the_match_and_of_the_draft():
+    look = PromptLookup([3, 1, 2, 9, 3, 1])
+    assert look.draft(3, (2,)) == [9, 3, 1]
+    assert look.draft(6, (2,)) == [9, 3, 1, 2]  # runs on into the pending token
+    look.follow([2, 9])  # answer tokens join as they are shown
+    look.follow([2, 9])  # (again: nothing new)
+    assert look.tokens == [3, 1, 2, 9, 3, 1, 2, 9]
+    assert look.draft(2) == [3, 1]
+    assert look.draft(0) == []
+
+
+def test_the_draft_length_grows_while_drafts_are_taken_and_shrinks_when_not():
+    assert adapt_draft_length(4, 4, 4, 8) == 6
+    assert adapt_draft_length(7, 7, 7, 8) == 8
+    assert adapt_draft_length(4, 2, 4, 8) == 3
+    assert adapt_draft_length(1, 0, 1, 8) == 1
+
+
+# -- the caches' promise ----------------------------------------------------------------
+POLICIES = [
+    (KVPolicy(), 0),
+    (KVPolicy(window=12, sinks=4), 0),
+    (KVPolicy(window=12, sinks=4), 6),
+    (KVPolicy(window=12, sinks=4, bits=8, group_size=32, key_scheme="rotated"), 6),
+    (KVPolicy(key_bits=4, group_size=32), 0),
+    (KVPolicy(window=24, sinks=4, key_bits=4, group_size=32), 0),
+]
+A = [(7 * i + 3) % 64 for i in range(60)]
+
+
+@pytest.mark.parametrize("policy,reserve", POLICIES, ids=lambda p: str(p))
+@pytest.mark.parametrize("before", [3, 11, 15, 30, 35])
+def test_what_trimmable_after_promises_an_update_gives_back_exactly(policy, reserve, before):
+    """Feed ``before`` tokens, ask how many of a 5-token update could be taken back, feed
+    it, take back that many (at most 4, as a step of 4 drafts does), then 3 more tokens:
+    the logits are an uncached run's over the tokens kept."""
+    model = tiny_llama(layers=2)
+    caches = make_caches(model, policy, reserve=reserve)
+    feed(model, A[:before], caches, [before])
+    promise = trimmable_after(caches, 5)
+    feed(model, A[before : before + 5], caches, [5])
+    assert min(trimmable(c) for c in caches) >= promise
+    back = min(promise, 4)
+    trim_caches(caches, back)
+    kept = before + 5 - back
+    rest = [1, 2, 3]
+    got = feed(model, rest, caches, [1, 1, 1])
+    fresh = feed(model, A[:kept] + rest, make_caches(model, policy), [kept, 1, 1, 1])
+    assert mx.abs(got - fresh[:, kept:]).max().item() < 1e-4
+    if policy.window is None and policy.key_bits is None:
+        assert promise == before + 5  # a full cache gives everything back
+    if reserve:
+        assert promise >= 5  # an undo log covers the update, evicting or not
+
+
+def test_trimmable_after_for_mlx_lms_own_caches():
+    k = mx.zeros((1, 2, 6, 8))
+    plain, rotating, state = KVCache(), RotatingKVCache(max_size=10), ArraysCache(2)
+    plain.update_and_fetch(k, k)
+    rotating.update_and_fetch(k, k)
+    assert trimmable_after([plain], 3) == 9
+    assert trimmable_after([rotating], 3) == 9  # it does not wrap yet
+    assert trimmable_after([rotating], 4) == 0  # it would
+    assert trimmable_after([plain, state], 3) == 0  # a recurrent state cannot go back
+
+
+# -- the engine on the real model ---------------------------------------------------------
+
+
+def _ids(loaded, text: str) -> list[int]:
+    return loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+
+
+def _answer(scheduler: Scheduler, ids, settings) -> tuple[list[int], Finished]:
+    handle = scheduler.submit(Request(ids, settings))
+    tokens, done = [], None
+    for ev in handle.events():
+        if isinstance(ev, TokenDelta) and ev.token >= 0:
+            tokens.append(ev.token)
+        if isinstance(ev, Finished):
+            done = ev
+    return tokens, done
+
+
+@pytest.mark.model
+def test_a_drafted_greedy_answer_is_mlx_lms_greedy_answer(default_model):
+    ids = _ids(default_model, COPY)
+    ref = greedy_tokens(default_model, ids, 60, [])
+    scheduler = Scheduler(default_model, draft_tokens=8)
+    tokens, done = _answer(scheduler, ids, GenerationSettings(max_tokens=60))
+    assert tokens == ref[: len(tokens)] and len(tokens) == 60
+    assert scheduler.accepted >= 30 and scheduler.drafted <= 60 * 8
+    assert done.stats.kv_tokens_seen == len(ids) + 60  # the caches hold what was taken
+    assert scheduler.status()["draft_tokens_accepted"] == scheduler.accepted
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("max_tokens", [10, 13])
+def test_an_answer_cut_by_its_length_leaves_exact_caches(default_model, max_tokens):
+    """Wherever ``max_tokens`` falls among the drafted steps, the answer is the plain one
+    and its caches end with its last token: the prefix cache keeps them, and the next
+    turn reuses the whole conversation."""
+    ids = _ids(default_model, COPY)
+    plain = Scheduler(default_model, draft_tokens=0)
+    ref, ref_done = _answer(plain, ids, GenerationSettings(max_tokens=max_tokens))
+    prefix = PrefixCache(1 << 30)
+    scheduler = Scheduler(default_model, draft_tokens=8, prefix_cache=prefix)
+    tokens, done = _answer(scheduler, ids, GenerationSettings(max_tokens=max_tokens))
+    assert tokens == ref
+    assert scheduler.accepted > 0
+    assert done.stats.kv_tokens_seen == ref_done.stats.kv_tokens_seen == len(ids) + max_tokens
+    again = ids + tokens + _ids(default_model, "Thanks.")[1:]
+    _, next_done = _answer(scheduler, again, GenerationSettings(max_tokens=2))
+    assert next_done.stats.prompt_tokens_cached == len(ids) + max_tokens
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("stop", ["truth", "single man", "good fortune", None])
+def test_an_end_inside_the_drafts_ends_the_answer_and_its_caches_there(default_model, stop):
+    """A stop string, or EOS (the chat template's end of turn follows the passage in the
+    prompt, so it comes as a draft with the template's next tokens after it): the answer
+    and its caches end there, and the prefix cache keeps the whole conversation."""
+    ids = _ids(default_model, COPY)
+    settings = GenerationSettings(max_tokens=120, stop=(stop,) if stop else ())
+    ref, ref_done = _answer(Scheduler(default_model), ids, settings)
+    scheduler = Scheduler(default_model, draft_tokens=8, prefix_cache=PrefixCache(1 << 30))
+    tokens, done = _answer(scheduler, ids, settings)
+    assert (done.text, tokens) == (ref_done.text, ref)
+    assert done.finish_reason == ref_done.finish_reason == ("stop_string" if stop else "stop")
+    n = len(ids) + done.stats.generation_tokens
+    assert done.stats.kv_tokens_seen == ref_done.stats.kv_tokens_seen == n
+    again = ids + tokens + _ids(default_model, "Thanks.")[1:]
+    _, next_done = _answer(scheduler, again, GenerationSettings(max_tokens=2))
+    assert next_done.stats.prompt_tokens_cached >= len(ids) + len(tokens)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(KVPolicy(window=96, sinks=4), id="sink 4 + window 96"),
+        pytest.param(
+            KVPolicy(window=96, sinks=4, bits=8, key_scheme="rotated"),
+            id="8-bit rotated keys, window 96",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_window_that_evicts_while_drafting_answers_as_without_drafts(default_model, policy):
+    """The window (100 tokens) fills during the answer to a 116-token prompt: drafts
+    rejected after it has evicted come back out through the undo log."""
+    ids = _ids(default_model, COPY)
+    settings = GenerationSettings(max_tokens=60)
+    ref, _ = _answer(Scheduler(default_model, policy), ids, settings)
+    scheduler = Scheduler(default_model, policy, draft_tokens=8)
+    tokens, done = _answer(scheduler, ids, settings)
+    assert tokens == ref
+    assert done.stats.kv_evicted > 0 and scheduler.accepted >= 20
+
+
+@pytest.mark.model
+def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model):
+    policy = KVPolicy(key_bits=4)
+    ids = _ids(default_model, COPY)
+    scheduler = Scheduler(default_model, policy, draft_tokens=8)
+    assert scheduler.undo_reserve(policy) == 0
+    tokens, done = _answer(scheduler, ids, GenerationSettings(max_tokens=60))
+    assert scheduler.accepted > 0 and len(tokens) > 20
+    assert done.stats.kv_tokens_seen == len(ids) + done.stats.generation_tokens  # EOS too
+
+
+@pytest.mark.model
+def test_sampled_answers_and_batches_take_no_drafts(default_model):
+    ids = _ids(default_model, COPY)
+    scheduler = Scheduler(default_model, draft_tokens=8)
+    _answer(scheduler, ids, GenerationSettings(max_tokens=20, temperature=0.7, seed=1))
+    assert scheduler.drafted == 0
+    both = [scheduler.submit(Request(ids, GenerationSettings(max_tokens=20))) for _ in range(2)]
+    for h in both:
+        list(h.events())
+    assert scheduler.drafted == 0  # two rows decode as a batch
+    assert scheduler.status()["max_rows_in_a_step"] == 2
+
+
+@pytest.mark.model
+def test_a_chat_session_with_drafts_keeps_its_turns(default_model):
+    """generate and chat: each turn's answer is the plain one, and the next turn reuses the
+    whole conversation from the session's caches."""
+    settings = GenerationSettings(max_tokens=30)
+    policy = KVPolicy(window=96, sinks=4)
+    mine = Session(default_model, policy, draft_tokens=8)
+    plain = Session(default_model, policy)
+    drafted, ref = ChatSession(mine, settings), ChatSession(plain, settings)
+    for turn in [COPY, "Now copy it once more."]:
+        want = [e for e in ref.send(turn) if isinstance(e, Finished)][0]
+        got = [e for e in drafted.send(turn) if isinstance(e, Finished)][0]
+        assert got.text == want.text
+        assert got.stats.prompt_tokens_cached == want.stats.prompt_tokens_cached > 0 or turn == COPY
+        assert mine.tokens == plain.tokens  # the ids its caches hold, in order
+        assert got.stats.kv_tokens_seen == want.stats.kv_tokens_seen
+    assert mine.scheduler.accepted > 0 and plain.scheduler.drafted == 0

@@ -1,0 +1,205 @@
+"""Drafts from the conversation (prompt lookup decoding): how many a greedy answer keeps,
+and what that does to its speed, on the real model.
+
+    python benchmarks/lookup_bench.py [--model M] [--max-tokens 160] [--drafts 2,4,8]
+                                      [--json OUT.json]
+
+Four prompts: two whose answers copy from the prompt (edit a piece of code, copy a
+passage), two that do not (a question, a summary). For each:
+
+* measured: the engine's greedy answer with ``draft_tokens`` 0 and each of ``--drafts``
+  (its rule: 2- and 3-grams, the draft length adapting up to that many):
+  decode tokens per second (the answer's tokens after the first over the time since the
+  first), drafts checked and taken, and whether the answer is the plain one token for token;
+* replayed: other lookup rules (n-gram lengths, a draft length that adapts) on the plain
+  answer, which greedy drafts cannot change: tokens a step, and the speed-up the model's
+  measured cost of a step of 1 + k tokens at this context predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from mlxkv.backend import setup_blas
+
+setup_blas()
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "data" / "austen.txt"
+
+
+def prompts() -> dict[str, str]:
+    code = (ROOT / "mlxkv" / "engine" / "lookup.py").read_text()
+    start = code.index("class PromptLookup")
+    code = code[start : start + 1400]
+    text = CORPUS.read_text(encoding="utf-8") if CORPUS.exists() else code
+    para = " ".join(text[20000:21200].split())
+    return {
+        "edit code": f"Rename the class to `Guess` and give back the whole code:\n\n{code}",
+        "copy a passage": f"Copy this passage word for word:\n\n{para}",
+        "question": "Why is the sky blue? Explain in a few paragraphs.",
+        "summary": f"Summarize this passage in three sentences:\n\n{para}",
+    }
+
+
+def step_costs(loaded, ids: list[int], feeds=(1, 2, 3, 5, 9, 13), reps: int = 5) -> dict:
+    """Median seconds of one model call of ``n`` tokens after ``ids`` are cached."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(loaded.model)
+    mx.eval(loaded.model(mx.array([ids]), cache=caches))
+    out = {}
+    for n in feeds:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            mx.eval(loaded.model(mx.array([ids[-n:]]), cache=caches))
+            times.append(time.perf_counter() - t)
+            for c in caches:
+                c.trim(n)
+        out[n] = statistics.median(times)
+    return out
+
+
+def cost(costs: dict, n: int) -> float:
+    """A step of ``n`` tokens, interpolated between the measured feeds."""
+    known = sorted(costs)
+    lo = max(k for k in known if k <= n)
+    hi = min((k for k in known if k >= n), default=lo)
+    if hi == lo:
+        return costs[lo] * (n / lo if n > lo else 1.0)
+    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+
+
+def replay(prompt, answer, most, ngram_min, ngram_max, adapt, costs) -> dict:
+    """The steps a lookup rule takes over a greedy ``answer`` (drafts cannot change it)."""
+    from mlxkv.engine.lookup import PromptLookup, adapt_draft_length
+
+    look = PromptLookup(prompt, ngram_min, ngram_max)
+    look.extend(answer[:1])
+    i, steps, seconds, drafted, taken_all = 0, 0, 0.0, 0, 0
+    k = most
+    while i < len(answer) - 1:  # feed answer[i], check drafts of answer[i+1:]
+        drafts = look.draft(min(k, len(answer) - 1 - i))
+        taken = 0
+        while taken < len(drafts) and drafts[taken] == answer[i + 1 + taken]:
+            taken += 1
+        steps += 1
+        seconds += cost(costs, 1 + len(drafts))
+        drafted, taken_all = drafted + len(drafts), taken_all + taken
+        if adapt and drafts:
+            k = adapt_draft_length(k, taken, len(drafts), most)
+        look.extend(answer[i + 1 : i + 2 + taken])
+        i += 1 + taken
+    plain = (len(answer) - 1) * costs[1]
+    return {
+        "tokens_per_step": (len(answer) - 1) / max(steps, 1),
+        "drafted": drafted,
+        "taken": taken_all,
+        "speedup": plain / seconds if seconds else 1.0,
+    }
+
+
+def run(loaded, ids, max_tokens, drafts) -> dict:
+    from mlxkv.engine.events import Finished, TokenDelta
+    from mlxkv.engine.request import GenerationSettings
+    from mlxkv.engine.scheduler import Request, Scheduler
+
+    scheduler = Scheduler(loaded, draft_tokens=drafts)
+    handle = scheduler.submit(Request(ids, GenerationSettings(max_tokens=max_tokens)))
+    tokens, tps = [], 0.0
+    for ev in handle.events():
+        if isinstance(ev, TokenDelta) and ev.token >= 0:
+            tokens.append(ev.token)
+        if isinstance(ev, Finished):
+            tps = ev.stats.generation_tps
+    return {"tokens": tokens, "tps": tps, "drafted": scheduler.drafted, "taken": scheduler.accepted}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--drafts", default="2,4,8")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    from mlxkv.models.loader import load
+    from mlxkv.models.resolve import resolve
+
+    loaded = load(resolve(args.model).path)
+    tok = loaded.tokenizer
+    measured, replayed = [], []
+    for name, text in prompts().items():
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        costs = step_costs(loaded, ids)
+        plain = run(loaded, ids, args.max_tokens, 0)
+        measured.append({"prompt": name, "ids": len(ids), "drafts": 0, **_public(plain, plain)})
+        for k in [int(x) for x in args.drafts.split(",")]:
+            got = run(loaded, ids, args.max_tokens, k)
+            measured.append({"prompt": name, "ids": len(ids), "drafts": k, **_public(got, plain)})
+        answer = plain["tokens"]
+        for rule in RULES:
+            r = replay(ids, answer, *rule, costs)
+            replayed.append({"prompt": name, "rule": _rule_name(rule), **r})
+        print(
+            f"{name}: {len(ids)} prompt tokens, steps of 1/5/9: "
+            f"{costs[1] * 1e3:.1f}/{costs[5] * 1e3:.1f}/{costs[9] * 1e3:.1f} ms",
+            flush=True,
+        )
+    print("\n| prompt | drafts | decode tok/s | drafted | taken | same answer |")
+    print("|---|---:|---:|---:|---:|---|")
+    for m in measured:
+        print(
+            f"| {m['prompt']} | {m['drafts']} | {m['tps']:.1f} | {m['drafted']} | "
+            f"{m['taken']} | {m['same']} |"
+        )
+    print("\n| prompt | rule | tokens a step | drafted | taken | predicted speed-up |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in replayed:
+        print(
+            f"| {r['prompt']} | {r['rule']} | {r['tokens_per_step']:.2f} | {r['drafted']} | "
+            f"{r['taken']} | {r['speedup']:.2f}x |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"measured": measured, "replayed": replayed}, indent=1))
+    return 0
+
+
+# (most drafts, n-gram min, n-gram max, adapt the draft length)
+RULES = [
+    (4, 1, 3, False),
+    (8, 1, 3, False),
+    (4, 2, 3, False),
+    (8, 2, 4, False),
+    (4, 1, 3, True),
+    (8, 1, 3, True),
+    (8, 2, 3, True),
+    (8, 2, 4, True),
+    (12, 2, 3, True),
+]
+
+
+def _rule_name(rule) -> str:
+    most, lo, hi, adapt = rule
+    return f"{most} drafts, {lo}-{hi}-grams" + (", adaptive" if adapt else "")
+
+
+def _public(got: dict, plain: dict) -> dict:
+    return {
+        "tps": got["tps"],
+        "drafted": got["drafted"],
+        "taken": got["taken"],
+        "same": got["tokens"] == plain["tokens"],
+        "answer_tokens": len(got["tokens"]),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

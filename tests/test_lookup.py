@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlxkv.caches import make_caches, trim_caches, trimmable, trimmable_after
+from mlxkv.caches import CacheError, make_caches, trim_caches, trimmable, trimmable_after
 from mlxkv.engine.chat import ChatSession
 from mlxkv.engine.events import Finished, TokenDelta
 from mlxkv.engine.lookup import PromptLookup, adapt_draft_length
@@ -251,3 +251,29 @@ def test_a_chat_session_with_drafts_keeps_its_turns(default_model):
         assert mine.tokens == plain.tokens  # the ids its caches hold, in order
         assert got.stats.kv_tokens_seen == want.stats.kv_tokens_seen
     assert mine.scheduler.accepted > 0 and plain.scheduler.drafted == 0
+
+
+@pytest.mark.model
+def test_a_cache_file_reads_whatever_undo_log_its_writer_kept(default_model, tmp_path):
+    """A session with drafts saves window caches with an undo log of 9 tokens; one without
+    reads them; a crafted log length is refused in one line."""
+    policy = KVPolicy(window=64, sinks=4)
+    writer = Session(default_model, policy, draft_tokens=8)
+    for _ in writer.run(COPY, GenerationSettings(max_tokens=4)):
+        pass
+    path = tmp_path / "c.safetensors"
+    writer.save_cache(path)
+    reader = Session(default_model, policy, draft_tokens=0)
+    reader.load_cache(path)
+    assert reader.tokens == writer.tokens
+    assert [c.reserve for c in reader.caches] == [9] * len(reader.caches)
+
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays["0.reserve"] = mx.array(10**6)
+    crafted = tmp_path / "crafted.safetensors"
+    mx.save_safetensors(str(crafted), arrays, meta)
+    before = crafted.read_bytes()
+    with pytest.raises(CacheError) as e:
+        Session(default_model, policy).load_cache(crafted)
+    assert "layer 0: reserve is 1000000" in str(e.value) and "\n" not in str(e.value)
+    assert crafted.read_bytes() == before

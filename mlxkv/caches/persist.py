@@ -47,10 +47,13 @@ MAX_TOKENS = 1 << 31  # no counter in a cache file can be larger
 _DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
            "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}  # fmt: skip
 _TENSOR_NAME = re.compile(r"^\d{1,6}(\.[A-Za-z_0-9]{1,40}){0,4}$")
-_POLICY_KEYS = ("window", "sinks", "rebase_every", "reserve", "rotation", "key_bits",
+_POLICY_KEYS = ("window", "sinks", "rebase_every", "rotation", "key_bits",
                 "key_group_size", "key_scheme", "value_bits", "value_group_size", "bits",
                 "group_size", "keep", "max_size")  # fmt: skip
 _COUNTERS = ("tokens_seen", "evicted", "base", "sink_shift")
+# An undo log's length is the writer's choice (drafts on or off), not what the cache holds:
+# any from none to this many tokens reads.
+MAX_RESERVE = 128
 
 
 def register_with_mlx_lm() -> None:
@@ -307,6 +310,9 @@ def _check_state(name: str, state, ref_state) -> int:
                       f"{key} is {state[key]!r}, this policy has {ref_state[key]!r}")  # fmt: skip
         if "rotation" in ref_state:
             _need(state["rotation"] == ref_state["rotation"], "its rotation is another model's")
+        if "reserve" in ref_state:
+            r = state["reserve"]
+            _need(_is_int(r) and 0 <= r <= MAX_RESERVE, f"reserve is {r!r}")
         for key in _COUNTERS:
             if key in ref_state:
                 v = state[key]

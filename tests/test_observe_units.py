@@ -56,6 +56,8 @@ STATUS = {  # the schema of GET /v1/status with the memory and prefix cache sect
     "steps": 123,
     "requests_finished": 4,
     "tokens_generated": 250,
+    "draft_tokens": 90,
+    "draft_tokens_accepted": 60,
     "prompt_tokens_prefilled": 900,
     "prompt_tokens_cached": 320,
     "tokens_per_second": 12.5,
@@ -147,6 +149,8 @@ def test_view_reads_every_section():
         "prompt_tokens_prefilled": 900,
         "prompt_tokens_cached": 320,
         "tokens_generated": 250,
+        "draft_tokens": 90,
+        "draft_tokens_accepted": 60,
         "steps": 123,
     }
     assert v.refused == {"busy": 2, "too_large": 1}
@@ -255,9 +259,12 @@ def test_texts_a_user_reads():
         "smollm2-135m at http://h:1 · policy full · 12.5 tok/s"
     )
     assert top_view.totals_text(v).plain.splitlines() == [
-        "Since start 4 requests finished · 250 tokens generated · 123 steps",
+        "Since start 4 requests finished · 250 tokens generated · 123 steps · 60 of 90 drafts "
+        "taken",
         "Prompt tokens 900 prefilled, 320 from a cache",
     ]
+    old = top_view.totals_text(top_view.view(OLD_STATUS)).plain.splitlines()
+    assert old[0] == "Since start 1 requests finished · 0 tokens generated · 9 steps"  # no drafts
 
 
 def scrape(status: dict) -> dict[tuple[str, tuple], float]:

@@ -103,6 +103,8 @@ def same_as_status(metrics: dict[str, float], status: dict) -> None:
     for key in ("requests_finished", "prompt_tokens_prefilled", "prompt_tokens_cached"):
         assert metrics[f"mlxkv_{key}_total"] == status[key], key
     assert metrics["mlxkv_tokens_generated_total"] == status["tokens_generated"]
+    for key in ("draft_tokens", "draft_tokens_accepted"):
+        assert metrics[f"mlxkv_{key}_total"] == status[key], key
     assert metrics["mlxkv_scheduler_steps_total"] == status["steps"]
 
 
@@ -152,6 +154,31 @@ def test_counters_move_by_the_requests(server):
     assert after["mlxkv_requests_running"] == 0 and after["mlxkv_requests_waiting"] == 0
     assert after["mlxkv_kv_bytes_actual"] == 0 and after["mlxkv_reserved_bytes"] == 0
     assert after["mlxkv_prefix_cache_bytes{tier=memory}"] > 0  # the finished turns are kept
+
+
+def test_a_greedy_answer_that_copies_takes_drafts_and_is_mlx_lms_answer(server, default_model):
+    """The server's default --draft-tokens 8: a temperature-0 answer copying a passage from
+    its prompt is mlx-lm's greedy answer, and most of its tokens came as drafts."""
+    from tests.mlx_lm_ref import greedy_tokens
+    from tests.test_lookup import COPY
+
+    server.wait_idle()
+    before = scrape(server)
+    messages = [{"role": "user", "content": COPY}]
+    got = server.client().chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=40, temperature=0
+    )
+    status = server.wait_idle()
+    after = scrape(server)
+    same_as_status(after, status)
+    tok = default_model.tokenizer
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert got.usage.prompt_tokens == len(ids)
+    ref = greedy_tokens(default_model, ids, 40, [])
+    assert got.choices[0].message.content == tok.decode(ref)
+    taken = after["mlxkv_draft_tokens_accepted_total"] - before["mlxkv_draft_tokens_accepted_total"]
+    drafted = after["mlxkv_draft_tokens_total"] - before["mlxkv_draft_tokens_total"]
+    assert 20 <= taken <= drafted
 
 
 STEADY = ("memory", "tokens_generated", "steps", "requests_finished", "prompt_tokens_prefilled")

@@ -320,8 +320,14 @@ def totals_text(v: TopView) -> Text:
     out.append(
         f"{tokens(c.get('requests_finished', 0))} requests finished · "
         f"{tokens(c.get('tokens_generated', 0))} tokens generated · "
-        f"{tokens(c.get('steps', 0))} steps\n"
+        f"{tokens(c.get('steps', 0))} steps"
     )
+    if c.get("draft_tokens"):  # greedy answers that checked drafts from their conversation
+        out.append(
+            f" · {tokens(c.get('draft_tokens_accepted', 0))} of "
+            f"{tokens(c['draft_tokens'])} drafts taken"
+        )
+    out.append("\n")
     out.append("Prompt tokens ", "bold")
     out.append(
         f"{tokens(c.get('prompt_tokens_prefilled', 0))} prefilled, "

@@ -59,6 +59,16 @@ def test_the_pending_token_is_part_of_the_match_and_of_the_draft():
     assert look.draft(0) == []
 
 
+def test_a_predicted_output_drafts_ahead_of_the_prompt_until_the_answer_repeats_itself():
+    look = PromptLookup([1, 2, 3, 4, 1, 2], hint=[1, 2, 9, 9, 7])
+    assert look.draft(3) == [9, 9, 7]  # the hint's "1 2" wins over the prompt's
+    look.follow([9])
+    assert look.draft(3) == [9, 7]  # "2 9" is only in the hint
+    assert look.tokens == [1, 2, 3, 4, 1, 2, 9]  # the hint is never what was said last
+    look.follow([9, 5, 1, 2, 8])
+    assert look.draft(2, (1, 2)) == [8, 1]  # the answer's own "1 2" is the latest
+
+
 def test_the_draft_length_grows_while_drafts_are_taken_and_shrinks_when_not():
     assert adapt_draft_length(4, 4, 4, 8) == 6
     assert adapt_draft_length(7, 7, 7, 8) == 8

@@ -637,6 +637,13 @@ BAD_REQUESTS = [  # (body, path, status, param, words in the message)
      "xtc_probability must be in [0, 1], got 2; 0 means none"),
     ({"messages": MSG, "repetition_context_size": 0}, None, 400, "repetition_context_size",
      "repetition_context_size must be in [1, 1048576], got 0"),
+    ({"messages": MSG, "prediction": "Hello"}, None, 400, "prediction",
+     'prediction must be {"type": "content", "content": "the expected answer"}'),
+    ({"messages": MSG, "prediction": {"type": "content", "content": 5}}, None, 400,
+     "prediction.content", "prediction.content must be a string or a list of text parts"),
+    ({"messages": MSG, "prediction": {"type": "content", "content": "ab " * 250000}}, None, 400,
+     "prediction", "prediction has 750000 characters, more than an answer in a 8192-token "
+     "context can hold; shorten it"),
 ]  # fmt: skip
 
 

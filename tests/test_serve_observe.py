@@ -336,3 +336,39 @@ def test_top_in_a_terminal_shows_the_running_request(server, tmp_path):
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     server.wait_idle()
+
+
+def test_a_predicted_output_gives_the_drafts_and_leaves_the_answer(server, default_model):
+    """OpenAI's ``prediction``: an answer that copies nothing from its prompt takes its
+    drafts from the text the client expects back. The answer is mlx-lm's greedy answer
+    whatever the prediction says; usage counts the drafts taken and refused."""
+    from tests.mlx_lm_ref import greedy_tokens
+
+    messages = [{"role": "user", "content": "Why is the sky blue? Explain in a few sentences."}]
+    tok = default_model.tokenizer
+    ref = tok.decode(
+        greedy_tokens(
+            default_model, tok.apply_chat_template(messages, add_generation_prompt=True), 48, []
+        )
+    )
+    client = server.client()
+
+    def ask(**extra):
+        return client.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=48, temperature=0, **extra
+        )
+
+    plain = ask()
+    good = ask(prediction={"type": "content", "content": ref})
+    edited = ask(prediction={"type": "content", "content": [{"type": "text", "text": ref[:90]}]})
+    for r in (plain, good, edited):
+        assert r.choices[0].message.content == ref
+    details = good.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 40  # most of the 48 came as drafts
+    fewer = edited.usage.completion_tokens_details
+    plain_taken = (
+        plain.usage.completion_tokens_details.accepted_prediction_tokens
+        if plain.usage.completion_tokens_details
+        else 0
+    )
+    assert plain_taken < fewer.accepted_prediction_tokens < details.accepted_prediction_tokens

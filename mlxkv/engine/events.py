@@ -26,6 +26,8 @@ class Stats:
     context_limit: int | None = None
     policy: str = "full"
     finish_reason: str | None = None
+    draft_tokens: int = 0  # tokens guessed from the conversation and checked (lookup)
+    draft_tokens_accepted: int = 0  # of which the model agreed with
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,8 +8,9 @@ itself, so a greedy answer is unchanged and several tokens cost about one step.
 
 The index maps every n-gram (``NGRAM_MIN``..``NGRAM_MAX`` tokens) to the position after its
 latest occurrence, updated as tokens are added: a lookup is a few dictionary reads, and a
-prompt of ``n`` tokens costs about ``n x 2`` entries. The longest n-gram that matches wins;
-the draft length adapts to how many of a row's drafts were taken
+prompt of ``n`` tokens costs about ``n x 2`` entries. A client's predicted output (the text
+it expects back, such as the edited file) is indexed too, ahead of the prompt. The longest
+n-gram that matches wins; the draft length adapts to how many of a row's drafts were taken
 (docs/serve.md#drafts-from-the-conversation has the measured alternatives).
 """
 
@@ -24,12 +25,27 @@ NGRAM_MAX = 3
 class PromptLookup:
     """The tokens of one request (its prompt, then its answer as it is fed), indexed."""
 
-    def __init__(self, prompt: list[int], ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX):
+    def __init__(
+        self,
+        prompt: list[int],
+        hint: list[int] | tuple[int, ...] = (),
+        ngram_min: int = NGRAM_MIN,
+        ngram_max: int = NGRAM_MAX,
+    ):
+        """``hint``: the answer's expected tokens (a predicted output), indexed after the
+        prompt so that its continuations win over the prompt's, but never part of what
+        the last tokens are."""
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.tokens: list[int] = []
-        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest
+        self.hint = list(hint)
+        # n-gram -> position after its latest occurrence: in ``tokens`` (>= 0) or, as
+        # -1 - i, at ``hint[i]``
+        self._after: dict[tuple[int, ...], int] = {}
         self._answer = 0  # answer tokens already added
         self.extend(prompt)
+        for end in range(1, len(self.hint)):
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                self._after[tuple(self.hint[end - n : end])] = -1 - end
 
     def extend(self, tokens: list[int]) -> None:
         seq, after = self.tokens, self._after
@@ -56,6 +72,8 @@ class PromptLookup:
             start = self._after.get(tuple(tail[-n:]))
             if start is None:
                 continue
+            if start < 0:  # in the hint
+                return self.hint[-1 - start : -1 - start + most]
             out = seq[start : start + most]  # an entry is a held position: start < held
             if len(out) < most:  # the guess runs on into the pending tokens
                 out += list(pending[: most - len(out)])

@@ -87,6 +87,9 @@ class Request:
     # or averaged over its tokens (an Embedding event), and no answer; such a prompt is
     # prefilled whole, never taken from a cache
     embed: str | None = None
+    # the answer's expected text as token ids (OpenAI's predicted outputs): drafts come
+    # from it too, ahead of the prompt's
+    prediction: list[int] | None = None
 
 
 class RequestHandle:
@@ -189,6 +192,7 @@ class _Job:
         self.lookup: PromptLookup | None = None  # its tokens, indexed for drafts
         self.draft_length = 0  # drafts its next step checks at most (0: not started)
         self.ahead = 0  # tokens its caches hold after the one being taken (drafts)
+        self.drafted = self.accepted = 0  # its draft tokens checked / taken
 
 
 @dataclass
@@ -1103,7 +1107,7 @@ class Scheduler:
         first = r.next_input is not None  # its token was shown when it was sampled
         t = r.next_input if first else g.inputs.item()
         if r.lookup is None:
-            r.lookup = PromptLookup(r.ids)
+            r.lookup = PromptLookup(r.ids, r.req.prediction or ())
         shown = r.finish.tokens
         r.lookup.follow(shown)  # (t, when not shown yet, is the pending token)
         held = r.total + len(shown) - (1 if first else 0)  # tokens in its caches now
@@ -1123,6 +1127,8 @@ class Scheduler:
         trim_caches(r.caches, len(drafts) - taken)
         self.drafted += len(drafts)
         self.accepted += taken
+        r.drafted += len(drafts)
+        r.accepted += taken
         r.draft_length = adapt_draft_length(
             r.draft_length or self.draft_tokens, taken, len(drafts), self.draft_tokens
         )
@@ -1285,6 +1291,8 @@ class Scheduler:
             generation_tps=job.generation_tps,
             context_limit=self.loaded.context_length,
             policy=job.describe,
+            draft_tokens=job.drafted,
+            draft_tokens_accepted=job.accepted,
         )
         g = job.group
         if g is not None and g.caches is not None:

@@ -184,13 +184,21 @@ def usage(choices: list[Choice], n: int) -> dict:
     cached = sum(c.stats.prompt_tokens_cached for c in choices if c.stats and c.index % n == 0)
     completion = sum(s.generation_tokens for s in finals)
     first = finals[0] if finals else Stats()
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
         "mlxkv": {"prompt_tokens_cached": cached, **kv_figures(first)},
     }
+    drafted = sum(s.draft_tokens for s in finals)
+    if drafted:  # as OpenAI counts a predicted output's tokens: taken, and checked in vain
+        taken = sum(s.draft_tokens_accepted for s in finals)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": taken,
+            "rejected_prediction_tokens": drafted - taken,
+        }
+    return out
 
 
 @dataclass

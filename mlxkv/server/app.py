@@ -378,8 +378,17 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             # nothing to answer: a client making sure the model is loaded (it always is)
             return JSONResponse(ollama.Reply(served.id, kind == "api_chat").loaded())
         prompts, text = rendered or await run_in_threadpool(render, ask)
+        predicted = None
+        if ask.prediction:
+            predicted = await run_in_threadpool(prediction_ids, ask.prediction)
         run = bridge.start(
-            prompts, ask.n, ask.settings, ask.policy, ask.logprobs, ask.prompt_logprobs
+            prompts,
+            ask.n,
+            ask.settings,
+            ask.policy,
+            ask.logprobs,
+            ask.prompt_logprobs,
+            prediction=predicted,
         )
         if kind == "messages":
             env = Message(served.id, ask.show_thinking)
@@ -737,6 +746,23 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 ids = ids[: context - 1]
             out.append(ids)
         return out
+
+    def prediction_ids(text: str) -> list[int]:
+        """A predicted output's token ids (no markers added), refused past what the context
+        could hold before the tokenizer reads it all; runs in a worker thread."""
+        most = most_characters()
+        if most is not None and len(text) > most:
+            raise APIError(
+                400,
+                f"prediction has {len(text)} characters, more than an answer in a "
+                f"{served.limits.context_length}-token context can hold; shorten it",
+                "prediction",
+                "context_length_exceeded",
+            )
+        try:
+            return encode_text(served.tokenizer, text, False)
+        except UserError as e:  # the tokenizer failed on this text
+            raise bad(str(e), "prediction") from None
 
     @functools.cache
     def most_characters() -> int | None:

@@ -97,6 +97,7 @@ class Bridge:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         embed: str | None = None,
+        prediction: list[int] | None = None,
     ) -> Run:
         """Submit ``n`` rows per prompt together (row ``p * n + j``: prompt p, answer j; a
         seed s gives answer j the seed s + j, so the answers differ and repeat); ``embed``:
@@ -129,6 +130,7 @@ class Bridge:
                         prompt_logprobs=prompt_logprobs,
                         sink=run.sink(p * n + j),
                         embed=embed,
+                        prediction=prediction,
                     )
                     run.handles.append(self.scheduler.submit(req))
         except UserError as e:  # the scheduler is closing

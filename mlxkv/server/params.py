@@ -54,7 +54,6 @@ CHAT_NO_OPS = {
     ),
     "modalities": ((["text"],), 'only text output is supported (modalities ["text"])'),
     "audio": ((), "audio output is not supported"),
-    "prediction": ((), "predicted outputs are not supported; leave 'prediction' out"),
     # a hint to OpenAI's own models, as the Responses API's text.verbosity: the model here
     # answers at its own length
     "verbosity": (VERBOSITY, "verbosity must be one of low, medium, high"),
@@ -96,6 +95,7 @@ _HONOURED = {
 }
 CHAT_HONOURED = _HONOURED | {
     "messages",
+    "prediction",
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
@@ -188,6 +188,7 @@ class Ask:
     prompt_logprobs: int | None = None  # completions with echo: the prompt's tokens scored
     show_thinking: bool = True  # messages: thinking blocks carry their text
     suffix: str | None = None  # completions: the text after the answer (fill-in-the-middle)
+    prediction: str | None = None  # chat: the answer's expected text (drafts come from it)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -550,7 +551,29 @@ def parse_chat(body: dict, limits: Limits) -> Ask:
         user=user_of(body, "user", "safety_identifier"),
         tools=tools,
         warm_only=most == 0,
+        prediction=_prediction(body.get("prediction")),
     )
+
+
+def _prediction(v) -> str | None:
+    """OpenAI's predicted output: ``{"type": "content", "content": TEXT}``, the content a
+    string or a list of text parts (joined)."""
+    if v is None:
+        return None
+    shape = 'prediction must be {"type": "content", "content": "the expected answer"}'
+    if not isinstance(v, dict) or v.get("type") != "content" or set(v) - {"type", "content"}:
+        raise bad(shape, param="prediction")
+    content = v.get("content")
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(
+            "prediction.content must be a string or a list of text parts", "prediction.content"
+        )
+    return content
 
 
 def parse_completion(body: dict, limits: Limits) -> Ask:

@@ -348,23 +348,23 @@ def test_a_predicted_output_gives_the_drafts_and_leaves_the_answer(server, defau
     tok = default_model.tokenizer
     ref = tok.decode(
         greedy_tokens(
-            default_model, tok.apply_chat_template(messages, add_generation_prompt=True), 48, []
+            default_model, tok.apply_chat_template(messages, add_generation_prompt=True), 32, []
         )
     )
     client = server.client()
 
     def ask(**extra):
         return client.chat.completions.create(
-            model="smollm2-135m", messages=messages, max_tokens=48, temperature=0, **extra
+            model="smollm2-135m", messages=messages, max_tokens=32, temperature=0, **extra
         )
 
     plain = ask()
     good = ask(prediction={"type": "content", "content": ref})
-    edited = ask(prediction={"type": "content", "content": [{"type": "text", "text": ref[:90]}]})
+    edited = ask(prediction={"type": "content", "content": [{"type": "text", "text": ref[:60]}]})
     for r in (plain, good, edited):
         assert r.choices[0].message.content == ref
     details = good.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens >= 40  # most of the 48 came as drafts
+    assert details.accepted_prediction_tokens >= 26  # most of the 32 came as drafts
     fewer = edited.usage.completion_tokens_details
     plain_taken = (
         plain.usage.completion_tokens_details.accepted_prediction_tokens

@@ -2,7 +2,7 @@
 and what that does to its speed, on the real model.
 
     python benchmarks/lookup_bench.py [--model M] [--max-tokens 160] [--drafts 2,4,8]
-                                      [--json OUT.json]
+                                      [--json OUT.json] [--quantized]
 
 Four prompts: two whose answers copy from the prompt (edit a piece of code, copy a
 passage), two that do not (a question, a summary). For each:
@@ -11,6 +11,9 @@ passage), two that do not (a question, a summary). For each:
   (its rule: 2- and 3-grams, the draft length adapting up to that many):
   decode tokens per second (the answer's tokens after the first over the time since the
   first), drafts checked and taken, and whether the answer is the plain one token for token;
+* measured, with OpenAI's predicted output: the largest ``--drafts`` given the text a client
+  would send as the prediction (the code it asked to have edited, the passage to copy; for
+  the other two the plain answer itself, as a client that knew it: an upper bound);
 * replayed: other lookup rules (n-gram lengths, a draft length that adapts) on the plain
   answer, which greedy drafts cannot change: tokens a step, and the speed-up the model's
   measured cost of a step of 1 + k tokens at this context predicts.
@@ -32,17 +35,19 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "austen.txt"
 
 
-def prompts() -> dict[str, str]:
+def prompts() -> dict[str, tuple[str, str | None]]:
+    """name -> (prompt, the predicted output a client would send: the file it asked to
+    have edited, the passage to copy; None: the plain answer, as a client that knew it)."""
     code = (ROOT / "mlxkv" / "engine" / "lookup.py").read_text()
     start = code.index("class PromptLookup")
     code = code[start : start + 1400]
     text = CORPUS.read_text(encoding="utf-8") if CORPUS.exists() else code
     para = " ".join(text[20000:21200].split())
     return {
-        "edit code": f"Rename the class to `Guess` and give back the whole code:\n\n{code}",
-        "copy a passage": f"Copy this passage word for word:\n\n{para}",
-        "question": "Why is the sky blue? Explain in a few paragraphs.",
-        "summary": f"Summarize this passage in three sentences:\n\n{para}",
+        "edit code": (f"Rename the class to `Guess` and give back the whole code:\n\n{code}", code),
+        "copy a passage": (f"Copy this passage word for word:\n\n{para}", para),
+        "question": ("Why is the sky blue? Explain in a few paragraphs.", None),
+        "summary": (f"Summarize this passage in three sentences:\n\n{para}", None),
     }
 
 
@@ -105,13 +110,14 @@ def replay(prompt, answer, most, ngram_min, ngram_max, adapt, costs) -> dict:
     }
 
 
-def run(loaded, ids, max_tokens, drafts) -> dict:
+def run(loaded, ids, max_tokens, drafts, prediction=None, policy=None) -> dict:
     from mlxkv.engine.events import Finished, TokenDelta
     from mlxkv.engine.request import GenerationSettings
     from mlxkv.engine.scheduler import Request, Scheduler
 
-    scheduler = Scheduler(loaded, draft_tokens=drafts)
-    handle = scheduler.submit(Request(ids, GenerationSettings(max_tokens=max_tokens)))
+    scheduler = Scheduler(loaded, policy, draft_tokens=drafts)
+    settings = GenerationSettings(max_tokens=max_tokens)
+    handle = scheduler.submit(Request(ids, settings, prediction=prediction))
     tokens, tps = [], 0.0
     for ev in handle.events():
         if isinstance(ev, TokenDelta) and ev.token >= 0:
@@ -127,23 +133,37 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--drafts", default="2,4,8")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--quantized",
+        action="store_true",
+        help="instead: under quantized KV policies, where a drafted greedy answer parts from "
+        "the undrafted one (100 tokens at most)",
+    )
     args = ap.parse_args()
     from mlxkv.models.loader import load
     from mlxkv.models.resolve import resolve
 
     loaded = load(resolve(args.model).path)
     tok = loaded.tokenizer
+    if args.quantized:
+        return quantized(loaded, max(int(x) for x in args.drafts.split(",")))
     measured, replayed = [], []
-    for name, text in prompts().items():
+    for name, (text, predicted) in prompts().items():
         ids = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
         costs = step_costs(loaded, ids)
         plain = run(loaded, ids, args.max_tokens, 0)
-        measured.append({"prompt": name, "ids": len(ids), "drafts": 0, **_public(plain, plain)})
-        for k in [int(x) for x in args.drafts.split(",")]:
+        row = {"prompt": name, "ids": len(ids)}
+        measured.append({**row, "drafts": "0", **_public(plain, plain)})
+        most = [int(x) for x in args.drafts.split(",")]
+        for k in most:
             got = run(loaded, ids, args.max_tokens, k)
-            measured.append({"prompt": name, "ids": len(ids), "drafts": k, **_public(got, plain)})
+            measured.append({**row, "drafts": str(k), **_public(got, plain)})
+        hint = tok.encode(predicted, add_special_tokens=False) if predicted else plain["tokens"]
+        got = run(loaded, ids, args.max_tokens, max(most), hint)
+        label = f"{max(most)}, predicted: " + ("the source" if predicted else "the answer")
+        measured.append({**row, "drafts": label, **_public(got, plain)})
         answer = plain["tokens"]
         for rule in RULES:
             r = replay(ids, answer, *rule, costs)
@@ -169,6 +189,40 @@ def main() -> int:
         )
     if args.json:
         args.json.write_text(json.dumps({"measured": measured, "replayed": replayed}, indent=1))
+    return 0
+
+
+def quantized(loaded, most: int) -> int:
+    """A quantized cache attends in a step of several tokens over its dequantized keys and
+    in a step of one over the packed ones: the drafted answer may part from the plain one."""
+    from mlxkv.policy import KVPolicy
+
+    policies = {
+        "KIVI 4-bit keys": KVPolicy(key_bits=4),
+        "KIVI 8-bit keys": KVPolicy(key_bits=8),
+        "4-bit rotated keys and values": KVPolicy(bits=4, key_scheme="rotated"),
+        "8-bit rotated keys and values": KVPolicy(bits=8, key_scheme="rotated"),
+    }
+    print("| prompt | policy | plain tokens | drafted tokens | drafts taken | parts at token |")
+    print("|---|---|---:|---:|---:|---|")
+    for name, (text, _) in prompts().items():
+        if name not in ("copy a passage", "question"):
+            continue
+        msg = [{"role": "user", "content": text}]
+        ids = loaded.tokenizer.apply_chat_template(msg, add_generation_prompt=True)
+        for label, policy in policies.items():
+            plain = run(loaded, ids, 100, 0, policy=policy)["tokens"]
+            got = run(loaded, ids, 100, most, policy=policy)
+            parts = next(
+                (i + 1 for i, (a, b) in enumerate(zip(plain, got["tokens"])) if a != b), None
+            )
+            if parts is None and len(plain) != len(got["tokens"]):
+                parts = min(len(plain), len(got["tokens"])) + 1
+            print(
+                f"| {name} | {label} | {len(plain)} | {len(got['tokens'])} | {got['taken']} | "
+                f"{parts or 'same answer'} |",
+                flush=True,
+            )
     return 0
 
 

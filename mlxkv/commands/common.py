@@ -174,7 +174,8 @@ def add_generation_flags(
         metavar="N",
         help="a greedy answer (--temp 0) checks up to N tokens a step that followed its last "
         "tokens earlier in the conversation, and keeps those the model agrees with (prompt "
-        f"lookup decoding: same answer, faster where it repeats); 0: off (default {DRAFT_TOKENS})",
+        "lookup decoding: faster where it repeats; the same answer with an unquantized KV "
+        f"cache); 0: off (default {DRAFT_TOKENS})",
     )
     g.add_argument(
         "--prefill-step",

@@ -213,9 +213,8 @@ def quantized(loaded, most: int) -> int:
         for label, policy in policies.items():
             plain = run(loaded, ids, 100, 0, policy=policy)["tokens"]
             got = run(loaded, ids, 100, most, policy=policy)
-            parts = next(
-                (i + 1 for i, (a, b) in enumerate(zip(plain, got["tokens"])) if a != b), None
-            )
+            pairs = zip(plain, got["tokens"], strict=False)  # (lengths may differ)
+            parts = next((i + 1 for i, (a, b) in enumerate(pairs) if a != b), None)
             if parts is None and len(plain) != len(got["tokens"]):
                 parts = min(len(plain), len(got["tokens"])) + 1
             print(

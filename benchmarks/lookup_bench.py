@@ -35,12 +35,46 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "austen.txt"
 
 
+# the code to edit: a fixed excerpt of mlxkv/engine/lookup.py (the tables in docs/serve.md)
+CODE = (
+    "class PromptLookup:\n"
+    '    """The tokens of one request (its prompt, then its answer as it is fed), indexed."""\n'
+    "\n"
+    "    def __init__(\n"
+    "        self,\n"
+    "        prompt: list[int],\n"
+    "        hint: list[int] | tuple[int, ...] = (),\n"
+    "        ngram_min: int = NGRAM_MIN,\n"
+    "        ngram_max: int = NGRAM_MAX,\n"
+    "    ):\n"
+    '        """``hint``: the answer\'s expected tokens (a predicted output), indexed after the\n'
+    "        prompt so that its continuations win over the prompt's, but never part of what\n"
+    '        the last tokens are."""\n'
+    "        self.ngram_min, self.ngram_max = ngram_min, ngram_max\n"
+    "        self.tokens: list[int] = []\n"
+    "        self.hint = list(hint)\n"
+    "        # n-gram -> position after its latest occurrence: in ``tokens`` (>= 0) or, as\n"
+    "        # -1 - i, at ``hint[i]``\n"
+    "        self._after: dict[tuple[int, ...], int] = {}\n"
+    "        self._answer = 0  # answer tokens already added\n"
+    "        self.extend(prompt)\n"
+    "        for end in range(1, len(self.hint)):\n"
+    "            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):\n"
+    "                self._after[tuple(self.hint[end - n : end])] = -1 - end\n"
+    "\n"
+    "    def extend(self, tokens: list[int]) -> None:\n"
+    "        seq, after = self.tokens, self._after\n"
+    "        for t in tokens:\n"
+    "            end = len(seq)  # the n-grams ending just before ``t`` are followed by it\n"
+    "            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):\n"
+    "                after[tuple(seq[end - "
+)
+
+
 def prompts() -> dict[str, tuple[str, str | None]]:
     """name -> (prompt, the predicted output a client would send: the file it asked to
     have edited, the passage to copy; None: the plain answer, as a client that knew it)."""
-    code = (ROOT / "mlxkv" / "engine" / "lookup.py").read_text()
-    start = code.index("class PromptLookup")
-    code = code[start : start + 1400]
+    code = CODE
     text = CORPUS.read_text(encoding="utf-8") if CORPUS.exists() else code
     para = " ".join(text[20000:21200].split())
     return {
@@ -85,7 +119,7 @@ def replay(prompt, answer, most, ngram_min, ngram_max, adapt, costs) -> dict:
     """The steps a lookup rule takes over a greedy ``answer`` (drafts cannot change it)."""
     from mlxkv.engine.lookup import PromptLookup, adapt_draft_length
 
-    look = PromptLookup(prompt, ngram_min, ngram_max)
+    look = PromptLookup(prompt, ngram_min=ngram_min, ngram_max=ngram_max)
     look.extend(answer[:1])
     i, steps, seconds, drafted, taken_all = 0, 0, 0.0, 0, 0
     k = most
@@ -192,6 +226,16 @@ def main() -> int:
     return 0
 
 
+# the novel's first sentences, as tests/test_lookup.py asks for them to be copied
+OPENING = (
+    "It is a truth universally acknowledged, that a single man in possession of a good "
+    "fortune, must be in want of a wife. However little known the feelings or views of such "
+    "a man may be on his first entering a neighbourhood, this truth is so well fixed in the "
+    "minds of the surrounding families, that he is considered as the rightful property of "
+    "some one or other of their daughters."
+)
+
+
 def quantized(loaded, most: int) -> int:
     """A quantized cache attends in a step of several tokens over its dequantized keys and
     in a step of one over the packed ones: the drafted answer may part from the plain one."""
@@ -205,9 +249,9 @@ def quantized(loaded, most: int) -> int:
     }
     print("| prompt | policy | plain tokens | drafted tokens | drafts taken | parts at token |")
     print("|---|---|---:|---:|---:|---|")
-    for name, (text, _) in prompts().items():
-        if name not in ("copy a passage", "question"):
-            continue
+    asks = {k: v for k, v in prompts().items() if k in ("copy a passage", "question")}
+    asks["copy the opening"] = (f"Copy this passage word for word:\n\n{OPENING}", None)
+    for name, (text, _) in asks.items():
         msg = [{"role": "user", "content": text}]
         ids = loaded.tokenizer.apply_chat_template(msg, add_generation_prompt=True)
         for label, policy in policies.items():

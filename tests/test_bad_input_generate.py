@@ -47,6 +47,19 @@ def test_bad_flags(capsys, flags, words):
     assert words in refused(capsys, "generate", "-p", "hi", *flags)
 
 
+@pytest.mark.parametrize("value", ["-1", "65", "x", "2.5"])
+def test_a_bad_draft_count_is_one_line(capsys, value):
+    from mlxkv.cli import main
+
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal, as the terminal sees it
+        main(["generate", "-p", "hi", "--draft-tokens", value])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "mlxkv generate: error: argument --draft-tokens: expected a whole number from 0 (off) "
+        f"to 64, got '{value}'; see 'mlxkv generate --help'\n"
+    )
+
+
 @pytest.mark.parametrize(
     "content, words",
     [

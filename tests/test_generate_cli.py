@@ -145,3 +145,19 @@ def test_kv_bits_refused_before_generating_on_a_model_that_cannot_take_them(
     args = ["--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "3", "--kv-window", "32"]
     ok = cli("generate", *args, "--json")
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.model
+def test_drafts_leave_the_answer_and_json_counts_them(cli, preloaded):
+    """A greedy answer copying its prompt: with the default --draft-tokens most of it came
+    as drafts (--json says how many); with 0 none did, and the text is the same."""
+    from tests.test_lookup import COPY
+
+    ask = ["generate", "-p", COPY, "--max-tokens", "30", "--json"]
+    runs = [cli(*ask), cli(*ask, "--draft-tokens", "0")]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    drafted, plain = (json.loads(r.stdout) for r in runs)
+    assert drafted["text"] == plain["text"] and drafted["generation_tokens"] == 30
+    assert 15 <= drafted["draft_tokens_accepted"] <= drafted["draft_tokens"]
+    assert (plain["draft_tokens"], plain["draft_tokens_accepted"]) == (0, 0)
+    assert drafted["kv_tokens"] == plain["kv_tokens"] == plain["prompt_tokens"] + 30

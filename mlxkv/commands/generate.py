@@ -249,6 +249,8 @@ def run(args) -> int:
             "kv_bytes_actual": s.kv_bytes_actual,
             "kv_bytes_logical": s.kv_bytes_logical,
             "kv_bytes_predicted": s.kv_bytes_predicted,
+            "draft_tokens": s.draft_tokens,
+            "draft_tokens_accepted": s.draft_tokens_accepted,
             "weights_bytes": s.weights_bytes,
             "model": loaded.name,
             "dtype": loaded.dtype,

@@ -148,6 +148,7 @@ def test_kv_bits_refused_before_generating_on_a_model_that_cannot_take_them(
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_drafts_leave_the_answer_and_json_counts_them(cli, preloaded):
     """A greedy answer copying its prompt: with the default --draft-tokens most of it came
     as drafts (--json says how many); with 0 none did, and the text is the same."""

@@ -157,7 +157,8 @@ def test_a_drafted_greedy_answer_is_mlx_lms_greedy_answer(default_model):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("max_tokens", [pytest.param(10, marks=pytest.mark.slow), 13])
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [10, 13])
 def test_an_answer_cut_by_its_length_leaves_exact_caches(default_model, max_tokens):
     """Wherever ``max_tokens`` falls among the drafted steps, the answer is the plain one
     and its caches end with its last token: the prefix cache keeps them, and the next
@@ -183,7 +184,7 @@ def test_an_answer_cut_by_its_length_leaves_exact_caches(default_model, max_toke
         pytest.param("truth", marks=pytest.mark.slow),
         "single man",
         pytest.param("good fortune", marks=pytest.mark.slow),
-        None,
+        pytest.param(None, marks=pytest.mark.slow),  # EOS: the longest of them
     ],
 )
 def test_an_end_inside_the_drafts_ends_the_answer_and_its_caches_there(default_model, stop):
@@ -208,7 +209,7 @@ def test_an_end_inside_the_drafts_ends_the_answer_and_its_caches_there(default_m
 @pytest.mark.parametrize(
     "policy",
     [
-        pytest.param(KVPolicy(window=96, sinks=4), id="sink 4 + window 96"),
+        pytest.param(KVPolicy(window=96, sinks=4), id="sink 4 + window 96", marks=pytest.mark.slow),
         pytest.param(
             KVPolicy(window=96, sinks=4, bits=8, key_scheme="rotated"),
             id="8-bit rotated keys, window 96",
@@ -229,6 +230,7 @@ def test_a_window_that_evicts_while_drafting_answers_as_without_drafts(default_m
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model):
     policy = KVPolicy(key_bits=4)
     ids = _ids(default_model, COPY)
@@ -240,6 +242,7 @@ def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_sampled_answers_and_batches_take_no_drafts(default_model):
     ids = _ids(default_model, COPY)
     scheduler = Scheduler(default_model, draft_tokens=8)

@@ -190,7 +190,7 @@ class _Job:
         self.fed: list[int] = []  # answer tokens fed to its caches (kept requests)
         self.checkpoint: Checkpoint | None = None  # its caches at the turn boundary
         self.lookup: PromptLookup | None = None  # its tokens, indexed for drafts
-        self.draft_length = 0  # drafts its next step checks at most (0: not started)
+        self.draft_length = 0  # drafts its next step checks at most
         self.ahead = 0  # tokens its caches hold after the one being taken (drafts)
         self.drafted = self.accepted = 0  # its draft tokens checked / taken
 
@@ -1106,13 +1106,14 @@ class Scheduler:
         r = g.rows[0]
         first = r.next_input is not None  # its token was shown when it was sampled
         t = r.next_input if first else g.inputs.item()
-        if r.lookup is None:
+        if r.lookup is None:  # its first step that may draft
             r.lookup = PromptLookup(r.ids, r.req.prediction or ())
+            r.draft_length = self.draft_tokens
         shown = r.finish.tokens
         r.lookup.follow(shown)  # (t, when not shown yet, is the pending token)
         held = r.total + len(shown) - (1 if first else 0)  # tokens in its caches now
         room = min(
-            r.draft_length or self.draft_tokens,
+            r.draft_length,
             r.limit_tokens - held - 1,  # its reservation
             r.finish.max_tokens - len(shown) - (0 if first else 1),  # past it: wasted
         )
@@ -1129,9 +1130,7 @@ class Scheduler:
         self.accepted += taken
         r.drafted += len(drafts)
         r.accepted += taken
-        r.draft_length = adapt_draft_length(
-            r.draft_length or self.draft_tokens, taken, len(drafts), self.draft_tokens
-        )
+        r.draft_length = adapt_draft_length(r.draft_length, taken, len(drafts), self.draft_tokens)
         self.max_rows_in_a_step = max(self.max_rows_in_a_step, 1)
         g.inputs = mx.array([best[taken]])
         r.row = 0

@@ -243,11 +243,11 @@ def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_sampled_answers_and_batches_take_no_drafts(default_model):
+def test_seeded_answers_and_batches_take_no_drafts(default_model):
     ids = _ids(default_model, COPY)
     scheduler = Scheduler(default_model, draft_tokens=8)
     _answer(scheduler, ids, GenerationSettings(max_tokens=20, temperature=0.7, seed=1))
-    assert scheduler.drafted == 0
+    assert scheduler.drafted == 0  # its text may not depend on whether it decoded alone
     both = [scheduler.submit(Request(ids, GenerationSettings(max_tokens=20))) for _ in range(2)]
     for h in both:
         list(h.events())

@@ -326,10 +326,15 @@ def test_a_predicted_output_gives_the_drafts_and_leaves_the_answer(server, defau
     ref = tok.decode(greedy_tokens(default_model, ids, 24, []))
     client = server.client()
 
-    def ask(text=None):
+    def ask(text=None, temperature=0, **more):
         extra = {} if text is None else {"prediction": {"type": "content", "content": text}}
         return client.chat.completions.create(
-            model="smollm2-135m", messages=messages, max_tokens=24, temperature=0, **extra
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=24,
+            temperature=temperature,
+            **extra,
+            **more,
         )
 
     server.wait_idle()
@@ -354,3 +359,8 @@ def test_a_predicted_output_gives_the_drafts_and_leaves_the_answer(server, defau
         if plain.usage.completion_tokens_details
         else 0
     )
+    # a sampled answer checks its drafts on its sampler's distribution: with top_k 1 that
+    # is the argmax's, so it is the greedy answer, taken from the prediction
+    sampled = ask(ref, temperature=1.0, extra_body={"top_k": 1})
+    assert sampled.choices[0].message.content == ref
+    assert sampled.usage.completion_tokens_details.accepted_prediction_tokens >= 20

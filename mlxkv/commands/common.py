@@ -172,10 +172,11 @@ def add_generation_flags(
         type=_draft_count,
         default=DRAFT_TOKENS,
         metavar="N",
-        help="a greedy answer (--temp 0) checks up to N tokens a step that followed its last "
-        "tokens earlier in the conversation, and keeps those the model agrees with (prompt "
-        "lookup decoding: faster where it repeats; the same answer with an unquantized KV "
-        f"cache); 0: off (default {DRAFT_TOKENS})",
+        help="an answer checks up to N tokens a step that followed its last tokens earlier "
+        "in the conversation, and keeps those the model agrees with (prompt lookup "
+        "decoding: faster where it repeats; a greedy answer is the same with an unquantized "
+        "KV cache, a sampled one is drawn from the same distribution; not with --seed); "
+        f"0: off (default {DRAFT_TOKENS})",
     )
     g.add_argument(
         "--prefill-step",

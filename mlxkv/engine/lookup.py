@@ -4,7 +4,8 @@ An answer often repeats what its conversation already holds: code being edited, 
 passage, a name, a tool's output. Where the last tokens fed also occur earlier, the tokens
 that followed them there are a guess at what comes next; the model checks the whole guess
 in one step (:mod:`mlxkv.engine.scheduler`) and keeps the part it would have produced
-itself, so a greedy answer is unchanged and several tokens cost about one step.
+itself (:mod:`mlxkv.engine.speculative`), so a greedy answer is unchanged, a sampled one
+is drawn from the same distribution, and several tokens cost about one step.
 
 The index maps every n-gram (``NGRAM_MIN``..``NGRAM_MAX`` tokens) to the position after its
 latest occurrence, updated as tokens are added: a lookup is a few dictionary reads, and a

@@ -8,21 +8,34 @@ from collections.abc import Callable
 from mlxkv.engine.request import GenerationSettings
 
 
+def _filters(s: GenerationSettings, xtc: Callable | None = None) -> list[Callable]:
+    """mlx-lm's make_sampler chain of filters over log-probabilities: top-p, min-p, XTC
+    (``xtc``, when the request asks for it), top-k."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    filters = []
+    if 0 < s.top_p < 1:
+        filters.append(lambda x: apply_top_p(x, s.top_p))
+    if s.min_p:
+        filters.append(lambda x: apply_min_p(x, s.min_p))
+    if xtc is not None:
+        filters.append(xtc)
+    if s.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, s.top_k))
+    return filters
+
+
 class SeededSampler:
     """mlx-lm's make_sampler chain (top-p, min-p, XTC, top-k, temperature) drawing from its
     own key, so a seeded request's text does not depend on what else runs beside it."""
 
     def __init__(self, s: GenerationSettings, xtc_exempt: list[int]):
         import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
+        from mlx_lm.sample_utils import apply_xtc
 
         self.key = mx.random.key(s.seed)
         self.temp = s.temperature
-        self.filters = []
-        if 0 < s.top_p < 1:
-            self.filters.append(lambda x: apply_top_p(x, s.top_p))
-        if s.min_p:
-            self.filters.append(lambda x: apply_min_p(x, s.min_p))
+        xtc = None
         if s.xtc_probability > 0:
             # apply_xtc draws its coin from MLX's global key: drawn here from this one,
             # it is applied whenever the coin says so (probability 1 inside)
@@ -31,9 +44,7 @@ class SeededSampler:
                 cut = apply_xtc(x, 1.0, s.xtc_threshold, xtc_exempt)
                 return mx.where(mx.random.uniform(key=sub) < s.xtc_probability, cut, x)
 
-            self.filters.append(xtc)
-        if s.top_k > 0:
-            self.filters.append(lambda x: apply_top_k(x, s.top_k))
+        self.filters = _filters(s, xtc)
 
     def __call__(self, logprobs):
         import mlx.core as mx
@@ -42,6 +53,34 @@ class SeededSampler:
             logprobs = f(logprobs)
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
+
+
+class SamplingWeights:
+    """The log-weights a sampled answer draws each token from: its logits as log-
+    probabilities, through the same filters as its sampler, over its temperature. Drafts
+    are checked against them (:mod:`mlxkv.engine.speculative`)."""
+
+    def __init__(self, s: GenerationSettings):
+        self.temp = s.temperature
+        self.filters = _filters(s)
+
+    def __call__(self, logits):
+        import mlx.core as mx
+
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return logprobs * (1.0 / self.temp)
+
+
+def sampling_weights_for(s: GenerationSettings) -> SamplingWeights | None:
+    """What drafts of a sampled answer are checked against; None where they are not: a
+    greedy answer (its argmax decides), a seeded one (its text must not depend on whether
+    it decoded alone, the only time drafts are checked), or one with XTC (its coin is drawn
+    per step)."""
+    if s.temperature == 0 or s.seed is not None or s.xtc_probability > 0:
+        return None
+    return SamplingWeights(s)
 
 
 def xtc_exempt(tokenizer) -> list[int]:

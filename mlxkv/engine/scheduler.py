@@ -64,7 +64,13 @@ from mlxkv.engine.kv_stats import KVAccounting
 from mlxkv.engine.lookup import MAX_DRAFT_TOKENS, PromptLookup, adapt_draft_length
 from mlxkv.engine.request import RESERVE_STEP, GenerationSettings, common_prefix, encode_prompt
 from mlxkv.engine.reuse import Checkpoint
-from mlxkv.engine.samplers import processor_history, processors_for, sampler_for
+from mlxkv.engine.samplers import (
+    processor_history,
+    processors_for,
+    sampler_for,
+    sampling_weights_for,
+)
+from mlxkv.engine.speculative import check_greedy, check_sampled
 from mlxkv.errors import UserError, first_line
 from mlxkv.models.loader import LoadedModel
 from mlxkv.policy import KVPolicy, uses_kivi
@@ -173,6 +179,7 @@ class _Job:
         self.boundary = self.total
         self.finish: FinishRule | None = None
         self.sampler = None
+        self.weights = None  # a sampled answer's distribution, where drafts are checked on it
         self.processors: list = []
         self.history = None  # the tokens logits processors see
         self.broken: UserError | None = None  # its grammar failed: it ends with this error
@@ -830,6 +837,7 @@ class Scheduler:
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         self._release_shared_prefixes()
         job.sampler = sampler_for(s, self.loaded.tokenizer)
+        job.weights = sampling_weights_for(s)
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
@@ -1085,18 +1093,21 @@ class Scheduler:
             self._fail(r.handle, str(r.broken), "invalid_grammar")
 
     def _drafts_for(self, g: _Group) -> bool:
-        """Whether ``g`` may check drafts: a lone row on its own caches whose next token is
-        the argmax (no sampler, no logits processors, no logprobs asked)."""
+        """Whether ``g`` may check drafts: a lone row on its own caches, greedy or sampled
+        from a distribution drafts can be checked on (``sampling_weights_for``), with no
+        logits processors and no logprobs asked."""
         if not self.draft_tokens or g.caches is not None or len(g.rows) != 1:
             return False
         r = g.rows[0]
-        return r.sampler is None and not r.processors and r.req.logprobs is None
+        checkable = r.sampler is None or r.weights is not None
+        return checkable and not r.processors and r.req.logprobs is None
 
     def _draft_step(self, g: _Group) -> bool:
         """One step that feeds the token sampled last step and, after it, the tokens that
-        followed the same last tokens earlier in the conversation; the model's argmax at
-        each position keeps the drafts it agrees with and gives the next token. The caches
-        are trimmed to the tokens taken, so they hold what plain steps would have fed.
+        followed the same last tokens earlier in the conversation; the model's logits at
+        each position keep the drafts it agrees with and give the next token
+        (:mod:`mlxkv.engine.speculative`). The caches are trimmed to the tokens taken, so
+        they hold what plain steps would have fed.
         False (nothing done) when there is no draft or the caches could not give the
         rejected ones back."""
         import mlx.core as mx
@@ -1121,10 +1132,10 @@ class Scheduler:
         if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):
             return False
         logits = self.loaded.model(mx.array([[t, *drafts]]), cache=r.caches)[0]
-        best = mx.argmax(logits, axis=-1).tolist()
-        taken = 0
-        while taken < len(drafts) and best[taken] == drafts[taken]:
-            taken += 1
+        if r.weights is None:
+            taken, after = check_greedy(logits, drafts)
+        else:
+            taken, after = check_sampled(r.weights(logits), drafts)
         trim_caches(r.caches, len(drafts) - taken)
         self.drafted += len(drafts)
         self.accepted += taken
@@ -1132,7 +1143,7 @@ class Scheduler:
         r.accepted += taken
         r.draft_length = adapt_draft_length(r.draft_length, taken, len(drafts), self.draft_tokens)
         self.max_rows_in_a_step = max(self.max_rows_in_a_step, 1)
-        g.inputs = mx.array([best[taken]])
+        g.inputs = mx.array([after])
         r.row = 0
         fed = [t, *drafts[:taken]]
         for i, token in enumerate(fed):

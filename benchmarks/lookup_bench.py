@@ -2,7 +2,7 @@
 and what that does to its speed, on the real model.
 
     python benchmarks/lookup_bench.py [--model M] [--max-tokens 160] [--drafts 2,4,8]
-                                      [--json OUT.json] [--quantized]
+                                      [--json OUT.json] [--quantized | --temperature T]
 
 Four prompts: two whose answers copy from the prompt (edit a piece of code, copy a
 passage), two that do not (a question, a summary). For each:
@@ -17,6 +17,11 @@ passage), two that do not (a question, a summary). For each:
 * replayed: other lookup rules (n-gram lengths, a draft length that adapts) on the plain
   answer, which greedy drafts cannot change: tokens a step, and the speed-up the model's
   measured cost of a step of 1 + k tokens at this context predicts.
+
+``--temperature T`` instead samples each prompt's answer (``--draws`` of them, MLX's
+global key seeded 0, 1, ...) with no drafts and with the largest ``--drafts``: a sampled
+answer keeps each draft with its sampler's probability of it (speculative sampling), so
+the answers differ draw by draw and what is compared is their speed and drafts taken.
 """
 
 from __future__ import annotations
@@ -144,13 +149,13 @@ def replay(prompt, answer, most, ngram_min, ngram_max, adapt, costs) -> dict:
     }
 
 
-def run(loaded, ids, max_tokens, drafts, prediction=None, policy=None) -> dict:
+def run(loaded, ids, max_tokens, drafts, prediction=None, policy=None, temperature=0.0) -> dict:
     from mlxkv.engine.events import Finished, TokenDelta
     from mlxkv.engine.request import GenerationSettings
     from mlxkv.engine.scheduler import Request, Scheduler
 
     scheduler = Scheduler(loaded, policy, draft_tokens=drafts)
-    settings = GenerationSettings(max_tokens=max_tokens)
+    settings = GenerationSettings(max_tokens=max_tokens, temperature=temperature)
     handle = scheduler.submit(Request(ids, settings, prediction=prediction))
     tokens, tps = [], 0.0
     for ev in handle.events():
@@ -173,6 +178,8 @@ def main() -> int:
         help="instead: under quantized KV policies, where a drafted greedy answer parts from "
         "the undrafted one (100 tokens at most)",
     )
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--draws", type=int, default=3)
     args = ap.parse_args()
     from mlxkv.models.loader import load
     from mlxkv.models.resolve import resolve
@@ -181,6 +188,9 @@ def main() -> int:
     tok = loaded.tokenizer
     if args.quantized:
         return quantized(loaded, max(int(x) for x in args.drafts.split(",")))
+    if args.temperature > 0:
+        most = max(int(x) for x in args.drafts.split(","))
+        return sampled(loaded, args.temperature, most, args.draws, args.max_tokens)
     measured, replayed = [], []
     for name, (text, predicted) in prompts().items():
         ids = tok.apply_chat_template(
@@ -264,6 +274,36 @@ def quantized(loaded, most: int) -> int:
             print(
                 f"| {name} | {label} | {len(plain)} | {len(got['tokens'])} | {got['taken']} | "
                 f"{parts or 'same answer'} |",
+                flush=True,
+            )
+    return 0
+
+
+def sampled(loaded, temperature: float, most: int, draws: int, max_tokens: int) -> int:
+    """Sampled answers with and without drafts, the two interleaved draw by draw (the same
+    seeds for both): mean decode tok/s over ``draws`` draws, drafts taken / checked, answer
+    tokens."""
+    import mlx.core as mx
+
+    tok = loaded.tokenizer
+    print(f"| prompt | drafts | decode tok/s (mean of {draws}) | taken / checked | tokens |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (text, _) in prompts().items():
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        got: dict[int, list] = {0: [], most: []}
+        for seed in range(draws):
+            for k in got:
+                mx.random.seed(seed)
+                got[k].append(run(loaded, ids, max_tokens, k, temperature=temperature))
+        plain = statistics.mean(g["tps"] for g in got[0])
+        for k, runs in got.items():
+            tps = statistics.mean(g["tps"] for g in runs)
+            taken, drafted = sum(g["taken"] for g in runs), sum(g["drafted"] for g in runs)
+            n = sum(len(g["tokens"]) for g in runs)
+            print(
+                f"| {name} | {k} | {tps:.1f} ({tps / plain:.2f}x) | {taken}/{drafted} | {n} |",
                 flush=True,
             )
     return 0

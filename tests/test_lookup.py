@@ -242,6 +242,39 @@ def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model
 
 
 @pytest.mark.model
+def test_penalties_and_logit_bias_judge_each_drafted_position_as_a_plain_step(default_model):
+    """Stateless logits processors are applied at every drafted position with the tokens
+    before it: the drafted answer is the plain one, and a token the bias bans is never
+    taken from the passage."""
+    ids = _ids(default_model, COPY)
+    banned = default_model.tokenizer.encode(" truth", add_special_tokens=False)[0]
+    settings = GenerationSettings(
+        max_tokens=40, repetition_penalty=1.1, frequency_penalty=0.2, logit_bias=((banned, -100.0),)
+    )
+    plain, _ = _answer(Scheduler(default_model, draft_tokens=0), ids, settings)
+    scheduler = Scheduler(default_model, draft_tokens=8)
+    drafted, _ = _answer(scheduler, ids, settings)
+    assert drafted == plain and banned not in plain
+    assert scheduler.accepted >= 5
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_an_end_held_back_for_min_tokens_ends_a_drafted_copy_where_it_ends_plainly(default_model):
+    """``min_tokens`` holds EOS back (a processor that counts the tokens it is shown): the
+    copy's EOS arrives in a step of drafts, and there it must be let through exactly
+    where a plain step lets it through."""
+    ids = _ids(default_model, COPY)
+    plain, done = _answer(Scheduler(default_model, draft_tokens=0), ids, GenerationSettings())
+    assert done.finish_reason == "stop"
+    scheduler = Scheduler(default_model, draft_tokens=8)
+    # EOS came after len(plain) tokens: holding it back until then changes no argmax
+    drafted, done = _answer(scheduler, ids, GenerationSettings(min_tokens=len(plain)))
+    assert drafted == plain and done.finish_reason == "stop"
+    assert scheduler.accepted >= 20
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_seeded_answers_and_batches_take_no_drafts(default_model):
     ids = _ids(default_model, COPY)

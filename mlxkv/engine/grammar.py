@@ -119,6 +119,8 @@ class GrammarProcessor:
     lets only the tokens the grammar allows next; it reads each answer token from the
     history it is shown, the first call's history being the prompt's."""
 
+    stateful = True  # it reads each token once: drafts are not applied to it
+
     def __init__(self, grammar: str, tokenizer):
         import llguidance
 
@@ -171,6 +173,8 @@ class TriggeredGrammar:
     writes freely until the tokens it has seen end with ``trigger`` (a tool call's start
     marker), then only what ``grammar`` allows until it is complete, then freely again
     (the call's end marker, text, another call). llama.cpp's lazy grammars do the same."""
+
+    stateful = True  # it reads each token once: drafts are not applied to it
 
     def __init__(self, trigger: list[int], grammar: str, tokenizer):
         self.trigger = trigger

@@ -1094,13 +1094,16 @@ class Scheduler:
 
     def _drafts_for(self, g: _Group) -> bool:
         """Whether ``g`` may check drafts: a lone row on its own caches, greedy or sampled
-        from a distribution drafts can be checked on (``sampling_weights_for``), with no
-        logits processors and no logprobs asked."""
+        from a distribution drafts can be checked on (``sampling_weights_for``), whose
+        logits processors are functions of the tokens seen alone (penalties, logit_bias,
+        the end held back: not a grammar or a thinking budget, which keep state), with no
+        logprobs asked."""
         if not self.draft_tokens or g.caches is not None or len(g.rows) != 1:
             return False
         r = g.rows[0]
         checkable = r.sampler is None or r.weights is not None
-        return checkable and not r.processors and r.req.logprobs is None
+        stateless = not any(getattr(p, "stateful", False) for p in r.processors)
+        return checkable and stateless and r.req.logprobs is None
 
     def _draft_step(self, g: _Group) -> bool:
         """One step that feeds the token sampled last step and, after it, the tokens that
@@ -1132,11 +1135,23 @@ class Scheduler:
         if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):
             return False
         logits = self.loaded.model(mx.array([[t, *drafts]]), cache=r.caches)[0]
+        if r.processors:  # each position's logits as a plain step there would see them
+            seen = mx.concatenate([r.history, mx.array([t, *drafts], dtype=r.history.dtype)])
+            base = r.history.shape[0] + 1
+            rows = []
+            for i in range(len(drafts) + 1):
+                row = logits[i : i + 1]
+                for p in r.processors:
+                    row = p(seen[: base + i], row)
+                rows.append(row)
+            logits = mx.concatenate(rows)
         if r.weights is None:
             taken, after = check_greedy(logits, drafts)
         else:
             taken, after = check_sampled(r.weights(logits), drafts)
         trim_caches(r.caches, len(drafts) - taken)
+        if r.processors:
+            r.history = seen[: base + taken]
         self.drafted += len(drafts)
         self.accepted += taken
         r.drafted += len(drafts)

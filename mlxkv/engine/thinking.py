@@ -15,6 +15,8 @@ class ThinkBudget:
     closes the think block after ``budget`` tokens of reasoning; it reads each answer token
     from the history it is shown (the first call's is the prompt's tail: no answer yet)."""
 
+    stateful = True  # it reads each token once: drafts are not applied to it
+
     def __init__(
         self, budget: int, start: tuple[int, ...], end: tuple[int, ...], prompt: Sequence[int]
     ):

@@ -3,6 +3,7 @@ and what that does to its speed, on the real model.
 
     python benchmarks/lookup_bench.py [--model M] [--max-tokens 160] [--drafts 2,4,8]
                                       [--json OUT.json] [--quantized | --temperature T]
+                                      [--repetition-penalty R]
 
 Four prompts: two whose answers copy from the prompt (edit a piece of code, copy a
 passage), two that do not (a question, a summary). For each:
@@ -149,13 +150,13 @@ def replay(prompt, answer, most, ngram_min, ngram_max, adapt, costs) -> dict:
     }
 
 
-def run(loaded, ids, max_tokens, drafts, prediction=None, policy=None, temperature=0.0) -> dict:
+def run(loaded, ids, max_tokens, drafts, prediction=None, policy=None, temperature=0.0, **more):
     from mlxkv.engine.events import Finished, TokenDelta
     from mlxkv.engine.request import GenerationSettings
     from mlxkv.engine.scheduler import Request, Scheduler
 
     scheduler = Scheduler(loaded, policy, draft_tokens=drafts)
-    settings = GenerationSettings(max_tokens=max_tokens, temperature=temperature)
+    settings = GenerationSettings(max_tokens=max_tokens, temperature=temperature, **more)
     handle = scheduler.submit(Request(ids, settings, prediction=prediction))
     tokens, tps = [], 0.0
     for ev in handle.events():
@@ -179,6 +180,13 @@ def main() -> int:
         "the undrafted one (100 tokens at most)",
     )
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=0.0,
+        help="the measured greedy answers with this repetition penalty (a logits processor "
+        "applied at every drafted position)",
+    )
     ap.add_argument("--draws", type=int, default=3)
     args = ap.parse_args()
     from mlxkv.models.loader import load
@@ -191,21 +199,22 @@ def main() -> int:
     if args.temperature > 0:
         most = max(int(x) for x in args.drafts.split(","))
         return sampled(loaded, args.temperature, most, args.draws, args.max_tokens)
+    penalty = {"repetition_penalty": args.repetition_penalty} if args.repetition_penalty else {}
     measured, replayed = [], []
     for name, (text, predicted) in prompts().items():
         ids = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
         costs = step_costs(loaded, ids)
-        plain = run(loaded, ids, args.max_tokens, 0)
+        plain = run(loaded, ids, args.max_tokens, 0, **penalty)
         row = {"prompt": name, "ids": len(ids)}
         measured.append({**row, "drafts": "0", **_public(plain, plain)})
         most = [int(x) for x in args.drafts.split(",")]
         for k in most:
-            got = run(loaded, ids, args.max_tokens, k)
+            got = run(loaded, ids, args.max_tokens, k, **penalty)
             measured.append({**row, "drafts": str(k), **_public(got, plain)})
         hint = tok.encode(predicted, add_special_tokens=False) if predicted else plain["tokens"]
-        got = run(loaded, ids, args.max_tokens, max(most), hint)
+        got = run(loaded, ids, args.max_tokens, max(most), hint, **penalty)
         label = f"{max(most)}, predicted: " + ("the source" if predicted else "the answer")
         measured.append({**row, "drafts": label, **_public(got, plain)})
         answer = plain["tokens"]

@@ -180,6 +180,7 @@ class _Job:
         self.finish: FinishRule | None = None
         self.sampler = None
         self.weights = None  # a sampled answer's distribution, where drafts are checked on it
+        self.may_draft = False  # whether its steps may check drafts when it decodes alone
         self.processors: list = []
         self.history = None  # the tokens logits processors see
         self.broken: UserError | None = None  # its grammar failed: it ends with this error
@@ -838,6 +839,14 @@ class Scheduler:
         self._release_shared_prefixes()
         job.sampler = sampler_for(s, self.loaded.tokenizer)
         job.weights = sampling_weights_for(s)
+        # greedy or sampled from a distribution drafts can be checked on, its logits
+        # processors functions of the tokens seen alone (penalties, logit_bias, the end held
+        # back: not a grammar or a thinking budget, which keep state), no logprobs asked
+        job.may_draft = (
+            (job.sampler is None or job.weights is not None)
+            and not any(getattr(p, "stateful", False) for p in job.processors)
+            and job.req.logprobs is None
+        )
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
         )
@@ -1093,17 +1102,10 @@ class Scheduler:
             self._fail(r.handle, str(r.broken), "invalid_grammar")
 
     def _drafts_for(self, g: _Group) -> bool:
-        """Whether ``g`` may check drafts: a lone row on its own caches, greedy or sampled
-        from a distribution drafts can be checked on (``sampling_weights_for``), whose
-        logits processors are functions of the tokens seen alone (penalties, logit_bias,
-        the end held back: not a grammar or a thinking budget, which keep state), with no
-        logprobs asked."""
+        """Whether ``g`` may check drafts: a lone row on its own caches that may draft."""
         if not self.draft_tokens or g.caches is not None or len(g.rows) != 1:
             return False
-        r = g.rows[0]
-        checkable = r.sampler is None or r.weights is not None
-        stateless = not any(getattr(p, "stateful", False) for p in r.processors)
-        return checkable and stateless and r.req.logprobs is None
+        return g.rows[0].may_draft
 
     def _draft_step(self, g: _Group) -> bool:
         """One step that feeds the token sampled last step and, after it, the tokens that

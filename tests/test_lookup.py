@@ -242,6 +242,7 @@ def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_penalties_and_logit_bias_judge_each_drafted_position_as_a_plain_step(default_model):
     """Stateless logits processors are applied at every drafted position with the tokens
     before it: the drafted answer is the plain one, and a token the bias bans is never

@@ -147,6 +147,7 @@ def test_ctrl_c_stops_every_rank(servers):
         pass
 
 
+@pytest.mark.slow  # (the fast suite stops ranks through Ctrl+C and a failing rank)
 def test_a_killed_launcher_stops_its_ranks(tmp_path, tiny_qwen2):
     """A launcher killed on its own stops nothing, but its ranks see their stdin (its pipe)
     end and stop: no rank is left holding its share or the port."""
@@ -208,6 +209,7 @@ def ask_kv(server: Server, messages: list, seed: int, kv: dict | None) -> tuple[
 ONE_ENTRY = "600000"
 
 
+@pytest.mark.slow  # (the fast suite splits by layers in test_distributed, serves a split by heads)
 def test_a_model_split_by_layers_answers_as_one_process(tmp_path, servers, tiny_qwen2):
     """--shard pipeline: the tiny qwen2's 5 layers split 3 + 2, so the ranks hold unequal
     shares (rank 1's kept caches are 2/3 of rank 0's); every rank admits and evicts by the

@@ -40,6 +40,10 @@ def _batched(loaded, policy, settings, batch_size, prompts=PROMPTS):
     return [results[i] for i in range(len(prompts))]
 
 
+# CI batches greedy rows against the generator under a sink + window cache (the same
+# shape: batch 3, a row joining a decoding batch) in test_batch_policies.py, and the full
+# cache through the server (test_serve.py, sixteen streams)
+@pytest.mark.slow
 def test_batched_greedy_is_token_identical_to_the_generator(default_model):
     """Batch size 3 for 5 prompts of different lengths: left padding, and prompts joining a
     batch that is already decoding (continuous batching) are both exercised."""

@@ -252,12 +252,19 @@ def test_quantized_attention_runs_where_the_cache_computes_it():
 
 
 @pytest.mark.parametrize(
-    "policy",
-    [KVPolicy(window=64, sinks=4), KVPolicy(window=64, sinks=4, bits=4, group_size=32)],
-    ids=lambda p: p.describe(),
+    "kv_heads, policy",
+    # CI runs each policy once, with one and with two KV heads
+    [
+        (1, KVPolicy(window=64, sinks=4)),
+        pytest.param(2, KVPolicy(window=64, sinks=4), marks=pytest.mark.slow),
+        pytest.param(
+            1, KVPolicy(window=64, sinks=4, bits=4, group_size=32), marks=pytest.mark.slow
+        ),
+        (2, KVPolicy(window=64, sinks=4, bits=4, group_size=32)),
+    ],
+    ids=lambda x: x.describe() if isinstance(x, KVPolicy) else str(x),
 )
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_what_mlx_holds_after_a_prompt_is_the_caches_bytes(policy, kv_heads):
+def test_what_mlx_holds_after_a_prompt_is_the_caches_bytes(kv_heads, policy):
     """A sink cache copies the prompt's first keys aside: as a view of the chunk's keys that
     copy held the whole chunk's keys (300 tokens a layer), outside the cache's bytes."""
     import gc

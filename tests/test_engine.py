@@ -130,11 +130,13 @@ POLICIES = [
     # the bare window is the sink cache's code with no sinks: its bytes on the default
     # model run in CI in test_batch_policies.py
     pytest.param(KVPolicy(window=48, sinks=0), marks=pytest.mark.slow),
-    KVPolicy(window=48, sinks=4),
+    # the sink + window and the 4-bit caches: the sink + window + 4-bit row runs both codes
+    # in CI (the 4-bit alone in group 32 also in tests/test_gpu_dtype.py)
+    pytest.param(KVPolicy(window=48, sinks=4), marks=pytest.mark.slow),
     # 8-bit follows the 4-bit code path with other widths; its bytes per step on the default
     # model: test_caches_model.py::test_default_model_exact_bytes, test_caches_memory.py
     pytest.param(KVPolicy(bits=8), marks=pytest.mark.slow),
-    KVPolicy(bits=4, group_size=32),
+    pytest.param(KVPolicy(bits=4, group_size=32), marks=pytest.mark.slow),
     KVPolicy(window=48, sinks=4, bits=4),
 ]
 

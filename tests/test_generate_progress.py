@@ -44,6 +44,7 @@ def test_progress_bar_in_a_terminal_is_cleared_before_the_answer(default_model_p
 
 
 @pytest.mark.model
+@pytest.mark.slow  # (CI checks the bar in a terminal and none on a pipe)
 def test_no_progress_when_json_in_a_terminal(default_model_path):
     code, out, err = _run(("--json",))
     assert code == 0, err

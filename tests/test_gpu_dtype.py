@@ -41,12 +41,12 @@ pytestmark = pytest.mark.model
 
 POLICIES = [
     KVPolicy(),
-    KVPolicy(window=8, sinks=4),
-    KVPolicy(bits=4, group_size=32),
+    # the sink + window and the 4-bit caches: the sink + window + 4-bit one runs both in CI
+    pytest.param(KVPolicy(window=8, sinks=4), marks=pytest.mark.slow),
+    pytest.param(KVPolicy(bits=4, group_size=32), marks=pytest.mark.slow),
     KVPolicy(bits=8, group_size=32),
     KVPolicy(window=8, sinks=4, bits=4, group_size=32),
 ]
-IDS = [p.describe() for p in POLICIES]
 PROMPT = [504, 1135, 9789, 1488, 5152, 253, 18000, 327, 1314, 3542, 1123, 29, 1087, 2765]
 
 
@@ -156,7 +156,7 @@ def test_sink_cache_is_literal_streamingllm_to_bfloat16_rounding(shallow):
     assert after <= 2 * own_error, (after, own_error)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
 def test_policy_bytes_batch_and_file_under_the_gpu_rule(shallow, policy, tmp_path):
     """Per policy, in bfloat16 with packed weights: the KV stays bfloat16, its bytes are
     the prediction after every call, two rows decoded as a batch are bit for bit each row

@@ -84,7 +84,12 @@ POLICIES = {
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize(
+    "name",
+    # the full cache's cached turn against an uncached one runs in CI from a file
+    # (test_a_closed_schedulers_turn_is_taken_up_from_its_folder_by_the_next)
+    [pytest.param(n, marks=pytest.mark.slow) if n == "full" else n for n in POLICIES],
+)
 def test_a_cached_turn_answers_as_an_uncached_one(default_model, name):
     """Turn 2 reuses turn 1's prompt and answer (every token of it) and its answer is
     token for token the one a scheduler without a prefix cache gives."""
@@ -158,6 +163,42 @@ def test_memory_tier_spills_to_a_bounded_disk_tier_and_skips_foreign_files(defau
     done = _answer(s, follow, max_tokens=2)
     assert done.stats.prompt_tokens_cached == len(newest.tokens)
     assert disk.hits == 1
+
+
+@pytest.mark.model
+def test_a_closed_schedulers_turn_is_taken_up_from_its_folder_by_the_next(default_model, tmp_path):
+    """Closing writes the kept prefixes to the folder (a stopping server); a new scheduler
+    over that folder (the restarted server) answers the next turn from the file, every token
+    of the first turn held, as a scheduler without a prefix cache answers it. (A real
+    server's restart: tests/test_serve_prefix.py, slow.)"""
+    from mlxkv.engine.reuse import cache_identity
+
+    identity, log = cache_identity(default_model), []
+
+    def opened() -> tuple[Scheduler, DiskTier]:
+        disk = DiskTier(tmp_path, 1 << 30, identity, log.append)
+        cache = PrefixCache(1 << 30, default_model.model, disk)
+        return Scheduler(default_model, prefix_cache=cache), disk
+
+    before, _ = opened()
+    messages = [{"role": "user", "content": "Say hello to the restart test."}]
+    ids1 = before.encode(_render(default_model, messages))
+    first = _answer(before, ids1)
+    assert not list(tmp_path.glob("prefix-*"))  # in memory until the close
+    before.close()
+    assert len(list(tmp_path.glob("prefix-*.safetensors"))) == 1
+    after, disk = opened()
+    assert len(disk.files) == 1
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Thanks."},
+    ]
+    ids2 = after.encode(_render(default_model, messages))
+    second = _answer(after, ids2)
+    assert second.stats.prompt_tokens_cached == len(ids1) + first.stats.generation_tokens
+    assert (disk.hits, after.prefix.hits) == (1, 1)
+    assert second.text == _answer(Scheduler(default_model), ids2).text
+    assert log == []  # no file skipped
 
 
 def test_a_write_left_by_a_killed_server_is_removed_at_start(tmp_path):
@@ -265,7 +306,11 @@ def test_kept_prefixes_give_way_to_the_memory_budget(default_model):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("policy", [KVPolicy(), KVPolicy(window=100, sinks=4, bits=4)])
+@pytest.mark.parametrize(
+    "policy",
+    # CI keeps the rows of the policy with the most buffers (sinks, window, packed bits)
+    [pytest.param(KVPolicy(), marks=pytest.mark.slow), KVPolicy(window=100, sinks=4, bits=4)],
+)
 def test_rows_kept_from_a_batch_hold_their_own_bytes_only(default_model, policy):
     """Four requests decode as one batch and each row is kept as it ends; with room for
     one entry, what MLX holds afterwards is that entry's bytes (a row kept as a view of

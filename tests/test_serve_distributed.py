@@ -173,17 +173,22 @@ def launch_serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_what_serve_cannot_split_is_refused_in_one_line(default_model_path, tiny_qwen2):
-    """SmolLM2's 9 heads do not split 2 ways and mlx-lm cannot split llama by layers; a
-    prefix-cache folder would differ on every host; a model split by layers keeps no
-    prefix cache. mlx.launch exits 0 whatever its ranks do, so the message is what tells
-    the user."""
+@pytest.mark.slow  # (CI refuses that split for generate: test_distributed.py)
+def test_a_model_serve_cannot_split_is_refused_in_one_line(default_model_path):
+    """SmolLM2's 9 heads do not split 2 ways and mlx-lm cannot split llama by layers.
+    mlx.launch exits 0 whatever its ranks do, so the message is what tells the user."""
     run = launch_serve("--model", str(default_model_path))
     assert (
         "mlxkv serve: error: tensor parallelism over 2 hosts needs attention heads divisible "
         "by 2; the model has 9: use a host count that divides 9 (mlx-lm has no pipeline split "
         "for llama)\n"
     ) in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_prefix_cache_folder_under_mlx_launch_is_refused_in_one_line(tiny_qwen2):
+    """A prefix-cache folder would differ on every host. mlx.launch exits 0 whatever its
+    ranks do, so the message is what tells the user."""
     run = launch_serve("--model", str(tiny_qwen2), "--prefix-cache-dir", "pc")
     assert (
         "mlxkv serve: error: --prefix-cache-dir works in one process: under mlx.launch each "
@@ -247,12 +252,13 @@ def test_a_model_split_by_layers_answers_as_one_process(tmp_path, servers, tiny_
         split.stop()
 
 
+@pytest.mark.slow  # 20 s: CI ends the rows of an engine that never answers in test_bridge.py
 @pytest.mark.parametrize(
     "fault",
     # SIGSTOP: rank 1 never joins the next collective, and rank 0's engine waits in it for
     # good. SIGKILL: the ring backend may fail that collective (the engine's own error) or
-    # wait as for SIGSTOP; CI runs the one whose outcome is certain.
-    ["stopped", pytest.param("killed", marks=pytest.mark.slow)],
+    # wait as for SIGSTOP.
+    ["stopped", "killed"],
 )
 def test_a_rank_that_fails_ends_the_streams_with_an_error(tmp_path, tiny_qwen2, fault):
     """Rank 1 fails while an answer streams. mlx.launch stops rank 0 (SIGTERM, sent here

@@ -292,7 +292,8 @@ def test_bad_requests_get_ollamas_error_shape(server, extra, status, message):
         assert r.json()["error"] == message
 
 
-@pytest.mark.parametrize("window", [64, -1])
+# -1 (the whole context) maps to the model's context length: CI runs the window of 64
+@pytest.mark.parametrize("window", [64, pytest.param(-1, marks=pytest.mark.slow)])
 def test_repeat_last_n_is_the_window_of_the_repetition_penalty(server, default_model, window):
     """repeat_penalty over the last repeat_last_n tokens (-1: the whole context): mlx-lm's
     greedy tokens with its repetition penalty over that window (it was a 400)."""

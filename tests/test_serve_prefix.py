@@ -103,6 +103,7 @@ def test_two_clients_sharing_a_system_prompt_prefill_it_once(server):
     assert prefilled == sum(u.prompt_tokens for u in usages) - first - second
 
 
+@pytest.mark.slow  # two servers: CI restarts from the folder in-process (test_prefix_cache.py)
 def test_a_restarted_server_answers_the_next_turn_from_disk(tmp_path):
     folder = tmp_path / "prefixes"
     messages = [

@@ -105,6 +105,29 @@ def test_trim_after_eviction_within_reserve_is_exact(model, policy, cut):
     assert mx.abs(got - want).max().item() < _tol(model, 2e-4)
 
 
+@pytest.mark.parametrize("policy", UNDO, ids=[p.describe() for p in UNDO])
+def test_the_undo_log_skips_prefill_chunks_and_holds_at_most_its_predicted_bytes(model, policy):
+    """An evicting prefill chunk clears the undo log (no rejected draft reaches into it:
+    recorded, it held the chunk's input and the slots it overwrote). Draft steps and the
+    single steps after them fill it to ``undo_log_bytes`` at most: exactly that after a
+    longest step (``reserve`` drafts and the token before them) and ``reserve`` - 1
+    single steps; any mix of steps and trims stays within it."""
+    reserve = 3
+    caches = make_caches(model, policy, reserve=reserve)
+    bound = pb.undo_log_bytes(policy, reserve, 2, 32, 32, _b(model))
+    feed(model, A[:40], caches, [40])  # past the window
+    assert caches[0].evicted > 0
+    assert [c.undo_nbytes for c in caches] == [0, 0] and caches[0].trimmable() == 0
+    feed(model, A[40:46], caches, [reserve + 1] + [1] * (reserve - 1))
+    assert [c.undo_nbytes for c in caches] == [bound, bound]
+    worst = 0
+    for step, back in [(4, 3), (1, 0), (2, 1), (4, 0), (1, 0), (1, 0), (3, 2), (1, 0), (4, 2)]:
+        feed(model, B[:step], caches, [step])
+        trim_caches(caches, back)
+        worst = max(worst, *(c.undo_nbytes for c in caches))
+    assert 0 < worst <= bound
+
+
 def test_trim_refusals():
     ssm = make_caches(build("mamba"), KVPolicy())
     with pytest.raises(CacheError, match="recurrent state"):

@@ -16,6 +16,7 @@ from mlxkv.engine.prefix_cache import PrefixCache
 from mlxkv.engine.request import GenerationSettings
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.engine.session import Session
+from mlxkv.memory import policy_bytes as pb
 from mlxkv.policy import KVPolicy
 from tests._caches_ref import feed
 from tests.mlx_lm_ref import greedy_tokens
@@ -230,6 +231,45 @@ def test_a_window_that_evicts_while_drafting_answers_as_without_drafts(default_m
 
 
 @pytest.mark.model
+def test_a_drafting_window_request_holds_no_more_than_it_reserved(default_model):
+    """A window cache keeps an undo log for its drafts beside its KV: while the request
+    decodes, what MLX holds beyond what it held before stays within the request's
+    reservation, which counts the log at its longest. (Recorded, the evicting prefill
+    chunk's input and the slots it overwrote stayed beside the cache, unreserved.)"""
+    import gc
+
+    from mlxkv.engine.admission import MemoryBudget
+
+    policy = KVPolicy(window=96, sinks=4)
+    ids = _ids(default_model, COPY)  # 116 tokens: the prefill chunk evicts
+    settings = GenerationSettings(max_tokens=40)
+    _answer(Scheduler(default_model, policy, draft_tokens=8), ids, settings)  # MLX's buffers
+    gc.collect()
+    before = mx.get_active_memory()
+    memory = MemoryBudget(default_model, 1 << 40, 4, 512, draft_tokens=8)  # never refuses
+    scheduler = Scheduler(default_model, policy, memory=memory, draft_tokens=8)
+    handle = scheduler.submit(Request(ids, settings))
+    worst = -(1 << 30)
+    gc.collect()
+    gc.freeze()  # each step's collection then walks the step's new objects only
+    try:
+        while not handle.done:
+            scheduler.step()
+            reserved = scheduler.status()["memory"]["reserved_bytes"]
+            gc.collect()
+            worst = max(worst, mx.get_active_memory() - before - reserved)
+    finally:
+        gc.unfreeze()
+    assert scheduler.accepted > 0
+    step_logits = 9 * default_model.config["vocab_size"] * 4  # 8 drafts and the token before
+    assert worst < step_logits + (1 << 20), worst  # (in the runtime share) and rounding
+    # the reservation counts the undo log at its longest (30 layers, 3 KV heads of 64)
+    plain = MemoryBudget(default_model, 1 << 40, 4, 512).reservation(policy, 200)
+    log = 30 * pb.undo_log_bytes(policy, 8, 3, 64, 64, 4)
+    assert memory.reservation(policy, 200) == plain + log > plain
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_kivi_keys_check_drafts_only_inside_the_group_being_filled(default_model):
     policy = KVPolicy(key_bits=4)
@@ -316,7 +356,7 @@ def test_a_chat_session_with_drafts_keeps_its_turns(default_model):
 
 @pytest.mark.model
 def test_a_cache_file_reads_whatever_undo_log_its_writer_kept(default_model, tmp_path):
-    """A session with drafts saves window caches with an undo log of 9 tokens; one without
+    """A session with drafts saves window caches with an undo log of 8 tokens; one without
     reads them; a crafted log length is refused in one line."""
     policy = KVPolicy(window=64, sinks=4)
     writer = Session(default_model, policy, draft_tokens=8)
@@ -327,7 +367,7 @@ def test_a_cache_file_reads_whatever_undo_log_its_writer_kept(default_model, tmp
     reader = Session(default_model, policy, draft_tokens=0)
     reader.load_cache(path)
     assert reader.tokens == writer.tokens
-    assert [c.reserve for c in reader.caches] == [9] * len(reader.caches)
+    assert [c.reserve for c in reader.caches] == [8] * len(reader.caches)
 
     arrays, meta = mx.load(str(path), return_metadata=True)
     arrays["0.reserve"] = mx.array(10**6)

@@ -253,6 +253,7 @@ class StreamingKVCache(SinkWindowCounters):
         self.held = None  # slots holding tokens, when a decoding step got a whole buffer
         self.reserve = reserve
         self._undo: list[_Undo] = []
+        self._unread: list = []  # the log's copies not yet handed out to be evaluated
         self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
         self._ahead = ShiftsAhead()  # decoding's sink rotations, several steps at a time
 
@@ -487,6 +488,7 @@ class StreamingKVCache(SinkWindowCounters):
                 (slot, n, self.kstore.encode(self.rotation.shift(self.kstore.restore(k), -R)), v)
                 for slot, n, k, v in rec.saved
             ]
+            self._unread.extend([rec.keys, *(k for _, _, k, _ in rec.saved)])
 
     # ---- trim / rewind ----
     def trimmable(self) -> int:
@@ -494,8 +496,9 @@ class StreamingKVCache(SinkWindowCounters):
         run over the remaining tokens would have left it.
 
         Before the first eviction that is every token. Once evicting, a token that left the
-        window cannot be brought back, so only what the undo log covers can be removed (at
-        least ``reserve`` tokens; none when ``reserve`` is 0); a trim that reaches back before
+        window cannot be brought back, so only what the undo log covers can be removed (the
+        updates since the last prefill chunk, at least ``reserve`` tokens of them once
+        there are that many; none when ``reserve`` is 0); a trim that reaches back before
         the first eviction continues as a plain trim.
         """
         if self._evicted == 0:
@@ -507,11 +510,34 @@ class StreamingKVCache(SinkWindowCounters):
 
     def trimmable_after(self, n: int) -> int:
         """At least what :meth:`trimmable` will say once an update of ``n`` tokens is in:
-        all of them while the window has room, else the update itself where an undo log
-        records it (``reserve``), else none."""
+        all of them while the window has room, else the update itself where the undo log
+        records it (at most ``recorded`` tokens), else none."""
         if self._evicted == 0 and (self.limit is None or self._n + n <= self.limit):
             return self._n + n
-        return n if self.reserve else 0
+        return n if self.reserve and n <= self.recorded else 0
+
+    def unread_copies(self) -> list:
+        """The undo log's copies taken since the last call, to evaluate with the step that
+        took them (``mlxkv.caches.trim.undo_copies``). Left lazy, a copy reads the ring
+        buffer it was taken from, which then stays alive beside the new one: a window's
+        KV more per layer for every step until something reads the copy."""
+        out, self._unread = self._unread, []
+        return out
+
+    @property
+    def undo_nbytes(self) -> int:
+        """Bytes the undo log holds beside ``nbytes`` (at most
+        ``mlxkv.memory.policy_bytes.undo_log_bytes``)."""
+        return sum(
+            st.nbytes(r.keys, r.values, *(x for _, _, k, v in r.saved for x in (k, v)))
+            for r in self._undo
+        )
+
+    @property
+    def recorded(self) -> int:
+        """The longest update the undo log records: a step of ``reserve`` drafts and the
+        token before them (mlx-lm's speculative decoding feeds ``num_draft + 1``)."""
+        return self.reserve + 1 if self.reserve else 0
 
     def is_trimmable(self) -> bool:
         """Whether trims are exact now (mlx-lm's question): before the first eviction, or
@@ -532,6 +558,7 @@ class StreamingKVCache(SinkWindowCounters):
         if self._n == 0:
             self.keys = self.values = self.sink_keys = None
             self._undo.clear()
+            self._unread.clear()
             self.kstore.offset = None  # the next first update picks a new key offset
         elif self._evicted == 0:
             cap = st.capacity(self._n, self.limit)
@@ -542,8 +569,16 @@ class StreamingKVCache(SinkWindowCounters):
 
     # ---- the undo log (exact trims after eviction) ----
     def _record(self, N: int, keys: mx.array, values: mx.array, slots: list) -> None:
-        """Before an evicting update: keep what it will overwrite, and its input."""
+        """Before an evicting update: keep what it will overwrite, and its input. An update
+        longer than a step of ``reserve`` drafts (``recorded``) is a prefill chunk, which no
+        rejected draft reaches into: the log is cleared instead, as recording it would
+        hold the chunk's input and the slots it overwrote (a sink cache's 64-token chunks:
+        half a window of 256 beside it, unreserved)."""
         if not self.reserve:
+            return
+        if N > self.recorded:
+            self._undo.clear()
+            self._unread.clear()
             return
         saved = [
             (
@@ -555,6 +590,7 @@ class StreamingKVCache(SinkWindowCounters):
             for slot, length in slots
         ]
         self._undo.append(_Undo(self._n, self._evicted, saved, keys, values))
+        self._unread.extend(x for _, _, k, v in saved for x in (k, v))
         while len(self._undo) > 1 and self._n + N - self._undo[1].start >= self.reserve:
             self._undo.pop(0)
 
@@ -707,7 +743,7 @@ class StreamingKVCache(SinkWindowCounters):
             _tuple(v[k]) for k in ("keys", "values", "sink_keys")
         )
         self._dense = False
-        self._undo = []
+        self._undo, self._unread = [], []
         self._chunk_layout = False
         self._ahead = ShiftsAhead()
 

@@ -4,8 +4,9 @@ What each cache can give back:
 
 * full caches (``FullKVCache``, quantized full, mlx-lm ``KVCache``): any number of tokens;
 * sink/window caches: everything before the first eviction; afterwards only what their
-  undo log covers (``reserve`` tokens, none by default): a token that left the window
-  cannot come back, and a trim must leave what an uncached run would hold;
+  undo log covers (``reserve`` tokens since the last prefill chunk, none by default): a
+  token that left the window cannot come back, and a trim must leave what an uncached run
+  would hold;
 * mlx-lm ``RotatingKVCache``: what it accepts before it wraps (``offset < max_size``);
 * recurrent states (SSM, linear attention, ``ArraysCache``): nothing.
 
@@ -49,6 +50,12 @@ def trimmable_after(caches: list, n: int) -> int:
             k = 0  # a recurrent state cannot be rewound
         most = k if most is None else min(most, k)
     return most or 0
+
+
+def undo_copies(caches: list) -> list:
+    """What the undo logs of ``caches`` copied since the last call: evaluate it with the
+    step (``mx.async_eval``), or each copy keeps a whole old ring buffer alive."""
+    return [x for c in caches if hasattr(c, "unread_copies") for x in c.unread_copies()]
 
 
 def _why(cache) -> str:

@@ -213,7 +213,8 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
     if cluster is not None:
         budget = _smallest_budget(cluster, budget)
         layout, weights = _largest_share(cluster, loaded, policy)
-    memory = MemoryBudget(loaded, budget, args.max_batch, 512, layout, weights)
+    drafts = args.draft_tokens if cluster is None else 0  # (ranks take none: the scheduler)
+    memory = MemoryBudget(loaded, budget, args.max_batch, 512, layout, weights, drafts)
     if cluster is not None:
         _check_same_figures(cluster, memory, policy)
     _check_one_answer_fits(args, memory, policy)

@@ -1,7 +1,9 @@
 """Exact admission: a request starts only when its KV reservation fits the memory budget.
 
 Each request reserves the KV bytes the memory model predicts for its prompt plus its token
-limit under its policy (a bounded policy caps it: a window never grows past its slots).
+limit under its policy (a bounded policy caps it: a window never grows past its slots), and
+what its caches hold beside them while it decodes: the sinks rotated ahead, and the undo
+log a window keeps for drafts at its longest.
 Rows of one batch share buffers padded to the longest row, so a batch reserves ``rows x``
 its largest reservation (``mlxkv.memory.predictor.batch_allocated``). The scheduler starts
 the next waiting request only while
@@ -33,10 +35,18 @@ class Fixed:
 
 class MemoryBudget:
     def __init__(
-        self, loaded, budget: int | None, max_batch: int, chunk: int, layout=None, weights=None
+        self,
+        loaded,
+        budget: int | None,
+        max_batch: int,
+        chunk: int,
+        layout=None,
+        weights=None,
+        draft_tokens: int = 0,
     ):
         """``layout`` and ``weights``: another share than this process holds (the largest
-        rank's, where the ranks of a split model must decide alike); default its own."""
+        rank's, where the ranks of a split model must decide alike); default its own.
+        ``draft_tokens``: the scheduler's, whose window caches then keep an undo log."""
         from mlxkv.memory.dtypes import backend
         from mlxkv.memory.runtime import estimate
 
@@ -45,22 +55,26 @@ class MemoryBudget:
         self.dtype = loaded.dtype
         self.budget = budget
         self.chunk = chunk
+        self.draft_tokens = draft_tokens
         context = loaded.context_length or 8192
         weights = loaded.weights_bytes if weights is None else weights
         rt = estimate(self.layout, context, 1, chunk, self.dtype, weights, 0, backend())
-        logits = max_batch * self.layout.facts.vocab_size * 4 * 2
+        # a batch's logits, or a draft step's (the drafts and the token before them)
+        rows = max(max_batch, draft_tokens + 1 if draft_tokens else 1)
+        logits = rows * self.layout.facts.vocab_size * 4 * 2
         self.fixed = Fixed(weights, rt.activation_bytes + logits + rt.overhead_bytes)
         self._memo: dict[tuple[KVPolicy, int, int], int] = {}
 
     def reservation(self, policy: KVPolicy, tokens: int, rows: int = 1) -> int:
         """Peak KV bytes of ``rows`` sequences of ``tokens`` tokens under ``policy`` (and,
-        for one, the sinks its decoding rotates ahead)."""
+        for one, the sinks its decoding rotates ahead and its caches' undo log for drafts)."""
         from mlxkv.memory.predictor import KVPredictor
 
         key = (policy, tokens, rows)
         if key not in self._memo:
             p = KVPredictor(self.layout, policy, rows, self.dtype)
-            self._memo[key] = p.prefill(tokens, self.chunk).peak_allocated + p.decode_scratch()
+            scratch = p.decode_scratch(self.draft_tokens)
+            self._memo[key] = p.prefill(tokens, self.chunk).peak_allocated + scratch
             if len(self._memo) > 4096:  # every prompt length is a new key: stay small
                 self._memo.clear()
         return self._memo[key]

@@ -73,6 +73,22 @@ def decode_scratch_bytes(policy, kv_heads: int, k_head_dim: int, dtype_bytes: in
     return kv_heads * rows * k_head_dim * dtype_bytes
 
 
+def undo_log_bytes(
+    policy, reserve: int, kv_heads: int, k_head_dim: int, v_head_dim: int, dtype_bytes: int
+) -> int:
+    """Most bytes per layer of one row's undo log of ``reserve`` tokens (beside the cache's
+    ``nbytes``; ``mlxkv.caches.streaming``). Each update it records, of at most ``reserve``
+    + 1 tokens, keeps its input (keys and values as the model gives them) and a copy of the
+    slots it overwrites (as stored); the log drops its oldest update once the newer ones
+    cover ``reserve`` tokens, so it covers at most 2 x ``reserve`` tokens: one longest
+    update and the ``reserve`` - 1 single steps after it. KIVI keys keep none."""
+    if not reserve or policy.window is None or uses_kivi(policy):
+        return 0
+    stored = token_bytes(policy, kv_heads, k_head_dim, v_head_dim, dtype_bytes)
+    given = kv_heads * (k_head_dim + v_head_dim) * dtype_bytes
+    return 2 * reserve * (stored + given)
+
+
 def round_up(n: int, step: int = STEP) -> int:
     return (n + step - 1) // step * step
 

@@ -58,7 +58,7 @@ class _NativeGroup:
     def kept(self) -> int | None:
         return None
 
-    def decode_scratch(self) -> int:
+    def decode_scratch(self, undo: int = 0) -> int:
         return 0
 
     def clone(self) -> _NativeGroup:
@@ -96,9 +96,10 @@ class _PolicyGroup:
     def kept(self) -> int | None:
         return self.pb.kept_tokens(self.policy, self.seen)
 
-    def decode_scratch(self) -> int:
-        h, k, _, b = self.shape
-        return self.count * self.pb.decode_scratch_bytes(self.policy, h, k, b)
+    def decode_scratch(self, undo: int = 0) -> int:
+        h, k, v, b = self.shape
+        sinks = self.pb.decode_scratch_bytes(self.policy, h, k, b)
+        return self.count * (sinks + self.pb.undo_log_bytes(self.policy, undo, h, k, v, b))
 
     def clone(self) -> _PolicyGroup:
         return copy.copy(self)  # plain ints; policy and policy_bytes are shared read-only
@@ -200,10 +201,12 @@ class KVPredictor:
             evicted_tokens=self.tokens_seen - kept_tokens,
         )
 
-    def decode_scratch(self) -> int:
+    def decode_scratch(self, undo: int = 0) -> int:
         """Bytes one decoding sequence holds beside its caches: its sinks rotated for the
-        next steps (``policy_bytes.decode_scratch_bytes``). Batched caches hold none."""
-        return 0 if self.batch > 1 else sum(g.decode_scratch() for g in self._groups)
+        next steps (``policy_bytes.decode_scratch_bytes``) and, for caches built with an
+        undo log of ``undo`` tokens, that log at its longest (``undo_log_bytes``). Batched
+        caches hold none."""
+        return 0 if self.batch > 1 else sum(g.decode_scratch(undo) for g in self._groups)
 
     def _bounded_kept(self) -> int:
         p = self.policy

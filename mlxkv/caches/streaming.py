@@ -580,6 +580,8 @@ class StreamingKVCache(SinkWindowCounters):
             self._undo.clear()
             self._unread.clear()
             return
+        if self._unread:  # a caller that never asks (mlx-lm's own loops): one step behind
+            mx.async_eval(self.unread_copies())
         saved = [
             (
                 slot,

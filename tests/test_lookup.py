@@ -19,6 +19,7 @@ from mlxkv.engine.session import Session
 from mlxkv.memory import policy_bytes as pb
 from mlxkv.policy import KVPolicy
 from tests._caches_ref import feed
+from tests.memory_watch import worst_beyond_counted
 from tests.mlx_lm_ref import greedy_tokens
 from tests.tiny_models import tiny_llama
 
@@ -249,17 +250,7 @@ def test_a_drafting_window_request_holds_no_more_than_it_reserved(default_model)
     memory = MemoryBudget(default_model, 1 << 40, 4, 512, draft_tokens=8)  # never refuses
     scheduler = Scheduler(default_model, policy, memory=memory, draft_tokens=8)
     handle = scheduler.submit(Request(ids, settings))
-    worst = -(1 << 30)
-    gc.collect()
-    gc.freeze()  # each step's collection then walks the step's new objects only
-    try:
-        while not handle.done:
-            scheduler.step()
-            reserved = scheduler.status()["memory"]["reserved_bytes"]
-            gc.collect()
-            worst = max(worst, mx.get_active_memory() - before - reserved)
-    finally:
-        gc.unfreeze()
+    worst = worst_beyond_counted(scheduler, handle, before, lambda m: m["reserved_bytes"])
     assert scheduler.accepted > 0
     step_logits = 9 * default_model.config["vocab_size"] * 4  # 8 drafts and the token before
     assert worst < step_logits + (1 << 20), worst  # (in the runtime share) and rounding

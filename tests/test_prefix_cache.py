@@ -19,6 +19,7 @@ from mlxkv.engine.request import GenerationSettings
 from mlxkv.engine.scheduler import Request, Scheduler
 from mlxkv.policy import KVPolicy
 from tests.kv_rows import prefill_random, random_kv
+from tests.memory_watch import worst_beyond_counted
 
 ROT = Rotation(64, False, 100000.0, 1.0)
 SINGLES = {
@@ -411,18 +412,9 @@ def test_a_repeated_window_request_counts_the_copy_it_holds(default_model, polic
     s = Scheduler(default_model, policy, prefix_cache=cache, memory=memory)
     _answer(s, ids, max_tokens=40)
     h = s.submit(Request(ids, GenerationSettings(max_tokens=40)))
-    worst = -(1 << 30)
-    gc.collect()
-    gc.freeze()  # each step's collection then walks the step's new objects only
-    try:
-        while not h.done:
-            s.step()
-            m = s.status()["memory"]
-            gc.collect()
-            held = mx.get_active_memory() - before
-            worst = max(worst, held - m["reserved_bytes"] - m["prefix_cache_bytes"])
-    finally:
-        gc.unfreeze()
+    worst = worst_beyond_counted(
+        s, h, before, lambda m: m["reserved_bytes"] + m["prefix_cache_bytes"]
+    )
     assert worst < 1 << 20, worst  # the allocator's rounding, a step's logits
 
 

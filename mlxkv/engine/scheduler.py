@@ -1155,6 +1155,7 @@ class Scheduler:
         if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):
             return False
         logits = self.loaded.model(mx.array([[t, *drafts]]), cache=r.caches)[0]
+        mx.async_eval(logits, undo_copies(r.caches))  # before a trim records its replay
         if r.processors:  # each position's logits as a plain step there would see them
             seen = mx.concatenate([r.history, mx.array([t, *drafts], dtype=r.history.dtype)])
             base = r.history.shape[0] + 1
@@ -1170,7 +1171,7 @@ class Scheduler:
         else:
             taken, after = check_sampled(r.weights(logits), drafts)
         trim_caches(r.caches, len(drafts) - taken)
-        mx.async_eval(undo_copies(r.caches))  # the step's copies and the trim's
+        mx.async_eval(undo_copies(r.caches))  # the trim's replay
         if r.processors:
             r.history = seen[: base + taken]
         self.drafted += len(drafts)

@@ -13,7 +13,7 @@ from mlxkv.caches.kivi import KiviKVCache
 from mlxkv.caches.persist import load_caches, read_metadata, register_with_mlx_lm, save_caches
 from mlxkv.caches.snapshot import always_exact, copy_caches, restore, snapshot
 from mlxkv.caches.streaming import QuantizedStreamingKVCache, StreamingKVCache, prefill_chunk
-from mlxkv.caches.trim import trim_caches, trimmable, trimmable_after, undo_copies
+from mlxkv.caches.trim import trim_caches, trimmable, trimmable_after
 
 __all__ = [
     "CacheError",
@@ -37,7 +37,6 @@ __all__ = [
     "trim_caches",
     "trimmable",
     "trimmable_after",
-    "undo_copies",
 ]
 
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module.

@@ -92,6 +92,14 @@ def _copy(s):
     return tree_map(lambda x: mx.add(x, mx.zeros((), x.dtype)), s)
 
 
+def _after(s, deps: list):
+    """``s`` (an array or a packed triple), computed only after ``deps`` (arrays or triples)."""
+    flat = [x for d in deps for x in (d if isinstance(d, st.TRIPLE) else (d,))]
+    if isinstance(s, st.TRIPLE):
+        return tuple(mx.depends(list(s), flat))
+    return mx.depends(s, flat)
+
+
 def _tuple(s):
     # files give lists back; quantized storage is a tuple (packed, scales, biases)
     return tuple(s) if isinstance(s, list) else s
@@ -253,7 +261,6 @@ class StreamingKVCache(SinkWindowCounters):
         self.held = None  # slots holding tokens, when a decoding step got a whole buffer
         self.reserve = reserve
         self._undo: list[_Undo] = []
-        self._unread: list = []  # the log's copies not yet handed out to be evaluated
         self._chunk_layout = False  # the last update returned [sink copies][old][chunk]
         self._ahead = ShiftsAhead()  # decoding's sink rotations, several steps at a time
 
@@ -488,7 +495,6 @@ class StreamingKVCache(SinkWindowCounters):
                 (slot, n, self.kstore.encode(self.rotation.shift(self.kstore.restore(k), -R)), v)
                 for slot, n, k, v in rec.saved
             ]
-            self._unread.extend([rec.keys, *(k for _, _, k, _ in rec.saved)])
 
     # ---- trim / rewind ----
     def trimmable(self) -> int:
@@ -515,14 +521,6 @@ class StreamingKVCache(SinkWindowCounters):
         if self._evicted == 0 and (self.limit is None or self._n + n <= self.limit):
             return self._n + n
         return n if self.reserve and n <= self.recorded else 0
-
-    def unread_copies(self) -> list:
-        """The undo log's copies taken since the last call, to evaluate with the step that
-        took them (``mlxkv.caches.trim.undo_copies``). Left lazy, a copy reads the ring
-        buffer it was taken from, which then stays alive beside the new one: a window's
-        KV more per layer for every step until something reads the copy."""
-        out, self._unread = self._unread, []
-        return out
 
     @property
     def undo_nbytes(self) -> int:
@@ -558,7 +556,6 @@ class StreamingKVCache(SinkWindowCounters):
         if self._n == 0:
             self.keys = self.values = self.sink_keys = None
             self._undo.clear()
-            self._unread.clear()
             self.kstore.offset = None  # the next first update picks a new key offset
         elif self._evicted == 0:
             cap = st.capacity(self._n, self.limit)
@@ -578,10 +575,7 @@ class StreamingKVCache(SinkWindowCounters):
             return
         if N > self.recorded:
             self._undo.clear()
-            self._unread.clear()
             return
-        if self._unread:  # a caller that never asks (mlx-lm's own loops): one step behind
-            mx.async_eval(self.unread_copies())
         saved = [
             (
                 slot,
@@ -592,7 +586,11 @@ class StreamingKVCache(SinkWindowCounters):
             for slot, length in slots
         ]
         self._undo.append(_Undo(self._n, self._evicted, saved, keys, values))
-        self._unread.extend(x for _, _, k, v in saved for x in (k, v))
+        # The ring is read after this update: through it the copies are computed with the
+        # step, before it is overwritten. Left lazy, each copy kept the whole buffer it was
+        # taken from alive beside the new one (a window's KV more per layer and step).
+        self.keys = _after(self.keys, [k for _, _, k, _ in saved])
+        self.values = _after(self.values, [v for _, _, _, v in saved])
         while len(self._undo) > 1 and self._n + N - self._undo[1].start >= self.reserve:
             self._undo.pop(0)
 
@@ -745,7 +743,7 @@ class StreamingKVCache(SinkWindowCounters):
             _tuple(v[k]) for k in ("keys", "values", "sink_keys")
         )
         self._dense = False
-        self._undo, self._unread = [], []
+        self._undo = []
         self._chunk_layout = False
         self._ahead = ShiftsAhead()
 

@@ -52,12 +52,6 @@ def trimmable_after(caches: list, n: int) -> int:
     return most or 0
 
 
-def undo_copies(caches: list) -> list:
-    """What the undo logs of ``caches`` copied since the last call: evaluate it with the
-    step (``mx.async_eval``), or each copy keeps a whole old ring buffer alive."""
-    return [x for c in caches if hasattr(c, "unread_copies") for x in c.unread_copies()]
-
-
 def _why(cache) -> str:
     if hasattr(cache, "trimmable") and getattr(cache, "evicted", 0):
         return "the sliding window has already evicted older tokens"

@@ -997,15 +997,11 @@ class Scheduler:
         token (kept in ``job.scores``); returns the last position's logits when ``last``."""
         import mlx.core as mx
 
-        from mlxkv.caches import undo_copies
-
         out = self.loaded.model(mx.array(chunk)[None], cache=job.caches)[0]
         nxt = job.ids[job.done + 1 : job.done + len(chunk) + 1]  # the tokens they predict
         tail = out[-1:] if last else None
         if not nxt:  # a last chunk of one token predicts the answer alone
-            mx.eval(
-                [c.state for c in job.caches], undo_copies(job.caches), *([tail] if last else [])
-            )
+            mx.eval([c.state for c in job.caches], *([tail] if last else []))
             return tail
         lps = out[: len(nxt)].astype(mx.float32)
         lps = lps - mx.logsumexp(lps, axis=-1, keepdims=True)
@@ -1017,14 +1013,7 @@ class Scheduler:
             order = mx.argsort(-mx.take_along_axis(lps, best, axis=-1), axis=-1)
             best = mx.take_along_axis(best, order, axis=-1)
         best_lp = mx.take_along_axis(lps, best, axis=-1)
-        mx.eval(
-            chosen,
-            best,
-            best_lp,
-            [c.state for c in job.caches],
-            undo_copies(job.caches),
-            *([tail] if last else []),
-        )
+        mx.eval(chosen, best, best_lp, [c.state for c in job.caches], *([tail] if last else []))
         rows = zip(chosen.tolist(), best.tolist(), best_lp.tolist(), strict=True)
         for lp, ids, vals in rows:
             job.scores.append((lp, tuple(zip(ids, vals, strict=True))))
@@ -1036,7 +1025,6 @@ class Scheduler:
         would round in bfloat16); returns the pooled vector after the last chunk."""
         import mlx.core as mx
 
-        from mlxkv.caches import undo_copies
         from mlxkv.models.head import hidden_states
 
         h = hidden_states(self.loaded.model, mx.array(chunk)[None], job.caches)[0]
@@ -1046,9 +1034,7 @@ class Scheduler:
             out = job.pooled / job.total if last else job.pooled
         else:
             out = h[-1].astype(mx.float32) if last else None
-        mx.eval(
-            [c.state for c in job.caches], undo_copies(job.caches), *([] if out is None else [out])
-        )
+        mx.eval([c.state for c in job.caches], *([] if out is None else [out]))
         return out if last else None
 
     # -- decode --------------------------------------------------------------------------------
@@ -1081,8 +1067,6 @@ class Scheduler:
         is shown when it is fed, and an answer's last token is in its caches."""
         import mlx.core as mx
 
-        from mlxkv.caches import undo_copies
-
         if self._drafts_for(g) and self._draft_step(g):
             return
         rows = list(g.rows)
@@ -1093,8 +1077,7 @@ class Scheduler:
             if r.processors:  # they see the token fed, like mlx-lm's generate_step
                 r.history = mx.concatenate([r.history, inputs[i : i + 1]])
         sampled, lps = self._sample(rows, logits)
-        lp_arrays = [x for lp in lps if lp is not None for x in lp]
-        mx.async_eval(sampled, *lp_arrays, undo_copies(caches))
+        mx.async_eval(sampled, *[x for lp in lps if lp is not None for x in lp])
         fed = inputs.tolist()
         self.max_rows_in_a_step = max(self.max_rows_in_a_step, len(rows))
         if g.caches is not None and self.observer is not None:
@@ -1135,7 +1118,7 @@ class Scheduler:
         rejected ones back."""
         import mlx.core as mx
 
-        from mlxkv.caches import trim_caches, trimmable_after, undo_copies
+        from mlxkv.caches import trim_caches, trimmable_after
 
         r = g.rows[0]
         first = r.next_input is not None  # its token was shown when it was sampled
@@ -1155,7 +1138,6 @@ class Scheduler:
         if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):
             return False
         logits = self.loaded.model(mx.array([[t, *drafts]]), cache=r.caches)[0]
-        mx.async_eval(logits, undo_copies(r.caches))  # before a trim records its replay
         if r.processors:  # each position's logits as a plain step there would see them
             seen = mx.concatenate([r.history, mx.array([t, *drafts], dtype=r.history.dtype)])
             base = r.history.shape[0] + 1
@@ -1171,7 +1153,6 @@ class Scheduler:
         else:
             taken, after = check_sampled(r.weights(logits), drafts)
         trim_caches(r.caches, len(drafts) - taken)
-        mx.async_eval(undo_copies(r.caches))  # the trim's replay
         if r.processors:
             r.history = seen[: base + taken]
         self.drafted += len(drafts)
@@ -1395,15 +1376,14 @@ def feed(model, caches: list, tokens, logits: bool = False):
     position's logits (1, vocab), evaluated together with the caches."""
     import mlx.core as mx
 
-    from mlxkv.caches import undo_copies
     from mlxkv.models.head import last_logits
 
     if logits:
         out = last_logits(model, tokens[None], caches)[:, -1, :]
-        mx.eval(out, [c.state for c in caches], undo_copies(caches))
+        mx.eval(out, [c.state for c in caches])
         return out
     model(tokens[None], cache=caches)
-    mx.eval([c.state for c in caches], undo_copies(caches))
+    mx.eval([c.state for c in caches])
     return None
 
 

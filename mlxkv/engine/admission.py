@@ -60,7 +60,7 @@ class MemoryBudget:
         weights = loaded.weights_bytes if weights is None else weights
         rt = estimate(self.layout, context, 1, chunk, self.dtype, weights, 0, backend())
         # a batch's logits, or a draft step's (the drafts and the token before them)
-        rows = max(max_batch, draft_tokens + 1 if draft_tokens else 1)
+        rows = max(max_batch, draft_tokens + 1)
         logits = rows * self.layout.facts.vocab_size * 4 * 2
         self.fixed = Fixed(weights, rt.activation_bytes + logits + rt.overhead_bytes)
         self._memo: dict[tuple[KVPolicy, int, int], int] = {}

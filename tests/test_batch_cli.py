@@ -636,7 +636,9 @@ def test_own_input_lines_answer_the_same_vectors(tmp_path, preloaded, default_mo
     recs = {r.get("custom_id", r["id"]): r for r in read_records(out)}
     own, openai = recs["own"], recs["openai"]["response"]["body"]
     assert list(own) == ["id", "line", "embeddings", "prompt_tokens", "fp"]
-    assert own["embeddings"] == [d["embedding"] for d in openai["data"]]
+    # inputs that share a model call round in other orders: unit vectors agree to 1e-6
+    for mine, theirs in zip(own["embeddings"], openai["data"], strict=True):
+        assert mine == pytest.approx(theirs["embedding"], abs=1e-6)
     assert own["prompt_tokens"] == openai["usage"]["prompt_tokens"]
     assert len(recs["cut"]["embeddings"][0]) == 32
     assert recs["mixed"]["error"] == "an 'input' line takes id, input, dimensions; not prompt"

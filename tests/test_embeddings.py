@@ -60,6 +60,76 @@ def test_a_prompt_is_pooled_as_one_forward_pass(default_model, step):
     assert text and text == [e.text for e in alone.events() if isinstance(e, TokenDelta)]
 
 
+def _spy_body_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes of each call of the model's body, which the real model still runs."""
+    import mlxkv.models.head as head
+
+    shapes, real = [], head.hidden_states
+
+    def counted(model, inputs, cache):
+        shapes.append(tuple(inputs.shape))
+        return real(model, inputs, cache)
+
+    monkeypatch.setattr(head, "hidden_states", counted)
+    return shapes
+
+
+def _pooled(sched, handles) -> list[list[float]]:
+    while sched.step():
+        pass
+    out = []
+    for h in handles:
+        events = list(h.events())
+        assert isinstance(events[-1], Finished), events[-1]
+        out.append(next(e.vector for e in events if isinstance(e, Embedding)))
+    return out
+
+
+def test_short_inputs_share_one_model_call_and_pool_as_each_alone(default_model, monkeypatch):
+    """Inputs that one prompt chunk takes go through the model together, right-padded,
+    those nearest in length first, as many as keep rows x longest within the prefill step
+    and the padding within a quarter of it; each row's vector is its input's own in a pass
+    alone (last-token or mean, mixed in one call)."""
+    texts = ["Paris.", "The capital of Italy is Rome.", "Hi", TEXT, "Snow is white."]
+    probe = Scheduler(default_model)
+    inputs = [probe.encode(t) for t in texts]
+    lengths = [len(ids) for ids in inputs]
+    assert lengths == [2, 7, 1, 14, 4]
+    shapes = _spy_body_calls(monkeypatch)
+    sched = Scheduler(default_model, KVPolicy(), max_batch=8)
+    settings = GenerationSettings(max_tokens=1, prefill_step=32)
+    hows = ["last", "mean", "last", "mean", "mean"]
+    handles = [
+        sched.submit(Request(ids, settings, embed=how))
+        for ids, how in zip(inputs, hows, strict=True)
+    ]
+    vectors = _pooled(sched, handles)
+    # 2 takes 1 (1 padded of 4), not 4 (5 of 12); 7 takes 4 (3 of 14), not 14 (3 x 14 > 32)
+    assert shapes == [(2, 2), (2, 7), (1, 14)]
+    for ids, how, got in zip(inputs, hows, vectors, strict=True):
+        last, mean = reference(default_model, ids)
+        # float32 matmuls over a padded batch sum in other orders (relative 2e-6 seen)
+        assert got == pytest.approx(last if how == "last" else mean, abs=1e-4)
+
+
+def test_inputs_share_a_call_only_as_far_as_the_memory_budget_admits(default_model, monkeypatch):
+    """With room beside the weights and runtime for two inputs' reservations, five inputs
+    go through the model two, two and one at a time, and each still gets its vector."""
+    from mlxkv.engine.admission import MemoryBudget
+
+    ids = Scheduler(default_model).encode(TEXT)
+    probe = MemoryBudget(default_model, None, 4, 512)
+    room = probe.base() + 2 * probe.reservation(KVPolicy(), len(ids) + 1) + (1 << 10)
+    sched = Scheduler(default_model, KVPolicy(), memory=MemoryBudget(default_model, room, 4, 512))
+    shapes = _spy_body_calls(monkeypatch)
+    one = GenerationSettings(max_tokens=1)  # as the server asks: no answer
+    handles = [sched.submit(Request(ids, one, embed="last")) for _ in range(5)]
+    vectors = _pooled(sched, handles)
+    assert shapes == [(2, len(ids)), (2, len(ids)), (1, len(ids))]
+    want = reference(default_model, ids)[0]
+    assert all(v == pytest.approx(want, abs=1e-4) for v in vectors)
+
+
 def test_a_prompt_past_the_context_is_refused(default_model):
     sched = Scheduler(default_model, KVPolicy())
     limit = default_model.context_length

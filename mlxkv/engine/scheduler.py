@@ -17,7 +17,8 @@ One step:
    from the caches, exactly as a single sequence prefills), until the round's budget of
    prompt tokens is spent: one long prompt's chunk, or several short prompts. A prompt's
    last chunk ends with its last token and gives the first answer token; the request then
-   joins its group.
+   joins its group. Embedding inputs short enough for one chunk go through the model
+   together, padded to the longest, and end there.
 4. Decode one token for every group. A group is the requests under one policy: a lone
    request decodes on its own single-sequence caches; when a second joins they merge into
    the policy's batched caches (:mod:`mlxkv.caches.batched`), where every row keeps its
@@ -594,7 +595,7 @@ class Scheduler:
         return (self.tokens_generated - n0) / (now - t0) if now > t0 else 0.0
 
     # -- memory admission ----------------------------------------------------------------------
-    def _reserved(self, extra: _Job | None = None) -> int:
+    def _reserved(self, extra: tuple[_Job, ...] = ()) -> int:
         """KV bytes reserved by the running requests (and ``extra`` as if started): a batch
         reserves its rows x its largest reservation (rows are padded to the longest); and
         the turn-boundary copies they hold that no kept prefix counts."""
@@ -606,8 +607,7 @@ class Scheduler:
         alone = []
         if self._prefilling is not None:
             alone.append(self._prefilling)
-        if extra is not None:
-            alone.append(extra)
+        alone.extend(extra)
         total = 0
         for job in alone:
             total += self._scoring(job)  # a scored prefill holds every position's logits
@@ -636,14 +636,14 @@ class Scheduler:
             return 0
         return self.memory.scoring(job.total, job.req.settings.prefill_step)
 
-    def _fits(self, job: _Job | None) -> bool:
-        """Whether ``job`` may start now under the memory budget (None: whether what runs
-        fits, after a reservation grew); kept prefixes are evicted to make room before it
-        waits."""
+    def _fits(self, *jobs: _Job) -> bool:
+        """Whether ``jobs`` may start now under the memory budget (none: whether what runs
+        fits, after a reservation grew); kept prefixes are evicted to make room before they
+        wait."""
         m = self.memory
         if m is None or m.budget is None:
             return True
-        over = m.base() + self._reserved(extra=job) - m.budget
+        over = m.base() + self._reserved(extra=jobs) - m.budget
         kept = self.prefix.nbytes if self.prefix is not None else 0
         if over + kept <= 0:
             return True
@@ -798,6 +798,8 @@ class Scheduler:
             job = next((j for j in self._waiting if self._has_room(j)), None)
             if job is None or not self._fits(job):
                 return 0  # the oldest that could run waits for memory: so do the others
+            if self._in_one_call(job):
+                return self._embed_together(job)
             self._waiting.remove(job)
             self._prefilling = job
             self._guarded([job], lambda: self._start(job))
@@ -1018,6 +1020,62 @@ class Scheduler:
         for lp, ids, vals in rows:
             job.scores.append((lp, tuple(zip(ids, vals, strict=True))))
         return tail
+
+    @staticmethod
+    def _in_one_call(job: _Job) -> bool:
+        """Whether ``job`` is an embedding input that one prompt chunk takes whole."""
+        return bool(job.req.embed) and job.total <= job.req.settings.prefill_step
+
+    def _embed_together(self, first: _Job) -> int:
+        """Embed ``first`` with the waiting inputs that fit beside it in one model call,
+        those nearest its length first: rows padded to the longest, rows x longest within
+        each one's prefill step (the call costs what one prompt chunk does, and later
+        inputs go ahead of older answers by at most that) and at most a quarter padding
+        (a padded token costs what a real one does; a call saved, one read of the
+        weights). Each must fit the memory budget beside the others. Returns the tokens
+        fed."""
+        others = [j for j in self._waiting if j is not first and self._in_one_call(j)]
+        batch = [first]
+        for job in sorted(others, key=lambda j: abs(j.total - first.total)):
+            rows = [*batch, job]
+            step = min(j.req.settings.prefill_step for j in rows)
+            cells = len(rows) * max(j.total for j in rows)
+            if cells > step or 4 * sum(j.total for j in rows) < 3 * cells:
+                continue
+            if not self._fits(*rows):
+                break
+            batch = rows
+        for job in batch:
+            self._waiting.remove(job)
+        started, vectors = time.perf_counter(), []
+        self._guarded(batch, lambda: vectors.extend(self._embed_rows(batch)))
+        now = time.perf_counter()
+        for job, vector in zip(batch, vectors, strict=False):  # none if the call failed
+            job.started, job.first_token, job.done = started, now, job.total
+            job.prompt_tps = job.total / (now - started) if now > started else 0.0
+            self.prompt_tokens_prefilled += job.total
+            job.handle._emit(PrefillProgress(job.total, job.total, self._stats(job)))
+            job.handle._emit(Embedding(tuple(vector)))
+            self._end(job, "stop")
+        return sum(j.total for j in batch)
+
+    def _embed_rows(self, batch: list[_Job]) -> list[list[float]]:
+        """One call of the model's body over ``batch``'s inputs, right-padded (causal
+        attention keeps each row's tokens from seeing its padding, so its states are those
+        of its input alone), each row pooled as its request asks."""
+        import mlx.core as mx
+
+        from mlxkv.models.head import hidden_states
+
+        longest = max(j.total for j in batch)
+        ids = mx.array([j.ids + [0] * (longest - j.total) for j in batch])
+        h = hidden_states(self.loaded.model, ids, None).astype(mx.float32)
+        lengths = mx.array([j.total for j in batch])
+        inside = (mx.arange(longest)[None] < lengths[:, None])[..., None]
+        mean = mx.where(inside, h, 0).sum(axis=1) / lengths[:, None]
+        last = h[mx.arange(len(batch)), lengths - 1]
+        wants_mean = mx.array([j.req.embed == "mean" for j in batch])[:, None]
+        return mx.where(wants_mean, mean, last).tolist()
 
     def _pool(self, job: _Job, chunk: list[int], last: bool):
         """Feed ``chunk`` through the model's body (no output head) and pool its final
@@ -1246,7 +1304,7 @@ class Scheduler:
         )
         if self.memory is not None:
             job.reserved = self.memory.reservation(job.policy, job.limit_tokens)
-        if self._fits(None):
+        if self._fits():
             return True
         job.limit_tokens, job.reserved = before
         return False

@@ -11,6 +11,7 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_overflow_flag,
+    chat_template_from_args,
     given_sampling,
     policy_from_args,
     settings_from_args,
@@ -94,6 +95,7 @@ def build_app(args):
         force=args.force,
         overflow=args.on_overflow,
         draft_tokens=args.draft_tokens,
+        chat_template=chat_template_from_args(args),  # a bad file fails before the screen
     )
     engine = ChatEngine(
         opener, settings, policy=policy, system=args.system, given=given_sampling(args)

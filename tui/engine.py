@@ -51,14 +51,24 @@ Opener = Callable[
 
 
 def real_opener(
-    dtype: str = "auto", force: bool = False, overflow: str = "stop", draft_tokens: int = 0
+    dtype: str = "auto",
+    force: bool = False,
+    overflow: str = "stop",
+    draft_tokens: int = 0,
+    chat_template=None,  # mlxkv.models.chat_template.TemplateFile: --chat-template
 ) -> Opener:
     def open_generator(model, policy, on_status, on_progress):
         from mlxkv.engine.loading import open_model
         from mlxkv.engine.session import Session
 
         loaded = open_model(
-            model, dtype, policy, force, on_status=on_status, on_progress=on_progress
+            model,
+            dtype,
+            policy,
+            force,
+            on_status=on_status,
+            on_progress=on_progress,
+            chat_template=chat_template,
         )
         return Session(loaded, policy, overflow=overflow, draft_tokens=draft_tokens)
 

@@ -22,6 +22,7 @@ from mlxkv.commands.common import (
     add_model_flags,
     add_schema_flag,
     add_shard_flag,
+    chat_template_from_args,
     grammar_from_args,
     join_cluster,
     model_id,
@@ -346,9 +347,10 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     check_stdin_unused(args.input == "-", "the input")
+    template = chat_template_from_args(args)  # a bad file fails before any file is written
     cluster = join_cluster(args)
     if cluster is not None and not cluster.leader:
-        return _follow(args, policy, cluster)  # never touches the input or output files
+        return _follow(args, policy, cluster, template)  # never touches the input or output
     if cluster is None:
         _interrupt_on_sigterm()  # timeout, systemd and schedulers stop a run with SIGTERM
     if args.output == "-":
@@ -384,7 +386,7 @@ def run(args) -> int:
         if not jobs:
             status(f"nothing left to run; {len(bad)} error records written to {out}")
             return _finish(args, policy, log, [], bad, plan, 0.0, None)
-        return _generate(args, policy, base, log, jobs, bad, fps, plan, cluster)
+        return _generate(args, policy, base, log, jobs, bad, fps, plan, cluster, template)
     except KeyboardInterrupt:
         status(f"interrupted: {log.records} records are safe in {log.path}; re-run to resume")
         raise
@@ -392,7 +394,7 @@ def run(args) -> int:
         log.close()
 
 
-def _open(args, policy, cluster):
+def _open(args, policy, cluster, template):
     """The model and runner on this rank (split over the ranks unless --shard data)."""
     from mlxkv.engine.batch import BatchRunner
     from mlxkv.engine.loading import open_model
@@ -413,6 +415,7 @@ def _open(args, policy, cluster):
         on_status=status,
         cluster=cluster if sharded else None,
         shard=args.shard,
+        chat_template=template,
     )
     runner = BatchRunner(
         loaded,
@@ -425,14 +428,14 @@ def _open(args, policy, cluster):
     return loaded, runner
 
 
-def _follow(args, policy, cluster) -> int:
+def _follow(args, policy, cluster, template) -> int:
     """A follower rank: wait for rank 0's go, load, then serve its shares."""
     from mlxkv.engine.batch_ranks import follow_data, follow_lockstep
     from mlxkv.engine.distributed import recv_obj
 
     if not recv_obj(cluster, 0):
         return 0
-    _, runner = _open(args, policy, cluster)
+    _, runner = _open(args, policy, cluster, template)
     if args.shard == "data":
         follow_data(cluster, runner)
     else:
@@ -440,14 +443,14 @@ def _follow(args, policy, cluster) -> int:
     return 0
 
 
-def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None) -> int:
+def _generate(args, policy, base, log, jobs, bad, fps, plan, cluster=None, template=None) -> int:
     from mlxkv.commands.batch_input import BadLine
     from mlxkv.engine.batch import Request, Result
     from mlxkv.engine.request import GenerationSettings
     from mlxkv.models.pooling import trained_pooling
     from mlxkv.server.embeddings import finished
 
-    loaded, runner = _open(args, policy, cluster)
+    loaded, runner = _open(args, policy, cluster, template)
     model_name = model_id(loaded.name)  # what OpenAI-shaped records name the model by
     asked = sorted(
         {str(m) for j in jobs if is_openai(j.source) and (m := j.source["body"].get("model"))}

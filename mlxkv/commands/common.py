@@ -30,6 +30,23 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force", action="store_true", help="load even if the memory check says it won't fit"
     )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template file to render conversations with instead of the "
+        "model's own (a fixed or extended one, or one for a model without); a tool-call "
+        "format it writes that mlx-lm knows lets the model call tools",
+    )
+
+
+def chat_template_from_args(args):
+    """The ``--chat-template`` file read and parsed (before any weight loads), or None."""
+    if getattr(args, "chat_template", None) is None:
+        return None
+    from mlxkv.models.chat_template import read_template_file
+
+    return read_template_file(args.chat_template)
 
 
 def add_overflow_flag(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ from mlxkv.commands.common import (
     add_overflow_flag,
     add_schema_flag,
     add_shard_flag,
+    chat_template_from_args,
     grammar_from_args,
     join_cluster,
     policy_from_args,
@@ -103,6 +104,8 @@ def _check_input(args) -> None:
         raise UserError("--raw completes plain text; it does not apply to --messages")
     if args.raw and args.system:
         raise UserError("--system goes into the chat template, which --raw skips; drop one")
+    if args.raw and args.chat_template:
+        raise UserError("--raw skips the chat template that --chat-template gives; drop one")
 
 
 def _read_stdin() -> str:
@@ -173,6 +176,7 @@ def run(args) -> int:
     from mlxkv.engine.session import Session
 
     _check_input(args)
+    template = chat_template_from_args(args)
     check_stdin_unused(args.prompt == "-", "--prompt")
     policy = policy_from_args(args)
     settings = replace(settings_from_args(args), grammar=grammar_from_args(args)[1])
@@ -201,6 +205,7 @@ def run(args) -> int:
         on_status=status,
         cluster=cluster,
         shard=args.shard,
+        chat_template=template,
     )
     gen = Session(loaded, policy, overflow=args.on_overflow, draft_tokens=args.draft_tokens)
     if cache_file is not None and cache_file.exists():

@@ -13,6 +13,7 @@ from mlxkv.commands.common import (
     add_generation_flags,
     add_model_flags,
     add_shard_flag,
+    chat_template_from_args,
     model_id,
     policy_from_args,
     settings_from_args,
@@ -392,14 +393,21 @@ def _short(dtype: str) -> str:
     return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
 
 
-def _engine(args, model, policy, cluster, shard: str = "auto"):
+def _engine(args, model, policy, cluster, shard: str = "auto", template=None):
     """The loaded model (this rank's share, under mlx.launch) and its scheduler."""
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.lockstep import Lockstep
     from mlxkv.engine.scheduler import Scheduler
 
     loaded = open_model(
-        model, args.dtype, policy, args.force, on_status=status, cluster=cluster, shard=shard
+        model,
+        args.dtype,
+        policy,
+        args.force,
+        on_status=status,
+        cluster=cluster,
+        shard=shard,
+        chat_template=template,
     )
     lockstep = None if cluster is None else Lockstep(cluster)
     memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster, lockstep)
@@ -415,11 +423,11 @@ def _engine(args, model, policy, cluster, shard: str = "auto"):
     return loaded, scheduler
 
 
-def _follow(args, model, policy, cluster, shard: str) -> int:
+def _follow(args, model, policy, cluster, shard: str, template) -> int:
     """A rank other than 0: load its share and run rank 0's steps until rank 0 stops."""
     import signal
 
-    _, scheduler = _engine(args, model, policy, cluster, shard)
+    _, scheduler = _engine(args, model, policy, cluster, shard, template)
     # Ctrl+C reaches every rank: rank 0 lets the answers in flight finish, then tells the
     # others to stop. (mlx.launch stops a rank with SIGTERM when another one fails.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -440,6 +448,7 @@ def run(args) -> int:
     _check_memory_flags(args)
     policy = policy_from_args(args)
     defaults = settings_from_args(args)
+    template = chat_template_from_args(args)  # a bad file fails before the port is taken
     model = args.model_arg or args.model
     cluster = join_cluster(args)
     shard = "auto"  # one process: nothing to split
@@ -454,10 +463,10 @@ def run(args) -> int:
 
         stop_with_launcher()
     if cluster is not None and not cluster.leader:
-        return _follow(args, model, policy, cluster, shard)
+        return _follow(args, model, policy, cluster, shard, template)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
-        loaded, scheduler = _engine(args, model, policy, cluster, shard)
+        loaded, scheduler = _engine(args, model, policy, cluster, shard, template)
         scheduler.start()
         model_id, names, patterns = _names(loaded, args.served_model_name)
         pooling, embedding_model = _pooling(args, loaded)

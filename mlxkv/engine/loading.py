@@ -20,12 +20,15 @@ def open_model(
     on_progress: Callable[[int, int], None] | None = None,
     cluster=None,
     shard: str = "auto",
+    chat_template=None,
 ) -> LoadedModel:
     """Resolve ``model``, refuse it (UserError) if the memory model says it won't fit at
     ``context`` tokens under ``policy`` (``batch`` sequences at once) unless ``force``,
     then load it (``on_progress(bytes_done, bytes_total)`` follows the weights). With
     ``cluster`` (``mlxkv.engine.distributed.Cluster``) the model is split over its ranks
-    (``shard``: auto, tensor or pipeline) and the check is this rank's share."""
+    (``shard``: auto, tensor or pipeline) and the check is this rank's share.
+    ``chat_template`` (``mlxkv.models.chat_template.TemplateFile``, ``--chat-template``)
+    renders conversations in place of the model's own template."""
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
     group = cluster.group if cluster is not None else None
@@ -41,6 +44,12 @@ def open_model(
         )
     on_status("loading weights ..." if group is None else f"loading this rank's share ({shard})")
     name = resolved.alias or model or resolved.path.name
-    return load(
+    loaded = load(
         resolved.path, dtype=dtype, name=name, on_progress=on_progress, group=group, shard=shard
     )
+    if chat_template is not None:
+        from mlxkv.models.chat_template import use_template
+
+        use_template(loaded.tokenizer, chat_template)
+        on_status(f"chat template from {chat_template.path}")
+    return loaded

@@ -12,7 +12,9 @@ It is rendered the way transformers renders it (jinja2's ImmutableSandboxedEnvir
 * every failure (syntax, ``raise_exception``, a limit, a Python error) is one line.
 
 :func:`install` puts the bounded renderer in place of the tokenizer's own
-``apply_chat_template``, so every caller (chat, batch, TUI, server) goes through it.
+``apply_chat_template``, so every caller (chat, batch, TUI, server) goes through it;
+:func:`use_template` puts a user's template file (``--chat-template``) in place of the
+model's, rendered the same way.
 """
 
 from __future__ import annotations
@@ -25,13 +27,18 @@ import json
 import re
 import threading
 from datetime import datetime
+from pathlib import Path
+from typing import NamedTuple
 
 from mlxkv.errors import UserError, first_line
+from mlxkv.files import read_text
 
 TIME_LIMIT = 10.0  # seconds; real templates take milliseconds, even for long chats
 SIZE_LIMIT = 32 << 20  # characters of output, and of any string or list built on the way
 INT_LIMIT = 100_000  # the largest integer passed to a filter or method (widths, counts)
 _BIG_WIDTH = re.compile(r"\d{7,}")  # a format width of a million or more
+FILE_LIMIT = 1 << 20  # bytes of a --chat-template file (models' own are 1-40 KB)
+MODELS_OWN = "the model's chat template"
 
 
 class TemplateLimit(Exception):
@@ -257,9 +264,9 @@ def _deadline(seconds: float):
         watcher.join()
 
 
-def render(source: str, **variables) -> str:
-    """``source`` (a chat template) rendered with ``variables``, within the limits; any
-    failure is a one-line :class:`UserError`."""
+def render(source: str, origin: str = MODELS_OWN, /, **variables) -> str:
+    """``source`` (a chat template: ``origin`` names it in errors) rendered with
+    ``variables``, within the limits; any failure is a one-line :class:`UserError`."""
     import jinja2
 
     why = None
@@ -289,7 +296,7 @@ def render(source: str, **variables) -> str:
         why = "it needs more memory than there is"
     except Exception as e:  # a template is code: anything it raises is its own failure
         why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    raise UserError(f"the model's chat template failed: {why}")
+    raise UserError(f"{origin} failed: {why}")
 
 
 def _template_source(tokenizer, chat_template=None) -> str:
@@ -348,6 +355,7 @@ def install(tokenizer) -> None:
         }
         text = render(
             _template_source(hf, chat_template),
+            MODELS_OWN if chat_template is not None else getattr(hf, "mlxkv_origin", MODELS_OWN),
             **{**special, **kwargs},
             messages=conversation,
             tools=tools,
@@ -372,3 +380,53 @@ def install(tokenizer) -> None:
 
     apply_chat_template.mlxkv_bounded = True
     hf.apply_chat_template = apply_chat_template
+
+
+class TemplateFile(NamedTuple):
+    source: str
+    path: str
+
+
+def read_template_file(path) -> TemplateFile:
+    """The chat template in the file ``path`` (``--chat-template``): UTF-8 text of at most
+    a MiB that parses as a template; refused in one line otherwise."""
+    import jinja2
+
+    source = read_text(path, FILE_LIMIT, "--chat-template")
+    why = None
+    try:
+        _compile(source)
+    except jinja2.TemplateSyntaxError as e:
+        why = f"line {e.lineno}: {e.message}"
+    except RecursionError:
+        why = "it nests too deeply"
+    if why is not None:
+        raise UserError(f"--chat-template {path} is not a Jinja template ({why}); fix or drop it")
+    return TemplateFile(source, str(path))
+
+
+def use_template(tokenizer, template: TemplateFile) -> None:
+    """Render conversations with ``template`` in place of the model's own (a Python
+    renderer mlx-lm has for the model gives way too). The tool-call format is read again
+    from it as mlx-lm reads the model's, so a template that writes calls in a format
+    mlx-lm knows lets a model call tools; one that shows none keeps the model's."""
+    import importlib
+
+    from mlx_lm.tokenizer_utils import _infer_tool_parser  # mlx-lm's rule (pinned version)
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf.chat_template = template.source
+    hf.mlxkv_origin = f"the chat template {Path(template.path).name}"
+    if getattr(tokenizer, "_chat_template", None) is not None:
+        tokenizer._chat_template = None
+    kind = _infer_tool_parser(hf)
+    if kind is None or not hasattr(tokenizer, "_tool_parser"):
+        return
+    tools = importlib.import_module(f"mlx_lm.tool_parsers.{kind}")
+    if tokenizer._tool_parser is tools.parse_tool_call:
+        return
+    start, end = tools.tool_call_start, tools.tool_call_end
+    tokenizer._tool_parser = tools.parse_tool_call
+    tokenizer._tool_call_start, tokenizer._tool_call_end = start, end
+    tokenizer._tool_call_start_tokens = tuple(hf.encode(start, add_special_tokens=False))
+    tokenizer._tool_call_end_tokens = tuple(hf.encode(end, add_special_tokens=False))

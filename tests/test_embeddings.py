@@ -130,6 +130,23 @@ def test_inputs_share_a_call_only_as_far_as_the_memory_budget_admits(default_mod
     assert all(v == pytest.approx(want, abs=1e-4) for v in vectors)
 
 
+def test_an_embedding_does_not_wait_for_a_full_batch_to_finish(default_model):
+    """With every row of the batch taken by an answer, an embedding (which never takes a
+    row) still starts and ends while the answer decodes."""
+    sched = Scheduler(default_model, KVPolicy(), max_batch=1)
+    ids = sched.encode(TEXT)
+    answer = sched.submit(Request(ids, GenerationSettings(max_tokens=24, ignore_eos=True)))
+    sched.step()  # the answer takes the only row
+    pooled = sched.submit(Request(ids, GenerationSettings(max_tokens=1), embed="last"))
+    for _ in range(4):
+        sched.step()
+    assert isinstance(list(pooled.events())[-1], Finished)
+    assert not answer.done
+    while sched.step():
+        pass
+    assert list(answer.events())[-1].stats.generation_tokens == 24
+
+
 def test_a_prompt_past_the_context_is_refused(default_model):
     sched = Scheduler(default_model, KVPolicy())
     limit = default_model.context_length

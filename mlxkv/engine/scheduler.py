@@ -746,6 +746,8 @@ class Scheduler:
         return ("policy", job.policy)
 
     def _has_room(self, job: _Job) -> bool:
+        if job.req.embed:
+            return True  # an embedding ends with its prefill: it never joins a group
         g = self._groups.get(self._group_key(job))
         return g is None or len(g.rows) < self.max_batch
 

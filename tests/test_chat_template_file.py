@@ -1,6 +1,7 @@
 """``--chat-template FILE``: a user's Jinja template renders conversations in place of the
-model's own, in every command that renders them; a bad file is refused in one line before
-anything loads or is written."""
+model's own, in every command that renders them; ``--chat-template-args JSON``: arguments
+every render gets unless its caller gives them. A bad file or argument is refused in one
+line before anything loads or is written."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ TOOLS_TEMPLATE = (
     '{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{"name": '
     '"{{ c.function.name if c.function else c.tool_call.name }}"}</tool_call>{% endfor %}'
     "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if greeting %}{{ greeting }}: "
+    "{% endif %}{% endif %}"
 )
 
 
@@ -89,7 +91,7 @@ def test_raw_and_a_template_file_do_not_go_together(capsys, tmp_path):
     f.write_text(TEMPLATE)
     line = refused(capsys, "generate", "--raw", "--chat-template", str(f), "-p", "hi")
     assert line == (
-        "mlxkv generate: error: --raw skips the chat template that --chat-template gives; drop one"
+        "mlxkv generate: error: --raw skips the chat template that --chat-template is for; drop one"
     )
 
 
@@ -103,13 +105,35 @@ def test_a_file_that_fails_as_it_renders_is_named(capsys, tmp_path):
     ), line
 
 
+@pytest.mark.parametrize(
+    "given, words",
+    [
+        ("{enable_thinking: false}", " is not JSON (Expecting property name enclosed in double"),
+        ('["enable_thinking"]', " must be a JSON object, e.g. '{\"enable_thinking\": false}'"),
+        ('{"messages": []}', ": messages is set by mlxkv itself; drop it"),
+        ('{"a": "' + "x" * (64 << 10) + '"}', " is longer than 65536 characters"),
+    ],
+    ids=["not-json", "not-object", "reserved", "too-long"],
+)
+def test_bad_template_arguments_are_one_line(capsys, tmp_path, given, words):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    before = snapshot(tmp_path)
+    out = str(tmp_path / "out.jsonl")
+    line = refused(
+        capsys, "batch", str(tmp_path / "in.jsonl"), "-o", out, "--chat-template-args", given
+    )
+    assert line.startswith(f"mlxkv batch: error: --chat-template-args{words}"), line
+    assert snapshot(tmp_path) == before
+
+
 # -- through the server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve_template")
     f = folder / "tools.jinja"
     f.write_text(TOOLS_TEMPLATE)
-    yield from serving(folder, "--chat-template", str(f))
+    args = json.dumps({"greeting": "Hello from the server"})
+    yield from serving(folder, "--chat-template", str(f), "--chat-template-args", args)
 
 
 @pytest.mark.model
@@ -135,8 +159,12 @@ def test_a_served_template_file_renders_and_lets_the_model_call_tools(server):
     assert r.json()["prompt"] == (
         '<|im_start|>system\nTools: get_weather.\nCall one as <tool_call>{"name": ..., '
         '"arguments": ...}</tool_call><|im_end|>\n<|im_start|>user\nWeather in Paris?'
-        "<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>assistant\nHello from the server: "
     )
+    # a request's own chat_template_kwargs win over the server's --chat-template-args
+    mine = {**body, "chat_template_kwargs": {"greeting": "Mine"}}
+    r = httpx.post(f"{server.url}/apply-template", json=mine, timeout=60)
+    assert r.json()["prompt"].endswith("<|im_start|>assistant\nMine: ")
     props = httpx.get(f"{server.url}/props", timeout=60).json()
     assert props["chat_template"] == TOOLS_TEMPLATE
     show = httpx.post(f"{server.url}/api/show", json={"model": server.model}, timeout=60).json()
@@ -154,19 +182,19 @@ def test_a_template_that_writes_tool_calls_brings_their_format(default_model_pat
     <tool_call> JSON; a later file that shows no format keeps it."""
     from mlx_lm.tokenizer_utils import load
 
-    from mlxkv.models.chat_template import TemplateFile, install, use_template
+    from mlxkv.models.chat_template import ChatTemplate, install, use_template
 
     tokenizer = load(default_model_path)
     install(tokenizer)
     assert not tokenizer.has_tool_calling
-    use_template(tokenizer, TemplateFile(TOOLS_TEMPLATE, "tools.jinja"))
+    use_template(tokenizer, ChatTemplate(TOOLS_TEMPLATE, "tools.jinja"))
     assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
     assert tokenizer.tool_call_start_tokens == tuple(
         tokenizer.encode("<tool_call>", add_special_tokens=False)
     )
     call = tokenizer.tool_parser('{"name": "get_weather", "arguments": {"city": "Paris"}}', None)
     assert call == {"name": "get_weather", "arguments": {"city": "Paris"}}
-    use_template(tokenizer, TemplateFile(TEMPLATE, "chatml.jinja"))
+    use_template(tokenizer, ChatTemplate(TEMPLATE, "chatml.jinja"))
     assert tokenizer.tool_call_start == "<tool_call>"
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True

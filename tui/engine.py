@@ -55,7 +55,7 @@ def real_opener(
     force: bool = False,
     overflow: str = "stop",
     draft_tokens: int = 0,
-    chat_template=None,  # mlxkv.models.chat_template.TemplateFile: --chat-template
+    chat_template=None,  # mlxkv.models.chat_template.ChatTemplate: --chat-template(-args)
 ) -> Opener:
     def open_generator(model, policy, on_status, on_progress):
         from mlxkv.engine.loading import open_model

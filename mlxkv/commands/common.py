@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from mlxkv.engine.lookup import DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from mlxkv.errors import UserError
@@ -38,15 +39,25 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "model's own (a fixed or extended one, or one for a model without); a tool-call "
         "format it writes that mlx-lm knows lets the model call tools",
     )
+    p.add_argument(
+        "--chat-template-args",
+        metavar="JSON",
+        default=None,
+        help="arguments every render of the chat template gets unless a request gives its "
+        """own, e.g. '{"enable_thinking": false}' (Qwen3's switch)""",
+    )
 
 
 def chat_template_from_args(args):
-    """The ``--chat-template`` file read and parsed (before any weight loads), or None."""
-    if getattr(args, "chat_template", None) is None:
+    """``--chat-template`` read and parsed and ``--chat-template-args`` checked, before any
+    weight loads (``mlxkv.models.chat_template.ChatTemplate``); None when neither is given."""
+    path, given = getattr(args, "chat_template", None), getattr(args, "chat_template_args", None)
+    if path is None and given is None:
         return None
-    from mlxkv.models.chat_template import read_template_file
+    from mlxkv.models.chat_template import ChatTemplate, parse_template_args, read_template_file
 
-    return read_template_file(args.chat_template)
+    chosen = read_template_file(path) if path is not None else ChatTemplate()
+    return replace(chosen, args=parse_template_args(given) if given is not None else {})
 
 
 def add_overflow_flag(p: argparse.ArgumentParser) -> None:

@@ -104,8 +104,9 @@ def _check_input(args) -> None:
         raise UserError("--raw completes plain text; it does not apply to --messages")
     if args.raw and args.system:
         raise UserError("--system goes into the chat template, which --raw skips; drop one")
-    if args.raw and args.chat_template:
-        raise UserError("--raw skips the chat template that --chat-template gives; drop one")
+    if args.raw and (args.chat_template or args.chat_template_args):
+        flag = "--chat-template" if args.chat_template else "--chat-template-args"
+        raise UserError(f"--raw skips the chat template that {flag} is for; drop one")
 
 
 def _read_stdin() -> str:

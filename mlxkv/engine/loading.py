@@ -27,8 +27,8 @@ def open_model(
     then load it (``on_progress(bytes_done, bytes_total)`` follows the weights). With
     ``cluster`` (``mlxkv.engine.distributed.Cluster``) the model is split over its ranks
     (``shard``: auto, tensor or pipeline) and the check is this rank's share.
-    ``chat_template`` (``mlxkv.models.chat_template.TemplateFile``, ``--chat-template``)
-    renders conversations in place of the model's own template."""
+    ``chat_template`` (``mlxkv.models.chat_template.ChatTemplate``: ``--chat-template``,
+    ``--chat-template-args``) renders conversations in place of the model's template."""
     resolved = resolve(model, on_status=on_status)
     on_status(f"model {resolved.path} ({resolved.source})")
     group = cluster.group if cluster is not None else None
@@ -51,5 +51,6 @@ def open_model(
         from mlxkv.models.chat_template import use_template
 
         use_template(loaded.tokenizer, chat_template)
-        on_status(f"chat template from {chat_template.path}")
+        if chat_template.path is not None:
+            on_status(f"chat template from {chat_template.path}")
     return loaded

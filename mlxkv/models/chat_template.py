@@ -14,7 +14,8 @@ It is rendered the way transformers renders it (jinja2's ImmutableSandboxedEnvir
 :func:`install` puts the bounded renderer in place of the tokenizer's own
 ``apply_chat_template``, so every caller (chat, batch, TUI, server) goes through it;
 :func:`use_template` puts a user's template file (``--chat-template``) in place of the
-model's, rendered the same way.
+model's, rendered the same way, and gives every render default arguments
+(``--chat-template-args``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import inspect
 import json
 import re
 import threading
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
 
 from mlxkv.errors import UserError, first_line
 from mlxkv.files import read_text
@@ -382,12 +383,28 @@ def install(tokenizer) -> None:
     hf.apply_chat_template = apply_chat_template
 
 
-class TemplateFile(NamedTuple):
-    source: str
-    path: str
+# The arguments the renderer's callers set themselves: chat_template_kwargs (a request's)
+# and --chat-template-args (the command line's) may not reach them.
+RESERVED_ARGUMENTS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "return_dict", "return_tensors", "return_assistant_tokens_mask", "chat_template", "tools",
+    "documents", "tokenizer_kwargs",
+})  # fmt: skip
+ARGS_LIMIT = 64 << 10  # characters of --chat-template-args
 
 
-def read_template_file(path) -> TemplateFile:
+@dataclass(frozen=True)
+class ChatTemplate:
+    """What the command line puts in place of the model's own template: a file's template
+    (``source``, read from ``path``; None: the model's) and arguments every render gets
+    unless its caller gives them (``args``)."""
+
+    source: str | None = None
+    path: str | None = None
+    args: dict = field(default_factory=dict)
+
+
+def read_template_file(path) -> ChatTemplate:
     """The chat template in the file ``path`` (``--chat-template``): UTF-8 text of at most
     a MiB that parses as a template; refused in one line otherwise."""
     import jinja2
@@ -402,23 +419,56 @@ def read_template_file(path) -> TemplateFile:
         why = "it nests too deeply"
     if why is not None:
         raise UserError(f"--chat-template {path} is not a Jinja template ({why}); fix or drop it")
-    return TemplateFile(source, str(path))
+    return ChatTemplate(source, str(path))
 
 
-def use_template(tokenizer, template: TemplateFile) -> None:
-    """Render conversations with ``template`` in place of the model's own (a Python
-    renderer mlx-lm has for the model gives way too). The tool-call format is read again
-    from it as mlx-lm reads the model's, so a template that writes calls in a format
-    mlx-lm knows lets a model call tools; one that shows none keeps the model's."""
+def parse_template_args(text: str) -> dict:
+    """``--chat-template-args``: a JSON object of template arguments (``{"enable_thinking":
+    false}``), none of them one the renderer's callers set; refused in one line otherwise."""
+    example = """, e.g. '{"enable_thinking": false}'"""
+    if len(text) > ARGS_LIMIT:
+        raise UserError(f"--chat-template-args is longer than {ARGS_LIMIT} characters")
+    try:
+        args = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"--chat-template-args is not JSON ({first_line(e)}){example}") from None
+    if not isinstance(args, dict):
+        raise UserError(f"--chat-template-args must be a JSON object{example}")
+    for k in args:
+        if k in RESERVED_ARGUMENTS:
+            raise UserError(f"--chat-template-args: {k} is set by mlxkv itself; drop it")
+    return args
+
+
+def use_template(tokenizer, choice: ChatTemplate) -> None:
+    """Render conversations as ``choice`` says: its file's template in place of the
+    model's own (a Python renderer mlx-lm has for the model gives way too), and its
+    arguments in every render whose caller does not give them."""
+    if choice.source is not None:
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        hf.chat_template = choice.source
+        hf.mlxkv_origin = f"the chat template {Path(choice.path or '').name}"
+        if getattr(tokenizer, "_chat_template", None) is not None:
+            tokenizer._chat_template = None
+        _read_tool_format(tokenizer, hf)
+    if choice.args:
+        render_with = tokenizer.apply_chat_template  # mlx-lm's: it adds enable_thinking
+        defaults = dict(choice.args)
+
+        def apply_chat_template(*a, **kwargs):
+            return render_with(*a, **{**defaults, **kwargs})
+
+        tokenizer.apply_chat_template = apply_chat_template
+
+
+def _read_tool_format(tokenizer, hf) -> None:
+    """The tool-call format read again from the new template as mlx-lm reads a model's:
+    one that writes calls in a format mlx-lm knows lets a model call tools; one that shows
+    none keeps the model's."""
     import importlib
 
     from mlx_lm.tokenizer_utils import _infer_tool_parser  # mlx-lm's rule (pinned version)
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    hf.chat_template = template.source
-    hf.mlxkv_origin = f"the chat template {Path(template.path).name}"
-    if getattr(tokenizer, "_chat_template", None) is not None:
-        tokenizer._chat_template = None
     kind = _infer_tool_parser(hf)
     if kind is None or not hasattr(tokenizer, "_tool_parser"):
         return

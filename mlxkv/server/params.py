@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.request import GenerationSettings
 from mlxkv.errors import UserError
+from mlxkv.models.chat_template import RESERVED_ARGUMENTS
 from mlxkv.policy import KVPolicy, PolicyError
 from mlxkv.server.errors import bad
 from mlxkv.server.tools import ToolUse, assistant_calls, check_tools, forced_schema
@@ -114,21 +115,6 @@ CHAT_HONOURED = _HONOURED | {
 COMPLETION_HONOURED = _HONOURED | {"prompt", "logprobs", "best_of", "echo", "suffix"}
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# chat_template_kwargs may not reach the arguments the server sets itself
-RESERVED_TEMPLATE_KWARGS = {
-    "conversation",
-    "messages",
-    "tokenize",
-    "add_generation_prompt",
-    "continue_final_message",
-    "return_dict",
-    "return_tensors",
-    "return_assistant_tokens_mask",
-    "chat_template",
-    "tools",
-    "documents",
-    "tokenizer_kwargs",
-}
 # per-request KV policy: the CLI flags' names without "--kv-"
 KV_FIELDS = (
     "window",
@@ -798,7 +784,7 @@ def template_kwargs_of(v) -> dict:
     if not isinstance(v, dict):
         raise bad("chat_template_kwargs must be an object", param="chat_template_kwargs")
     for k in v:
-        if k in RESERVED_TEMPLATE_KWARGS:
+        if k in RESERVED_ARGUMENTS:
             raise bad(
                 f"chat_template_kwargs.{k} is set by the server and cannot be passed",
                 param=f"chat_template_kwargs.{k}",

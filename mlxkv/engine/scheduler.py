@@ -77,6 +77,7 @@ from mlxkv.models.loader import LoadedModel
 from mlxkv.policy import KVPolicy, uses_kivi
 
 IDLE_WAIT = 0.05  # seconds an idle loop waits before it looks for new requests again
+EMBED_PADDING = 0.25  # the share of a shared embedding call that may be padding
 
 
 @dataclass(frozen=True)
@@ -1029,24 +1030,9 @@ class Scheduler:
         return bool(job.req.embed) and job.total <= job.req.settings.prefill_step
 
     def _embed_together(self, first: _Job) -> int:
-        """Embed ``first`` with the waiting inputs that fit beside it in one model call,
-        those nearest its length first: rows padded to the longest, rows x longest within
-        each one's prefill step (the call costs what one prompt chunk does, and later
-        inputs go ahead of older answers by at most that) and at most a quarter padding
-        (a padded token costs what a real one does; a call saved, one read of the
-        weights). Each must fit the memory budget beside the others. Returns the tokens
-        fed."""
-        others = [j for j in self._waiting if j is not first and self._in_one_call(j)]
-        batch = [first]
-        for job in sorted(others, key=lambda j: abs(j.total - first.total)):
-            rows = [*batch, job]
-            step = min(j.req.settings.prefill_step for j in rows)
-            cells = len(rows) * max(j.total for j in rows)
-            if cells > step or 4 * sum(j.total for j in rows) < 3 * cells:
-                continue
-            if not self._fits(*rows):
-                break
-            batch = rows
+        """Embed ``first`` with the waiting inputs :meth:`_pack` puts beside it, in one
+        model call; returns the tokens fed."""
+        batch = self._pack(first)
         for job in batch:
             self._waiting.remove(job)
         started, vectors = time.perf_counter(), []
@@ -1060,6 +1046,27 @@ class Scheduler:
             job.handle._emit(Embedding(tuple(vector)))
             self._end(job, "stop")
         return sum(j.total for j in batch)
+
+    def _pack(self, first: _Job, padding: float = EMBED_PADDING) -> list[_Job]:
+        """``first`` and the waiting inputs that fit beside it in one model call, those
+        nearest its length first: rows padded to the longest, rows x longest within each
+        one's prefill step (the call costs what one prompt chunk does, and later inputs go
+        ahead of older answers by at most that) and at most ``padding`` of it padding (a
+        padded token costs what a real one does; a call saved, one read of the weights:
+        docs/serve.md measures the alternatives). Each must fit the memory budget beside
+        the others."""
+        others = [j for j in self._waiting if j is not first and self._in_one_call(j)]
+        batch = [first]
+        for job in sorted(others, key=lambda j: abs(j.total - first.total)):
+            rows = [*batch, job]
+            step = min(j.req.settings.prefill_step for j in rows)
+            cells = len(rows) * max(j.total for j in rows)
+            if cells > step or cells - sum(j.total for j in rows) > padding * cells:
+                continue
+            if not self._fits(*rows):
+                break
+            batch = rows
+        return batch
 
     def _embed_rows(self, batch: list[_Job]) -> list[list[float]]:
         """One call of the model's body over ``batch``'s inputs, right-padded (causal

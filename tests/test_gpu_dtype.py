@@ -230,3 +230,29 @@ def test_a_biased_neighbour_leaves_a_rows_logprobs_as_they_are(shallow):
     alone = run(False)
     assert len(alone) == 4
     assert run(True) == alone
+
+
+def test_embeddings_that_share_a_call_are_each_inputs_own(shallow):
+    """Inputs of three lengths pooled in one right-padded call are each input's own states
+    through the body alone: at the last token bit for bit (bfloat16 states, padding
+    behind them), their mean to float32 summation order (the pad rows add zeros)."""
+    from mlxkv.engine.events import Embedding
+    from mlxkv.engine.scheduler import Request, Scheduler
+
+    inputs = [PROMPT[:3], PROMPT, PROMPT[:9]]
+    sched = Scheduler(shallow, max_batch=4)
+    one = GenerationSettings(max_tokens=1)
+    handles = [
+        sched.submit(Request(ids, one, embed=how))
+        for ids, how in zip(inputs, ("last", "mean", "last"), strict=True)
+    ]
+    while sched.step():
+        pass
+    for h, ids in zip(handles, inputs, strict=True):
+        (got,) = [e.vector for e in h.events() if isinstance(e, Embedding)]
+        states = _body(shallow)(mx.array(ids)[None])[0].astype(mx.float32)
+        want = states.mean(axis=0) if h.request.embed == "mean" else states[-1]
+        if h.request.embed == "last":
+            assert got == tuple(want.tolist())
+        else:
+            assert _max_diff(mx.array(got), want) < 1e-5  # states up to about 21

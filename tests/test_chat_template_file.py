@@ -105,6 +105,26 @@ def test_a_file_that_fails_as_it_renders_is_named(capsys, tmp_path):
     ), line
 
 
+@pytest.mark.model
+def test_a_batch_run_again_with_another_template_answers_its_lines_again(cli, tmp_path):
+    """A batch's records carry the template file and arguments in their fingerprints: the
+    same run resumes with nothing to do; another file or other arguments run every line
+    again; records written without either stay as they are when neither is given."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    first, second = tmp_path / "a.jinja", tmp_path / "b.jinja"
+    first.write_text(TEMPLATE)
+    second.write_text(TEMPLATE.replace("The answer is", "Sure,"))
+    run = ["batch", str(inp), "-o", str(out), "--max-tokens", "3"]
+    assert cli(*run, "--chat-template", str(first)).returncode == 0
+    again = cli(*run, "--chat-template", str(first))
+    assert "nothing left to run" in again.stderr
+    other = cli(*run, "--chat-template", str(second))
+    assert "1 lines changed since their records; running them again" in other.stderr
+    args = cli(*run, "--chat-template", str(second), "--chat-template-args", '{"x": 1}')
+    assert "1 lines changed since their records; running them again" in args.stderr
+
+
 @pytest.mark.parametrize(
     "given, words",
     [

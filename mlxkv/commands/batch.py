@@ -161,9 +161,11 @@ NOT_IN_FINGERPRINT = (
 )
 
 
-def _run_context(args, policy, base, schema: dict | None = None) -> str:
+def _run_context(args, policy, base, schema: dict | None = None, template=None) -> str:
     """Everything run-wide that changes the text, for the records' fingerprints (the
-    --json-schema only when given: records written without it resume as they were)."""
+    --json-schema and the chat template's file and arguments only when given: records
+    written without them resume as they were)."""
+    import hashlib
     from dataclasses import asdict
 
     from mlxkv.commands.batch_resume import run_context
@@ -186,7 +188,10 @@ def _run_context(args, policy, base, schema: dict | None = None) -> str:
         **({"think_budget": base.think_budget} if base.think_budget is not None else {}),
         **({"min_tokens": base.min_tokens} if base.min_tokens else {}),
         **({"ignore_eos": True} if base.ignore_eos else {}),
-    )
+        **({"chat_template": hashlib.sha256(template.source.encode()).hexdigest()}
+           if template is not None and template.source is not None else {}),
+        **({"chat_template_args": template.args} if template and template.args else {}),
+    )  # fmt: skip
 
 
 def _plan(entries, log, context, args):
@@ -363,7 +368,7 @@ def run(args) -> int:
         if os.path.samefile(args.input, out):
             raise UserError("the output file is the input file; give another -o path")
     entries = read_input(args.input)
-    context = _run_context(args, policy, base, schema)
+    context = _run_context(args, policy, base, schema, template)
     log = ResultLog(out)
     log.open()
     try:

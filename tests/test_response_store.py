@@ -72,3 +72,13 @@ def test_the_bound_counts_bytes_not_characters():
     store = ResponseStore()
     turn(store, "a", "日本")  # two characters, three bytes each (and their upper case)
     assert store.bytes == size("a", "xx") + 2 * 2 * 2
+
+
+def test_a_later_state_of_a_response_replaces_its_first():
+    """A background response is stored queued, then finished: one entry, its bytes
+    counted once."""
+    store = ResponseStore()
+    turn(store, "a", "x")
+    turn(store, "a", "a longer answer")
+    assert list(store.entries) == ["a"] and store.bytes == size("a", "a longer answer")
+    assert [m["content"] for m in store.conversation("a")] == ["a longer answer", "A LONGER ANSWER"]

@@ -10,6 +10,7 @@ tests/test_serve_tools.py, which thinks and then calls a tool."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -314,7 +315,19 @@ BAD = [
         "truncation",
         "truncation must be 'auto' or 'disabled', got \"middle\"",
     ),
-    ({"background": True}, 400, "background", None),
+    (
+        {"background": True, "stream": True},
+        400,
+        "background",
+        "background with stream: true is not supported: read the answer with GET "
+        "/v1/responses/{id}, or stream it without background",
+    ),
+    (
+        {"background": True, "store": False},
+        400,
+        "store",
+        "background responses are stored: leave store out or set it true",
+    ),
     ({"conversation": "conv_1"}, 400, "conversation", None),
     (
         {"include": ["file_search_call.results"]},
@@ -379,6 +392,64 @@ def test_unknown_response_ids_get_404(server):
         r = server.http(method, path)
         assert r.status_code == 404
         assert r.json()["error"]["message"].startswith("No response found with id 'resp_nope'")
+
+
+def _until_ended(client, response_id: str, seconds: float = 300.0):
+    """The stored response once it has left queued and in_progress (polled, bounded)."""
+    end = time.monotonic() + seconds
+    while True:
+        got = client.responses.retrieve(response_id)
+        if got.status not in ("queued", "in_progress") or time.monotonic() > end:
+            return got
+        time.sleep(0.1)
+
+
+def test_a_background_response_is_answered_after_the_request_returns(server):
+    """background: true answers at once with the response queued and nothing written; the
+    answer goes on, and GET reads it completed: the same greedy answer as without
+    background. A response may go on from it once it has ended."""
+    client = server.client()
+    ask = {"model": server.model, "input": QUESTION, "max_output_tokens": 12, "temperature": 0}
+    queued = client.responses.create(**ask, background=True)
+    assert (queued.status, queued.output, queued.background) == ("queued", [], True)
+    done = _until_ended(client, queued.id)
+    assert done.status in ("completed", "incomplete") and done.background is True
+    plain = client.responses.create(**ask)
+    assert done.output_text == plain.output_text and done.output_text
+    after = client.responses.create(**ask, previous_response_id=queued.id)
+    assert after.status in ("completed", "incomplete")
+
+
+def test_a_background_response_is_cancelled_where_it_stands(server):
+    """A long background answer: a response cannot go on from it while it runs (400
+    previous_response_not_finished); POST .../cancel stops it and stores it cancelled;
+    cancelling again answers the same; a response that was not background cannot be
+    cancelled."""
+    client = server.client()
+    body = {"model": server.model, "max_output_tokens": 4000, "temperature": 0}
+    long = client.responses.create(
+        **body, input="Count to ten thousand, one by one.", background=True
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**body, input="And then?", previous_response_id=long.id)
+    assert e.value.code == "previous_response_not_finished"
+    assert e.value.param == "previous_response_id"
+    _wait_for(lambda: client.responses.retrieve(long.id).status == "in_progress")
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"
+    plain = client.responses.create(**{**body, "max_output_tokens": 2}, input=QUESTION)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(plain.id)
+    assert e.value.message.endswith("only background responses can be cancelled")
+
+
+def _wait_for(ready, seconds: float = 120.0) -> None:
+    end = time.monotonic() + seconds
+    while not ready():
+        assert time.monotonic() < end, "not reached in time"
+        time.sleep(0.05)
 
 
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):

@@ -156,6 +156,9 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+UNFINISHED = ("queued", "in_progress")  # a background response's states before its end
+
+
 class Disconnect:
     """Watches the connection while an answer is prepared (before any byte is sent)."""
 
@@ -181,6 +184,7 @@ class Disconnect:
 
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
+    background: dict[str, asyncio.Task] = {}  # background responses still answering, by id
     fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
     repo_level = fim is not None and has_tokens(served.tokenizer, fim.repo, fim.file_sep)
 
@@ -322,6 +326,15 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         (``previous_response_id``) between its instructions and its input."""
         if turn.previous is None:
             return ask
+        held = served.stored.get(turn.previous)
+        if held is not None and held.response["status"] in UNFINISHED:
+            raise bad(
+                f"Previous response with id '{turn.previous}' is still "
+                f"{held.response['status'].replace('_', ' ')}: wait until GET "
+                f"/v1/responses/{turn.previous} says it is completed",
+                "previous_response_id",
+                "previous_response_not_finished",
+            )
         try:
             before = served.stored.conversation(turn.previous)
         except ChainBroken as e:
@@ -390,6 +403,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ask.prompt_logprobs,
             prediction=predicted,
         )
+        if kind == "responses" and turn.background:
+            return in_background(run, Reply(served.id, turn, keeper(turn)), ask, turn, text)
         if kind == "messages":
             env = Message(served.id, ask.show_thinking)
         elif kind == "responses":
@@ -400,17 +415,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             env = llamacpp.Reply(served.id, fill, fim.stops if kind == "infill" else ())
         else:
             env = Envelope(kind, served.id)
-        choices = [
-            Choice(
-                i,
-                reader_for(served.tokenizer, ask.tools),
-                # a forced call's answer is all JSON: no reasoning comes apart from it
-                None
-                if ask.kind in ("completion", *LLAMA) or ask.tools.forced
-                else think_reader(served.tokenizer, text),
-            )
-            for i in range(run.rows)
-        ]
+        choices = choices_of(run, ask, text)
         for c in choices if ask.echo else ():  # the prompt as sent (token ids: their text)
             given = ask.prompts[c.index // ask.n]
             c.echo = given if isinstance(given, str) else served.tokenizer.decode(given)
@@ -443,6 +448,67 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 gone.stop()
                 bridge.finish(run)
                 _log(env, ask, choices, run)
+
+    def choices_of(run: Run, ask: Ask, text: str) -> list[Choice]:
+        return [
+            Choice(
+                i,
+                reader_for(served.tokenizer, ask.tools),
+                # a forced call's answer is all JSON: no reasoning comes apart from it
+                None
+                if ask.kind in ("completion", *LLAMA) or ask.tools.forced
+                else think_reader(served.tokenizer, text),
+            )
+            for i in range(run.rows)
+        ]
+
+    def in_background(run: Run, env: Reply, ask: Ask, turn: Turn, text: str) -> Response:
+        """A Responses request with ``background: true``: stored as queued and answered at
+        once; the answer runs on, and its stored state (in progress, then completed,
+        incomplete, failed or cancelled) is what GET /v1/responses/{id} reads."""
+        queued = env.snapshot("queued")
+        served.stored.put(queued, turn.items, turn.messages, turn.previous)
+        task = asyncio.ensure_future(answer_in_background(run, env, ask, turn, text))
+        background[env.id] = task
+        task.add_done_callback(lambda _: background.pop(env.id, None))
+        return JSONResponse(queued)
+
+    async def answer_in_background(run: Run, env: Reply, ask: Ask, turn: Turn, text: str):
+        choices = choices_of(run, ask, text)
+        status = "failed"
+        error = None
+        try:
+            first = await run.next()
+            _raise_failed(first[1], ask.kind, ask.policy)
+            served.stored.put(env.snapshot("in_progress"), turn.items, turn.messages, turn.previous)
+            async for _, part in _parts(run, first, run.next, ask, choices):
+                env.add(part)
+            env.whole(choices[0])  # stores the finished response
+            return
+        except APIError as e:
+            _log_error(env.id, e)
+            error = {"code": e.code or "server_error", "message": e.message}
+        except asyncio.CancelledError:
+            status = "cancelled"
+        finally:
+            bridge.finish(run)
+            _log(env, ask, choices, run)
+        out = env.snapshot(status)
+        out["error"] = error
+        served.stored.put(out, turn.items, turn.messages, turn.previous)
+
+    async def cancel_response(request: Request) -> Response:
+        """``POST /v1/responses/{id}/cancel``: a background response stops where it is and
+        is stored as cancelled (one already ended is answered as it is)."""
+        check_auth(request)
+        entry = stored(request)
+        if not entry.response.get("background"):
+            raise bad("only background responses can be cancelled", "response_id")
+        task = background.get(request.path_params["id"])
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        return JSONResponse(stored(request).response)
 
     def fill_in(ask: Ask) -> Ask:
         """A completion with a suffix as the model's fill-in-the-middle prompts, which end
@@ -961,6 +1027,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/responses/input_tokens", _guard(input_tokens), methods=["POST"]),
         Route("/v1/responses/{id}", _guard(one_response), methods=["GET", "DELETE"]),
         Route("/v1/responses/{id}/input_items", _guard(input_items), methods=["GET"]),
+        Route("/v1/responses/{id}/cancel", _guard(cancel_response), methods=["POST"]),
         Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
         Route("/api/chat", _guard(api_chat, ollama.error_response), methods=["POST"]),

@@ -45,6 +45,7 @@ class ResponseStore:
     ) -> None:
         # bytes as UTF-8 (a character may take four)
         size = len(json.dumps([response, items, messages], ensure_ascii=False).encode())
+        self.delete(response["id"])  # a background response's later state replaces its first
         if size > self.limit:
             return  # larger than the whole store: kept nowhere, as with store false
         self.entries[response["id"]] = Stored(response, items, messages, previous, size)

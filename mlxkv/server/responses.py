@@ -106,7 +106,7 @@ PLATFORM = {
     "conversation": "conversations are not supported; send previous_response_id or the input",
     "prompt": "prompt templates are not supported; send instructions and input",
     "context_management": "context management (compaction) is not supported",
-    "background_options": "background responses are not supported",
+    "background_options": "background options are not supported; send background: true alone",
     "access_programs": "programs are not supported",
     "image": "image generation is not supported",
     "moderation": "moderation is not supported",
@@ -127,6 +127,7 @@ class Turn:
     previous: str | None = None
     store: bool = True
     truncate: bool = False  # truncation "auto": the oldest turns go where the input is too long
+    background: bool = False  # answered after the request returns; read with GET /v1/responses/{id}
     custom: frozenset[str] = frozenset()  # the names of custom tools: their calls are text
 
 
@@ -161,7 +162,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
     kwargs = {**effort, **template_kwargs_of(body.get("chat_template_kwargs"))}
     logprobs, top = False, 0
     settings = limits.defaults
-    stream = False
+    stream = background = False
     if not counting:
         max_tokens = int_field(body, "max_output_tokens", 1, 2**31 - 1)
         settings = replace(settings_of(body, limits, max_tokens), grammar=grammar)
@@ -170,6 +171,15 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         stream = bool(bool_field(body, "stream"))
         _stream_options(body, stream)
         _check_plain(body)
+        background = bool(bool_field(body, "background"))
+        if background and stream:
+            raise bad(
+                "background with stream: true is not supported: read the answer with GET "
+                "/v1/responses/{id}, or stream it without background",
+                "background",
+            )
+        if background and body.get("store") is False:
+            raise bad("background responses are stored: leave store out or set it true", "store")
         cache_hints(body)
     user = user_of(body, "user", "safety_identifier")
     request = {
@@ -191,7 +201,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
         "service_tier": "default",
-        "background": False,
+        "background": background,
     }
     ask = Ask(
         kind="responses",
@@ -206,19 +216,22 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         tools=tools,
     )
     custom = frozenset(t["name"] for t in offered if t["type"] == "custom")
-    turn = Turn(request, items, messages, previous, request["store"], truncation == "auto", custom)
+    turn = Turn(
+        request,
+        items,
+        messages,
+        previous,
+        request["store"],
+        truncation == "auto",
+        custom=custom,
+        background=background,
+    )
     return ask, turn
 
 
 def _check_plain(body: dict) -> None:
     """The fields whose only meaning here is their default."""
     bool_field(body, "store")
-    if bool_field(body, "background"):
-        raise bad(
-            "background responses are not supported; send stream: true to read the answer "
-            "as it is written",
-            "background",
-        )
     tier = body.get("service_tier")
     if tier not in (None, "auto", "default"):
         raise bad(
@@ -733,6 +746,16 @@ class Reply:
 
     def fail(self, e: APIError) -> list[tuple[str, dict]]:
         return [self._event("error", code=e.code, message=e.message, param=e.param)]
+
+    def snapshot(self, status: str) -> dict:
+        """The response as a background one stands: queued, in progress (its output so far
+        not shown), failed (``error`` set by the caller) or cancelled (the output so far)."""
+        out = self.head(status)
+        if status in ("queued", "in_progress", "failed"):
+            out["output"] = []
+        else:
+            self._close("incomplete")
+        return out
 
     def finish(self, c: Choice) -> dict:
         incomplete = c.finish_reason in ("length", "context")

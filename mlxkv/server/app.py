@@ -39,7 +39,7 @@ from mlxkv.engine.request import (
     encode_text,
     most_prompt_characters,
 )
-from mlxkv.errors import UserError
+from mlxkv.errors import UserError, first_line
 from mlxkv.models.fim import fim_format, has_tokens, infill_ids
 from mlxkv.policy import KVPolicy
 from mlxkv.server import embeddings, llamacpp, metrics, ollama
@@ -490,6 +490,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             error = {"code": e.code or "server_error", "message": e.message}
         except asyncio.CancelledError:
             status = "cancelled"
+        except Exception as e:  # the task has no caller: its failure is the response's
+            error = {"code": "server_error", "message": f"the server failed: {first_line(e)}"}
+            print(f"mlxkv: {env.id} failed: {error['message']}", file=sys.stderr, flush=True)
         finally:
             bridge.finish(run)
             _log(env, ask, choices, run)

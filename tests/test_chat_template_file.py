@@ -106,10 +106,10 @@ def test_a_file_that_fails_as_it_renders_is_named(capsys, tmp_path):
 
 
 @pytest.mark.model
-def test_a_batch_run_again_with_another_template_answers_its_lines_again(cli, tmp_path):
+def test_a_batch_run_again_with_another_template_answers_its_lines_again(cli, preloaded, tmp_path):
     """A batch's records carry the template file and arguments in their fingerprints: the
     same run resumes with nothing to do; another file or other arguments run every line
-    again; records written without either stay as they are when neither is given."""
+    again. (The loaded model is shared here: what is checked is which lines run.)"""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     first, second = tmp_path / "a.jinja", tmp_path / "b.jinja"

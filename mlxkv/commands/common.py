@@ -51,7 +51,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def chat_template_from_args(args):
     """``--chat-template`` read and parsed and ``--chat-template-args`` checked, before any
     weight loads (``mlxkv.models.chat_template.ChatTemplate``); None when neither is given."""
-    path, given = getattr(args, "chat_template", None), getattr(args, "chat_template_args", None)
+    path, given = args.chat_template, args.chat_template_args
     if path is None and given is None:
         return None
     from mlxkv.models.chat_template import ChatTemplate, parse_template_args, read_template_file

@@ -467,7 +467,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         once; the answer runs on, and its stored state (in progress, then completed,
         incomplete, failed or cancelled) is what GET /v1/responses/{id} reads."""
         queued = env.snapshot("queued")
-        served.stored.put(queued, turn.items, turn.messages, turn.previous)
+        hold(queued, turn)
         task = asyncio.ensure_future(answer_in_background(run, env, ask, turn, text))
         background[env.id] = task
         task.add_done_callback(lambda _: background.pop(env.id, None))
@@ -480,7 +480,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         try:
             first = await run.next()
             _raise_failed(first[1], ask.kind, ask.policy)
-            served.stored.put(env.snapshot("in_progress"), turn.items, turn.messages, turn.previous)
+            hold(env.snapshot("in_progress"), turn)
             async for _, part in _parts(run, first, run.next, ask, choices):
                 env.add(part)
             env.whole(choices[0])  # stores the finished response
@@ -496,9 +496,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         finally:
             bridge.finish(run)
             _log(env, ask, choices, run)
-        out = env.snapshot(status)
-        out["error"] = error
-        served.stored.put(out, turn.items, turn.messages, turn.previous)
+        hold({**env.snapshot(status), "error": error}, turn)
+
+    def hold(response: dict, turn: Turn) -> None:
+        """A background response's state before its answer is whole (its turn without the
+        answer); the finished response replaces it through ``keeper``."""
+        served.stored.put(response, turn.items, turn.messages, turn.previous)
 
     async def cancel_response(request: Request) -> Response:
         """``POST /v1/responses/{id}/cancel``: a background response stops where it is and

@@ -240,3 +240,76 @@ def test_a_triggered_grammar_holds_only_what_follows_its_trigger(default_model):
     answer = json.loads(tok.decode(held[:j]))
     assert set(answer) == {"city", "country", "is_capital"}
     assert free[k:] != held[: len(free) - k]  # the model's own JSON broke the schema
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "birth_year": {"type": "integer"},
+        "known_for": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "birth_year", "known_for"],
+    "additionalProperties": False,
+}
+
+
+def test_a_grammar_drafts_what_it_forces_else_the_guesses_it_allows(default_model):
+    """After a pending token the grammar drafts what it forces there (a key and its
+    punctuation), else the guesses it allows, cut at the first it does not; never an
+    end-of-sequence token (llguidance cannot take one back); and it reads nothing."""
+    from mlxkv.engine.grammar import GrammarProcessor
+
+    tok = default_model.tokenizer
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    grammar = GrammarProcessor(json_grammar(PERSON), tok)
+    for t in enc('{"name": "Ada Lovelace",'):
+        grammar.consume(t)
+    before = grammar.matcher.compute_bitmask()
+    (space_quote,) = enc(' "')
+    assert tok.decode(grammar.drafts(space_quote, enc("anything"), 8)) == 'birth_year":'
+    assert tok.decode(grammar.drafts(space_quote, [], 2)) == "birth_"
+    assert grammar.matcher.compute_bitmask() == before  # nothing read
+
+    for t in enc(' "birth_year": '):
+        grammar.consume(t)
+    (one,) = enc("1")
+    assert grammar.drafts(one, enc("815") + enc("abc"), 8) == enc("815")  # digits, not "abc"
+    for t in enc('1815, "known_for": ["the first program"]'):
+        grammar.consume(t)
+    eos = sorted(tok.eos_token_ids)[0]
+    (close,) = enc("}")
+    assert grammar.drafts(close, [eos], 8) == []  # the object is whole: only EOS is left
+    assert grammar.drafts(eos, [], 8) == []
+    grammar.consume(close)
+    grammar.consume(eos)  # still allowed: the EOS drafts() saw was never read
+    assert grammar.matcher.is_stopped() and not grammar.matcher.is_error()
+
+
+@pytest.mark.parametrize(
+    "question,schema,rejected",
+    [(ASK, SCHEMA, False), ("Describe Ada Lovelace as JSON.", PERSON, True)],
+    ids=["city", "person"],
+)
+def test_a_drafted_schema_answer_is_the_reference_to_its_end(
+    default_model, question, schema, rejected
+):
+    """With drafts, an answer held to a schema checks its forced tokens and the guesses the
+    grammar allows several a step, and the grammar forgets the drafts the model did not
+    keep (the person's answer has some): the answer is the reference token for token, its
+    EOS included."""
+    tok = default_model.tokenizer
+    ids = _ids(default_model, question)
+    grammar = json_grammar(schema)
+    ref = greedy_tokens(default_model, ids, 60, [reference_mask(tok, grammar)], tok.eos_token_ids)
+    sched = Scheduler(default_model, KVPolicy(), draft_tokens=8)
+    got, events = _tokens(sched.submit(Request(ids, GenerationSettings(grammar=grammar))))
+    end = next(i for i, t in enumerate(ref) if t in tok.eos_token_ids)
+    assert got == ref[:end]
+    assert events[-1].finish_reason == "stop" and set(json.loads(events[-1].text)) == set(
+        schema["required"]
+    )
+    assert sched.accepted >= 4 and (sched.drafted > sched.accepted) == rejected

@@ -201,10 +201,10 @@ def add_generation_flags(
         default=DRAFT_TOKENS,
         metavar="N",
         help="an answer checks up to N tokens a step that followed its last tokens earlier "
-        "in the conversation, and keeps those the model agrees with (prompt lookup "
-        "decoding: faster where it repeats; a greedy answer is the same with an unquantized "
-        "KV cache, a sampled one is drawn from the same distribution; not with --seed); "
-        f"0: off (default {DRAFT_TOKENS})",
+        "in the conversation (or, held to a JSON schema, that the schema forces), and keeps "
+        "those the model agrees with (faster where it repeats; a greedy answer is the same "
+        "with an unquantized KV cache, a sampled one is drawn from the same distribution; "
+        f"not with --seed); 0: off (default {DRAFT_TOKENS})",
     )
     g.add_argument(
         "--prefill-step",

@@ -6,7 +6,9 @@ each step, the set of tokens that keep the text on the grammar; the tokens outsi
 -inf before sampling. It runs on the CPU beside any MLX backend (decode at 0.96-1.00x a
 free answer's speed alone, 0.95-0.98x in a batch of 8: docs/serve.md#structured-output). Once the
 grammar is complete only an end-of-sequence token is allowed, so the answer ends as the
-grammar does.
+grammar does. An answer that decodes alone is shown drafts (:mod:`mlxkv.engine.lookup`):
+the grammar supplies the tokens it forces (a schema's keys and punctuation), reads the
+drafts in turn and rolls back those the model does not keep.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class GrammarProcessor:
     lets only the tokens the grammar allows next; it reads each answer token from the
     history it is shown, the first call's history being the prompt's."""
 
-    stateful = True  # it reads each token once: drafts are not applied to it
+    stateful = True  # it keeps what it has read: drafts it is shown are rolled back
 
     def __init__(self, grammar: str, tokenizer):
         import llguidance
@@ -129,6 +131,7 @@ class GrammarProcessor:
         if self.matcher.is_error():
             raise UserError(f"the grammar cannot be used: {_one_line(self.matcher.get_error())}")
         self.started = False
+        self.ends = frozenset(tokenizer.eos_token_ids)
 
     def __call__(self, history, logits):
         if self.started:
@@ -139,6 +142,27 @@ class GrammarProcessor:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
+            self._failed()
+
+    def drafts(self, pending: int, guesses: list[int], most: int) -> list[int]:
+        """The tokens a draft step checks after ``pending`` (sampled under this grammar,
+        not read yet): those the grammar forces there (a schema's keys and punctuation;
+        jump-forward decoding), up to ``most``, else the part of ``guesses`` it allows.
+        Leaves the grammar as it found it. No end-of-sequence token is read or drafted:
+        llguidance cannot take one back (its rollback skips it)."""
+        if pending in self.ends:
+            return []
+        if not self.matcher.consume_token(pending):
+            self._failed()
+        forced = self.matcher.compute_ff_tokens()
+        out = forced[:most] if forced else guesses[: self.matcher.validate_tokens(guesses)]
+        self.matcher.rollback(1)
+        cut = next((i for i, t in enumerate(out) if t in self.ends), len(out))
+        return out[:cut]
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens read (drafts the model did not keep)."""
+        if n and not self.matcher.rollback(n):
             self._failed()
 
     def mask(self, logits, first: bool = False):

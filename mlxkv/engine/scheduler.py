@@ -845,11 +845,10 @@ class Scheduler:
         job.sampler = sampler_for(s, self.loaded.tokenizer)
         job.weights = sampling_weights_for(s)
         # greedy or sampled from a distribution drafts can be checked on, its logits
-        # processors functions of the tokens seen alone (penalties, logit_bias, the end held
-        # back: not a grammar or a thinking budget, which keep state), no logprobs asked
+        # processors able to see drafts (see _shows_drafts), no logprobs asked
         job.may_draft = (
             (job.sampler is None or job.weights is not None)
-            and not any(getattr(p, "stateful", False) for p in job.processors)
+            and all(_shows_drafts(p) for p in job.processors)
             and job.req.logprobs is None
         )
         max_tokens, capped = token_budget(
@@ -1196,12 +1195,20 @@ class Scheduler:
         shown = r.finish.tokens
         r.lookup.follow(shown)  # (t, when not shown yet, is the pending token)
         held = r.total + len(shown) - (1 if first else 0)  # tokens in its caches now
-        room = min(
-            r.draft_length,
+        most = min(
+            self.draft_tokens,
             r.limit_tokens - held - 1,  # its reservation
             r.finish.max_tokens - len(shown) - (0 if first else 1),  # past it: wasted
         )
-        drafts = r.lookup.draft(room, () if first else (t,))
+        if most <= 0:
+            return False
+        drafts = r.lookup.draft(min(r.draft_length, most), () if first else (t,))
+        try:
+            for p in r.processors:
+                if hasattr(p, "drafts"):  # a grammar: what it forces, else the guesses it allows
+                    drafts = p.drafts(t, drafts, most)
+        except UserError:
+            return False  # a broken grammar: the plain step fails the answer
         if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):
             return False
         logits = self.loaded.model(mx.array([[t, *drafts]]), cache=r.caches)[0]
@@ -1209,11 +1216,16 @@ class Scheduler:
             seen = mx.concatenate([r.history, mx.array([t, *drafts], dtype=r.history.dtype)])
             base = r.history.shape[0] + 1
             rows = []
-            for i in range(len(drafts) + 1):
-                row = logits[i : i + 1]
-                for p in r.processors:
-                    row = p(seen[: base + i], row)
-                rows.append(row)
+            try:
+                for i in range(len(drafts) + 1):
+                    row = logits[i : i + 1]
+                    for p in r.processors:
+                        row = p(seen[: base + i], row)
+                    rows.append(row)
+            except UserError as e:  # its grammar broke: it fails, as in a plain step
+                self._drop_rows(g, [r])
+                self._fail(r.handle, str(e), "invalid_grammar")
+                return True
             logits = mx.concatenate(rows)
         if r.weights is None:
             taken, after = check_greedy(logits, drafts)
@@ -1222,6 +1234,9 @@ class Scheduler:
         trim_caches(r.caches, len(drafts) - taken)
         if r.processors:
             r.history = seen[: base + taken]
+            for p in r.processors:
+                if hasattr(p, "rollback"):  # it read every draft: forget those not kept
+                    p.rollback(len(drafts) - taken)
         self.drafted += len(drafts)
         self.accepted += taken
         r.drafted += len(drafts)
@@ -1418,6 +1433,13 @@ class Scheduler:
             peak_memory=mx.get_peak_memory(),
             weights_bytes=self.loaded.weights_bytes,
         )
+
+
+def _shows_drafts(processor) -> bool:
+    """Whether a draft step may show ``processor`` its drafts: it is a function of the
+    tokens seen (penalties, logit_bias, the end held back), or it keeps state and forgets
+    the drafts not kept (a grammar); not a thinking budget or a tool call's grammar."""
+    return not getattr(processor, "stateful", False) or hasattr(processor, "rollback")
 
 
 def _drop_event(event: Event) -> None:

@@ -313,3 +313,19 @@ def test_a_drafted_schema_answer_is_the_reference_to_its_end(
         schema["required"]
     )
     assert sched.accepted >= 4 and (sched.drafted > sched.accepted) == rejected
+
+
+def test_a_sampled_schema_answer_keeps_every_forced_draft(default_model):
+    """A sampled answer keeps a draft with its sampler's probability of it: a forced token
+    is the only one the mask leaves, so every one is kept, and the answer still parses."""
+    import mlx.core as mx
+
+    mx.random.seed(3)
+    tok = default_model.tokenizer
+    settings = GenerationSettings(temperature=0.9, grammar=json_grammar(SCHEMA))
+    sched = Scheduler(default_model, KVPolicy(), draft_tokens=8)
+    got, events = _tokens(sched.submit(Request(_ids(default_model, ASK), settings)))
+    assert events[-1].finish_reason == "stop", events[-1]
+    assert set(json.loads(events[-1].text)) == set(SCHEMA["required"])
+    assert tok.decode(got) == events[-1].text
+    assert sched.accepted >= 6  # '", "country": "' and '", "is_capital": '

@@ -369,3 +369,30 @@ def test_a_cache_file_reads_whatever_undo_log_its_writer_kept(default_model, tmp
         Session(default_model, policy).load_cache(crafted)
     assert "layer 0: reserve is 1000000" in str(e.value) and "\n" not in str(e.value)
     assert crafted.read_bytes() == before
+
+
+@pytest.mark.model
+def test_a_drafted_answer_with_logprobs_gives_each_token_the_plain_steps_logprobs(default_model):
+    """Logprobs asked: a draft step gives every token it takes the logprob and best
+    alternatives its own position's logits give (a plain step's, to float32 rounding of a
+    call over several positions), and the answer is the plain one."""
+    ids = _ids(default_model, COPY)
+    settings = GenerationSettings(max_tokens=30)
+
+    def answer(drafts: int):
+        scheduler = Scheduler(default_model, draft_tokens=drafts)
+        handle = scheduler.submit(Request(ids, settings, logprobs=3))
+        deltas = [e for e in handle.events() if isinstance(e, TokenDelta) and e.token >= 0]
+        return scheduler, deltas
+
+    _, plain = answer(0)
+    scheduler, drafted = answer(8)
+    assert scheduler.accepted >= 15
+    assert [d.token for d in drafted] == [d.token for d in plain] and len(plain) == 30
+    for d, p in zip(drafted, plain, strict=True):
+        assert d.logprob == pytest.approx(p.logprob, abs=1e-4)
+        assert [i for i, _ in d.top_logprobs] == [i for i, _ in p.top_logprobs]
+        assert [v for _, v in d.top_logprobs] == pytest.approx(
+            [v for _, v in p.top_logprobs], abs=1e-4
+        )
+        assert d.top_logprobs[0][0] == d.token  # greedy: the best is the token taken

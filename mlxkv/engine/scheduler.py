@@ -845,11 +845,9 @@ class Scheduler:
         job.sampler = sampler_for(s, self.loaded.tokenizer)
         job.weights = sampling_weights_for(s)
         # greedy or sampled from a distribution drafts can be checked on, its logits
-        # processors able to see drafts (see _shows_drafts), no logprobs asked
-        job.may_draft = (
-            (job.sampler is None or job.weights is not None)
-            and all(_shows_drafts(p) for p in job.processors)
-            and job.req.logprobs is None
+        # processors able to see drafts (see _shows_drafts)
+        job.may_draft = (job.sampler is None or job.weights is not None) and all(
+            _shows_drafts(p) for p in job.processors
         )
         max_tokens, capped = token_budget(
             self.loaded.context_length, job.policy.window, job.total, s.max_tokens
@@ -1246,6 +1244,14 @@ class Scheduler:
         g.inputs = mx.array([after])
         r.row = 0
         fed = [t, *drafts[:taken]]
+        # logprobs where asked: t's from the step that sampled it, then each position's
+        lps = [r.pending_lp] + [None] * (taken + 1)
+        if r.req.logprobs is not None:
+            kept = logits[: taken + 1]
+            kept = kept - mx.logsumexp(kept, axis=-1, keepdims=True)
+            for j, token in enumerate([*drafts[:taken], after]):
+                lps[j + 1] = _top_logprobs(kept[j], token, r.req.logprobs)
+        r.pending_lp = lps[-1]
         for i, token in enumerate(fed):
             if r.session is not None:
                 r.session.tokens.append(token)
@@ -1255,7 +1261,7 @@ class Scheduler:
                 r.next_input = None
                 continue
             r.ahead = len(fed) - 1 - i
-            if self._take_token(r, token, None):
+            if self._take_token(r, token, _resolve(lps[i])):
                 self._drop_rows(g, [r])
                 break
         r.ahead = 0
@@ -1285,12 +1291,8 @@ class Scheduler:
             picked[idx] = mx.concatenate([t.reshape(-1) for _, t in sampled])
         lps: list = [None] * len(rows)  # lazy (chosen, best ids, best logprobs) where asked
         for i, r in enumerate(rows):
-            k = r.req.logprobs
-            if k is None:
-                continue
-            row = logprobs[i]
-            best = mx.argsort(-row)[:k]
-            lps[i] = (row[picked[i]], best, row[best])
+            if r.req.logprobs is not None:
+                lps[i] = _top_logprobs(logprobs[i], picked[i], r.req.logprobs)
         return picked, lps
 
     def _take_token(self, job: _Job, token: int, lp) -> bool:
@@ -1450,6 +1452,15 @@ def _split(caches: list, row: int) -> list:
     from mlxkv.caches.batched import split_row
 
     return split_row(caches, row)
+
+
+def _top_logprobs(row, token, k: int):
+    """A position's logprobs as a request asks them, lazy: ``token``'s (an int or a
+    scalar array) and the ``k`` best (ids, values) from ``row`` (vocab,)."""
+    import mlx.core as mx
+
+    best = mx.argsort(-row)[:k]
+    return row[token], best, row[best]
 
 
 def _resolve(lp) -> tuple[float, tuple[tuple[int, float], ...]] | None:

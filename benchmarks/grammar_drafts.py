@@ -5,15 +5,16 @@ the default model, in one process.
 
 Four structured-output requests of the kind agents send (a record, an extraction from a
 passage, a list of records, a classification), each answered greedily by the scheduler
-alone, under four rules for what a step checks after the token it feeds:
+alone, under five rules for what a step checks after the token it feeds:
 
 * ``off``: nothing (one token a step; ``--draft-tokens 0``);
 * ``guesses``: the conversation's guesses (prompt lookup), cut where the grammar stops
   allowing them;
 * ``forced``: the tokens the grammar forces there (a schema's keys and punctuation;
   llguidance's fast-forward tokens, SGLang's jump-forward decoding), else nothing;
-* ``forced, else guesses``: the forced tokens where there are any, else the guesses (the
-  rule mlxkv uses).
+* ``forced, else guesses``: the forced tokens where there are any, else the guesses;
+* ``forced, then guesses``: the forced tokens, then the guesses after them, in the same
+  step (the rule mlxkv uses).
 
 Prints, per request and rule, decode tok/s (the answer's tokens after the first over the
 time since the first; median of ``--rounds``, the rules' order alternating), model steps
@@ -126,23 +127,33 @@ REQUESTS = {
 }
 
 
-def _allowed_guesses(self, pending, guesses, most):
-    """The guesses the grammar allows, whether or not it forces something there (no
-    end-of-sequence token read or drafted, as in the shipped rule)."""
+def _guesses(self, pending, guess, most):
+    """The guesses the grammar allows, whether or not it forces something there."""
     if pending in self.ends:
         return []
+    tokens = guess((), most)
     self.matcher.consume_token(pending)
-    out = guesses[: self.matcher.validate_tokens(guesses)]
+    out = tokens[: self.matcher.validate_tokens(tokens)]
     self.matcher.rollback(1)
-    cut = next((i for i, t in enumerate(out) if t in self.ends), len(out))
-    return out[:cut]
+    return self._before_end(out)
+
+
+def _forced(self, pending, guess, most):
+    """The tokens the grammar forces, nothing else."""
+    return SHIPPED(self, pending, lambda after, n: [], most)
+
+
+def _forced_else_guesses(self, pending, guess, most):
+    """The forced tokens where there are any, else the guesses it allows."""
+    return _forced(self, pending, guess, most) or _guesses(self, pending, guess, most)
 
 
 RULES = {
     "off": None,
-    "guesses": _allowed_guesses,
-    "forced": lambda self, pending, guesses, most: SHIPPED(self, pending, [], most),
-    "forced, else guesses": SHIPPED,
+    "guesses": _guesses,
+    "forced": _forced,
+    "forced, else guesses": _forced_else_guesses,
+    "forced, then guesses": SHIPPED,
 }
 
 

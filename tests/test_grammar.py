@@ -254,10 +254,11 @@ PERSON = {
 }
 
 
-def test_a_grammar_drafts_what_it_forces_else_the_guesses_it_allows(default_model):
+def test_a_grammar_drafts_what_it_forces_then_the_guesses_it_allows(default_model):
     """After a pending token the grammar drafts what it forces there (a key and its
-    punctuation), else the guesses it allows, cut at the first it does not; never an
-    end-of-sequence token (llguidance cannot take one back); and it reads nothing."""
+    punctuation), then the conversation's guesses after those, cut at the first it does not
+    allow; never an end-of-sequence token (llguidance cannot take one back); and it reads
+    nothing."""
     from mlxkv.engine.grammar import GrammarProcessor
 
     tok = default_model.tokenizer
@@ -265,25 +266,39 @@ def test_a_grammar_drafts_what_it_forces_else_the_guesses_it_allows(default_mode
     def enc(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)
 
+    asked = []
+
+    def guess(text: str):
+        def after(tokens, n):
+            asked.append((tok.decode(list(tokens)), n))
+            return enc(text)[:n]
+
+        return after
+
     grammar = GrammarProcessor(json_grammar(PERSON), tok)
     for t in enc('{"name": "Ada Lovelace",'):
         grammar.consume(t)
     before = grammar.matcher.compute_bitmask()
     (space_quote,) = enc(' "')
-    assert tok.decode(grammar.drafts(space_quote, enc("anything"), 8)) == 'birth_year":'
-    assert tok.decode(grammar.drafts(space_quote, [], 2)) == "birth_"
+    assert tok.decode(grammar.drafts(space_quote, guess(""), 8)) == 'birth_year":'
+    assert tok.decode(grammar.drafts(space_quote, guess(" 1815,"), 8)) == 'birth_year": 181'
+    assert asked[-1] == ('birth_year":', 4)  # guesses after the 4 forced tokens, 8 in all
+    assert tok.decode(grammar.drafts(space_quote, guess(" 1815,"), 12)) == 'birth_year": 1815,'
+    assert tok.decode(grammar.drafts(space_quote, guess(' "1815"'), 8)) == 'birth_year":'
+    assert tok.decode(grammar.drafts(space_quote, guess(" 1815"), 2)) == "birth_"
     assert grammar.matcher.compute_bitmask() == before  # nothing read
 
     for t in enc(' "birth_year": '):
         grammar.consume(t)
     (one,) = enc("1")
-    assert grammar.drafts(one, enc("815") + enc("abc"), 8) == enc("815")  # digits, not "abc"
+    digits = grammar.drafts(one, lambda after, n: enc("815") + enc("abc"), 8)
+    assert digits == enc("815") and asked[-1][0] == 'birth_year":'  # nothing forced: no call
     for t in enc('1815, "known_for": ["the first program"]'):
         grammar.consume(t)
     eos = sorted(tok.eos_token_ids)[0]
     (close,) = enc("}")
-    assert grammar.drafts(close, [eos], 8) == []  # the object is whole: only EOS is left
-    assert grammar.drafts(eos, [], 8) == []
+    assert grammar.drafts(close, lambda after, n: [eos], 8) == []  # whole: only EOS is left
+    assert grammar.drafts(eos, guess(" x"), 8) == []
     grammar.consume(close)
     grammar.consume(eos)  # still allowed: the EOS drafts() saw was never read
     assert grammar.matcher.is_stopped() and not grammar.matcher.is_error()

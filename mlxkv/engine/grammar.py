@@ -144,21 +144,28 @@ class GrammarProcessor:
         if not self.matcher.consume_token(token):
             self._failed()
 
-    def drafts(self, pending: int, guesses: list[int], most: int) -> list[int]:
-        """The tokens a draft step checks after ``pending`` (sampled under this grammar,
-        not read yet): those the grammar forces there (a schema's keys and punctuation;
-        jump-forward decoding), up to ``most``, else the part of ``guesses`` it allows.
-        Leaves the grammar as it found it. No end-of-sequence token is read or drafted:
-        llguidance cannot take one back (its rollback skips it)."""
+    def drafts(self, pending: int, guess, most: int) -> list[int]:
+        """Up to ``most`` tokens a draft step checks after ``pending`` (sampled under this
+        grammar, not read yet): those the grammar forces there (a schema's keys and
+        punctuation: jump-forward decoding), then the conversation's guesses after them
+        (``guess(tokens, n)``: at most n tokens guessed to follow ``pending`` and
+        ``tokens``), cut at the first the grammar does not allow. Leaves the grammar as it
+        found it. No end-of-sequence token is read or drafted: llguidance cannot take one
+        back (its rollback skips it)."""
         if pending in self.ends:
             return []
         if not self.matcher.consume_token(pending):
             self._failed()
-        forced = self.matcher.compute_ff_tokens()
-        out = forced[:most] if forced else guesses[: self.matcher.validate_tokens(guesses)]
-        self.matcher.rollback(1)
-        cut = next((i for i, t in enumerate(out) if t in self.ends), len(out))
-        return out[:cut]
+        forced = self._before_end(self.matcher.compute_ff_tokens()[:most])
+        forced = forced[: self.matcher.try_consume_tokens(forced)]
+        read = 1 + len(forced)
+        guessed = guess(tuple(forced), most - len(forced)) if len(forced) < most else []
+        guessed = self._before_end(guessed[: self.matcher.validate_tokens(guessed)])
+        self.matcher.rollback(read)
+        return forced + guessed
+
+    def _before_end(self, tokens: list[int]) -> list[int]:
+        return tokens[: next((i for i, t in enumerate(tokens) if t in self.ends), len(tokens))]
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens read (drafts the model did not keep)."""

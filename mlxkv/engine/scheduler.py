@@ -1200,11 +1200,14 @@ class Scheduler:
         )
         if most <= 0:
             return False
-        drafts = r.lookup.draft(min(r.draft_length, most), () if first else (t,))
-        try:
-            for p in r.processors:
-                if hasattr(p, "drafts"):  # a grammar: what it forces, else the guesses it allows
-                    drafts = p.drafts(t, drafts, most)
+        pending = () if first else (t,)
+
+        def guess(after: tuple[int, ...], n: int) -> list[int]:
+            return r.lookup.draft(min(r.draft_length, n), pending + after)
+
+        grammar = next((p for p in r.processors if hasattr(p, "drafts")), None)
+        try:  # a grammar drafts what it forces, then the guesses it allows
+            drafts = guess((), most) if grammar is None else grammar.drafts(t, guess, most)
         except UserError:
             return False  # a broken grammar: the plain step fails the answer
         if not drafts or trimmable_after(r.caches, len(drafts) + 1) < len(drafts):

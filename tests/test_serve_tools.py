@@ -585,3 +585,42 @@ def test_strict_calls_are_held_row_by_row_in_a_batch(server):
     calls = [c["message"]["tool_calls"] for c in r.json()["choices"]]
     assert calls[0][0]["function"] == calls[1][0]["function"]
     assert isinstance(json.loads(calls[0][0]["function"]["arguments"])["city"], int), calls
+
+
+@pytest.mark.parametrize("city", ["string", "integer"])
+def test_a_held_call_takes_drafts_and_answers_as_without(folder, city):
+    """A strict call's grammar (held from the <tool_call> marker) is shown drafts: the free
+    text before the marker takes the conversation's guesses up to the marker, the call its
+    forced tokens and the guesses its grammar allows, and the grammar forgets those the
+    model did not keep. The answer is the undrafted one token for token: the script where
+    it fits the schema, the model held off its script where it does not ("city" an
+    integer)."""
+    from mlxkv.engine.events import TokenDelta
+    from mlxkv.engine.grammar import call_grammar
+    from mlxkv.engine.request import GenerationSettings
+    from mlxkv.engine.scheduler import Request, Scheduler
+    from mlxkv.models.loader import load
+
+    loaded = load(folder)
+    params = {"type": "object", "properties": {"city": {"type": city}}, "required": ["city"]}
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": "get_weather"}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    settings = GenerationSettings(max_tokens=40, call_grammar=call_grammar(call))
+    ids = rendered(folder, ASK)
+
+    def answer(drafts: int):
+        scheduler = Scheduler(loaded, draft_tokens=drafts)
+        events = list(scheduler.submit(Request(ids, settings)).events())
+        return scheduler, [e.token for e in events if isinstance(e, TokenDelta) and e.token >= 0]
+
+    _, plain = answer(0)
+    scheduler, drafted = answer(8)
+    assert drafted == plain
+    text = loaded.tokenizer.decode(plain)
+    body = text.split("<tool_call>")[1].split("</tool_call>")[0].split("<|endoftext|>")[0]
+    assert isinstance(json.loads(body)["arguments"]["city"], str if city == "string" else int)
+    assert scheduler.accepted >= 5 and scheduler.drafted > scheduler.accepted  # some not kept

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 
 from mlxkv.errors import UserError
 
@@ -203,24 +204,59 @@ class TriggeredGrammar:
     """A logits processor that holds only what follows a trigger to a grammar: the model
     writes freely until the tokens it has seen end with ``trigger`` (a tool call's start
     marker), then only what ``grammar`` allows until it is complete, then freely again
-    (the call's end marker, text, another call). llama.cpp's lazy grammars do the same."""
+    (the call's end marker, text, another call). llama.cpp's lazy grammars do the same.
+    Each call reads one token (the history's last) and logs what it changed, so that the
+    drafts a step showed it and the model did not keep can be rolled back."""
 
-    stateful = True  # it reads each token once: drafts are not applied to it
+    stateful = True  # it keeps what it has read: drafts it is shown are rolled back
 
     def __init__(self, trigger: list[int], grammar: str, tokenizer):
         self.trigger = trigger
         self.grammar = grammar
         self.tokenizer = tokenizer
         self.held: GrammarProcessor | None = None  # the call being written
+        self.tail: list[int] = []  # the last len(trigger) tokens seen, once written freely
+        # per token read: (the call that read it, or None; the call and tail before it)
+        self._log: deque = deque(maxlen=256)
 
     def __call__(self, history, logits):
+        before, read = (self.held, self.tail), None
         if self.held is not None:
+            read = self.held
             self.held.consume(int(history[-1].item()))
             if not self.held.matcher.is_accepting():
+                self._log.append((read, *before))
                 return self.held.mask(logits)
             self.held = None  # the call is whole
         k = len(self.trigger)
-        if k and history.size >= k and history[-k:].tolist() == self.trigger:
+        self.tail = history[-k:].tolist() if k else []
+        self._log.append((read, *before))
+        if k and self.tail == self.trigger:
             self.held = GrammarProcessor(self.grammar, self.tokenizer)
             return self.held.mask(logits, first=True)
         return logits
+
+    def drafts(self, pending: int, guess, most: int) -> list[int]:
+        """As :meth:`GrammarProcessor.drafts` inside a call; writing freely, the guesses up
+        to and with a trigger they complete (what follows it is the call's grammar's, which
+        has not seen them), none where ``pending`` completes it."""
+        if self.held is not None:
+            return self.held.drafts(pending, guess, most)
+        k = len(self.trigger)
+        seen = [*self.tail, pending]
+        if k and seen[-k:] == self.trigger:
+            return []
+        out = []
+        for t in guess((), most):
+            out.append(t)
+            seen.append(t)
+            if k and seen[-k:] == self.trigger:
+                break
+        return out
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens read (drafts the model did not keep)."""
+        for _ in range(n):
+            read, self.held, self.tail = self._log.pop()
+            if read is not None:
+                read.rollback(1)

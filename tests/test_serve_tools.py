@@ -624,3 +624,31 @@ def test_a_held_call_takes_drafts_and_answers_as_without(folder, city):
     body = text.split("<tool_call>")[1].split("</tool_call>")[0].split("<|endoftext|>")[0]
     assert isinstance(json.loads(body)["arguments"]["city"], str if city == "string" else int)
     assert scheduler.accepted >= 5 and scheduler.drafted > scheduler.accepted  # some not kept
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_a_thinking_budget_takes_drafts_and_answers_as_without(folder, budget):
+    """A thinking budget is shown drafts and forgets those the model did not keep: given
+    the script as the prediction (drafts that run past the budget, where the end marker is
+    forced instead), the answer is the undrafted one token for token."""
+    from mlxkv.engine.events import TokenDelta
+    from mlxkv.engine.request import GenerationSettings
+    from mlxkv.engine.scheduler import Request, Scheduler
+    from mlxkv.models.loader import load
+
+    loaded = load(folder)
+    tok = loaded.tokenizer
+    settings = GenerationSettings(max_tokens=40, think_budget=budget)
+    ids = rendered(folder, ASK, tools=())
+    script = tok.encode(SCRIPT, add_special_tokens=False)
+
+    def answer(drafts: int):
+        scheduler = Scheduler(loaded, draft_tokens=drafts)
+        events = list(scheduler.submit(Request(ids, settings, prediction=script)).events())
+        return scheduler, [e.token for e in events if isinstance(e, TokenDelta) and e.token >= 0]
+
+    _, plain = answer(0)
+    scheduler, drafted = answer(8)
+    assert drafted == plain
+    assert tok.decode(plain).startswith("<think>") and "</think>Checking." in tok.decode(plain)
+    assert scheduler.accepted >= 5 and scheduler.drafted > scheduler.accepted

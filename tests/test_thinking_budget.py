@@ -69,3 +69,33 @@ def test_no_token_is_read_once_the_block_closed_or_never_opened():
         never(mx.array(history), logits)
     for closer in (closed, never):
         assert closer(Unread(), logits) is logits
+
+
+def _shown(closer: ThinkBudget, history: list[int], tokens: list[int]) -> list[int]:
+    """Show ``closer`` each of ``tokens`` in turn, one call each as the engine's steps do;
+    the token it lets a model that wants token 1 write after each."""
+    out = []
+    for t in tokens:
+        history = [*history, t]
+        logits = mx.where(mx.arange(VOCAB) == 1, 1.0, 0.0)
+        out.append(int(mx.argmax(closer(mx.array(history), logits)).item()))
+    return out
+
+
+def test_tokens_rolled_back_are_forgotten():
+    """A draft step shows the processor tokens the model may not keep: rolled back, it
+    goes on as if it had never read them (its count inside the block, the end marker it
+    was forcing)."""
+    prompt, kept, then = [2, 3], [5, 6, 1], [1, 2, 7, 8]
+    plain = ThinkBudget(3, START, END, prompt)
+    _shown(plain, prompt[:-1], prompt[-1:])  # the first call: the prompt's, nothing read
+    _shown(plain, prompt, kept)  # the block opened, one token of thinking
+    reference = _shown(plain, prompt + kept, then)
+    assert reference == [1, 7, 8, 1]  # at the budget the end marker is forced, then free
+
+    drafted = ThinkBudget(3, START, END, prompt)
+    _shown(drafted, prompt[:-1], prompt[-1:])
+    _shown(drafted, prompt, kept)
+    assert _shown(drafted, prompt + kept, [4, 4, 4]) == [1, 7, 8]  # the drafts' count
+    drafted.rollback(3)
+    assert _shown(drafted, prompt + kept, then) == reference

@@ -1443,7 +1443,7 @@ class Scheduler:
 def _shows_drafts(processor) -> bool:
     """Whether a draft step may show ``processor`` its drafts: it is a function of the
     tokens seen (penalties, logit_bias, the end held back), or it keeps state and forgets
-    the drafts not kept (a schema's or a tool call's grammar); not a thinking budget."""
+    the drafts not kept (a schema's or a tool call's grammar, a thinking budget)."""
     return not getattr(processor, "stateful", False) or hasattr(processor, "rollback")
 
 

@@ -7,6 +7,7 @@ prompt did (DeepSeek-R1's template opens it for the model)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 
@@ -15,7 +16,7 @@ class ThinkBudget:
     closes the think block after ``budget`` tokens of reasoning; it reads each answer token
     from the history it is shown (the first call's is the prompt's tail: no answer yet)."""
 
-    stateful = True  # it reads each token once: drafts are not applied to it
+    stateful = True  # it keeps what it has read: drafts it is shown are rolled back
 
     def __init__(
         self, budget: int, start: tuple[int, ...], end: tuple[int, ...], prompt: Sequence[int]
@@ -31,10 +32,14 @@ class ThinkBudget:
         # once the block has closed, or the answer began without one, nothing is read:
         # reading a token waits for it, which stalls the next step's overlap
         self.done = False
+        self._log: deque = deque(maxlen=256)  # its state before each of the last calls
 
     def __call__(self, history, logits):
         import mlx.core as mx
 
+        self._log.append(
+            (self.inside, self.spent, list(self.forcing), self.first, self.written, self.done)
+        )
         if self.done:
             return logits
         if self.first:
@@ -48,6 +53,13 @@ class ThinkBudget:
         token = self.forcing.pop(0)
         keep = mx.arange(logits.shape[-1]) == token
         return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens read (drafts the model did not keep)."""
+        for _ in range(n):
+            state = self._log.pop()
+        if n:
+            self.inside, self.spent, self.forcing, self.first, self.written, self.done = state
 
     def _read(self, history) -> None:
         self.written += 1

@@ -83,11 +83,34 @@ def test_the_weights_are_the_samplers_filters_over_its_temperature():
     top2 = logprobs[0, :2] / 0.5
     assert got[0, 2:].tolist() == [NEG, NEG]
     assert mx.allclose(got[0, :2], top2).item()
-    # greedy, seeded and XTC answers are not checked this way
+    # greedy and seeded answers are not checked this way
     assert sampling_weights_for(GenerationSettings()) is None
     assert sampling_weights_for(GenerationSettings(temperature=0.7, seed=3)) is None
-    assert sampling_weights_for(GenerationSettings(temperature=0.7, xtc_probability=0.5)) is None
     assert sampling_weights_for(GenerationSettings(temperature=0.7)) is not None
+
+
+@pytest.mark.parametrize("chance", [0.5, 1.0])
+def test_xtc_weights_are_what_its_sampler_draws_from(chance):
+    """XTC draws a coin each step: cut the likeliest tokens (those above the threshold but
+    the least likely of them) or not. The weights are the mixture of the two outcomes, and
+    mlx-lm's own sampler's draws follow it (with top-k after XTC, as its chain has it)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    logits = mx.array([[2.0, 1.6, 1.0, 0.2, -1.0, -3.0]])
+    kw = dict(top_k=5, xtc_probability=chance, xtc_threshold=0.1, xtc_special_tokens=[5])
+    s = GenerationSettings(temperature=0.8, top_k=5, xtc_probability=chance, xtc_threshold=0.1)
+    want = mx.softmax(SamplingWeights(s, [5])(logits), axis=-1)[0].tolist()
+    sampler = make_sampler(0.8, **kw)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.random.seed(0)
+    trials, seen = 4000, [0] * 6
+    for _ in range(trials):
+        seen[sampler(logprobs).item()] += 1
+    chi2 = sum((n - trials * p) ** 2 / (trials * p) for n, p in zip(seen, want, strict=True) if p)
+    assert all(n == 0 for n, p in zip(seen, want, strict=True) if p == 0)
+    # at most 6 outcomes (5 degrees of freedom): 20.5 is the 0.1% tail. At chance 0.5
+    # either outcome alone (cut, or not) gives 693 and 3485 here.
+    assert chi2 < 20.5, (chi2, seen, want)
 
 
 PASSAGE = (
@@ -134,3 +157,36 @@ def test_a_sampled_copy_takes_drafts(default_model):
     tokens = _answer(scheduler, ids, GenerationSettings(max_tokens=30, temperature=0.3))
     # (this model at 0.3 rewords the passage on some draws: 6 to 19 taken on seeds 0-3)
     assert len(tokens) >= 10 and scheduler.accepted > 0
+
+
+@pytest.mark.model
+def test_an_xtc_answer_takes_drafts_and_draws_from_its_own_distribution(default_model):
+    """XTC at chance 1 with top-k 1 leaves one token to draw each step: the likeliest left
+    after the cut (mlx-lm's chain, as a processor of mlx-lm's generate_step, is the
+    reference). Given that answer as the prediction, the drafted answer keeps the drafts
+    its mixture weights give probability 1 and draws the reference's tokens."""
+    from mlx_lm.sample_utils import apply_xtc
+
+    from mlxkv.engine.samplers import xtc_exempt
+
+    tok = default_model.tokenizer
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": f"Copy this passage word for word:\n\n{PASSAGE}"}],
+        add_generation_prompt=True,
+    )
+    exempt = xtc_exempt(tok)
+
+    def cut(_tokens, logits):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return apply_xtc(logprobs, 1.0, 0.1, exempt)
+
+    ref = greedy_tokens(default_model, ids, 24, [cut])
+    scheduler = Scheduler(default_model, draft_tokens=8)
+    settings = GenerationSettings(
+        max_tokens=24, temperature=1.0, top_k=1, xtc_probability=1.0, xtc_threshold=0.1
+    )
+    handle = scheduler.submit(Request(ids, settings, prediction=ref))
+    tokens = [e.token for e in handle.events() if isinstance(e, TokenDelta) and e.token >= 0]
+    assert tokens == ref[: len(tokens)]
+    assert len(tokens) == 24 or ref[len(tokens)] in tok.eos_token_ids
+    assert scheduler.accepted >= 10

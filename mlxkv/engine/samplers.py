@@ -3,6 +3,7 @@ the sampler that draws from the log-probabilities (None: greedy argmax)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from mlxkv.engine.request import GenerationSettings
@@ -11,18 +12,21 @@ from mlxkv.engine.request import GenerationSettings
 def _filters(s: GenerationSettings, xtc: Callable | None = None) -> list[Callable]:
     """mlx-lm's make_sampler chain of filters over log-probabilities: top-p, min-p, XTC
     (``xtc``, when the request asks for it), top-k."""
+    before, after = _around_xtc(s)
+    return before + ([xtc] if xtc is not None else []) + after
+
+
+def _around_xtc(s: GenerationSettings) -> tuple[list[Callable], list[Callable]]:
+    """The chain's filters before XTC (top-p, min-p) and after it (top-k)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-    filters = []
+    before = []
     if 0 < s.top_p < 1:
-        filters.append(lambda x: apply_top_p(x, s.top_p))
+        before.append(lambda x: apply_top_p(x, s.top_p))
     if s.min_p:
-        filters.append(lambda x: apply_min_p(x, s.min_p))
-    if xtc is not None:
-        filters.append(xtc)
-    if s.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, s.top_k))
-    return filters
+        before.append(lambda x: apply_min_p(x, s.min_p))
+    after = [lambda x: apply_top_k(x, s.top_k)] if s.top_k > 0 else []
+    return before, after
 
 
 class SeededSampler:
@@ -58,29 +62,48 @@ class SeededSampler:
 class SamplingWeights:
     """The log-weights a sampled answer draws each token from: its logits as log-
     probabilities, through the same filters as its sampler, over its temperature. Drafts
-    are checked against them (:mod:`mlxkv.engine.speculative`)."""
+    are checked against them (:mod:`mlxkv.engine.speculative`). With XTC, whose coin a
+    step draws once (cut the likeliest tokens or not), the weights are the mixture of the
+    two outcomes, each with its probability: the distribution the step draws from."""
 
-    def __init__(self, s: GenerationSettings):
+    def __init__(self, s: GenerationSettings, xtc_exempt: list[int] = ()):
         self.temp = s.temperature
-        self.filters = _filters(s)
+        self.before, self.after = _around_xtc(s)
+        self.xtc = s.xtc_probability
+        self.threshold, self.exempt = s.xtc_threshold, list(xtc_exempt)
 
     def __call__(self, logits):
         import mlx.core as mx
 
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        for f in self.filters:
+        for f in self.before:
+            logprobs = f(logprobs)
+        if not self.xtc:
+            return self._finish(logprobs)
+        from mlx_lm.sample_utils import apply_xtc
+
+        cut = self._finish(apply_xtc(logprobs, 1.0, self.threshold, self.exempt))  # always
+        if self.xtc >= 1:
+            return cut
+        kept = self._finish(logprobs)
+        norm = [x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (cut, kept)]
+        return mx.logaddexp(norm[0] + math.log(self.xtc), norm[1] + math.log(1 - self.xtc))
+
+    def _finish(self, logprobs):
+        for f in self.after:
             logprobs = f(logprobs)
         return logprobs * (1.0 / self.temp)
 
 
-def sampling_weights_for(s: GenerationSettings) -> SamplingWeights | None:
+def sampling_weights_for(s: GenerationSettings, tokenizer=None) -> SamplingWeights | None:
     """What drafts of a sampled answer are checked against; None where they are not: a
-    greedy answer (its argmax decides), a seeded one (its text must not depend on whether
-    it decoded alone, the only time drafts are checked), or one with XTC (its coin is drawn
-    per step)."""
-    if s.temperature == 0 or s.seed is not None or s.xtc_probability > 0:
+    greedy answer (its argmax decides) or a seeded one (its text must not depend on
+    whether it decoded alone, the only time drafts are checked). ``tokenizer``: the
+    model's, for the tokens XTC never drops."""
+    if s.temperature == 0 or s.seed is not None:
         return None
-    return SamplingWeights(s)
+    exempt = xtc_exempt(tokenizer) if s.xtc_probability > 0 else []
+    return SamplingWeights(s, exempt)
 
 
 def xtc_exempt(tokenizer) -> list[int]:

@@ -843,7 +843,7 @@ class Scheduler:
             job.kv = KVAccounting(self.loaded, job.policy, job.caches)
         self._release_shared_prefixes()
         job.sampler = sampler_for(s, self.loaded.tokenizer)
-        job.weights = sampling_weights_for(s)
+        job.weights = sampling_weights_for(s, self.loaded.tokenizer)
         # greedy or sampled from a distribution drafts can be checked on, its logits
         # processors able to see drafts (see _shows_drafts)
         job.may_draft = (job.sampler is None or job.weights is not None) and all(

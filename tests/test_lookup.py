@@ -377,7 +377,7 @@ def test_a_drafted_answer_with_logprobs_gives_each_token_the_plain_steps_logprob
     alternatives its own position's logits give (a plain step's, to float32 rounding of a
     call over several positions), and the answer is the plain one."""
     ids = _ids(default_model, COPY)
-    settings = GenerationSettings(max_tokens=30)
+    settings = GenerationSettings(max_tokens=20)
 
     def answer(drafts: int):
         scheduler = Scheduler(default_model, draft_tokens=drafts)
@@ -387,8 +387,8 @@ def test_a_drafted_answer_with_logprobs_gives_each_token_the_plain_steps_logprob
 
     _, plain = answer(0)
     scheduler, drafted = answer(8)
-    assert scheduler.accepted >= 15
-    assert [d.token for d in drafted] == [d.token for d in plain] and len(plain) == 30
+    assert scheduler.accepted >= 8
+    assert [d.token for d in drafted] == [d.token for d in plain] and len(plain) == 20
     for d, p in zip(drafted, plain, strict=True):
         assert d.logprob == pytest.approx(p.logprob, abs=1e-4)
         assert [i for i, _ in d.top_logprobs] == [i for i, _ in p.top_logprobs]

@@ -212,6 +212,7 @@ def _nested(depth: int) -> dict:
     return s
 
 
+@pytest.mark.slow  # (the fast suite holds strict calls through the server, test_serve_tools)
 def test_a_triggered_grammar_holds_only_what_follows_its_trigger(default_model):
     """A tool call's grammar (``call_grammar``) held by ``TriggeredGrammar``: the answer is
     the free answer up to the trigger (here "```json", where the model opens its JSON),

@@ -204,6 +204,29 @@ def test_refused_requests_are_counted(server):
     assert after["mlxkv_memory_budget_bytes"] == 1_300_000_000
 
 
+def test_a_background_stream_that_can_never_fit_ends_failed(server):
+    """A streamed background response the budget can never hold: its stream (read again
+    from the start, as a client resuming would) ends with response.failed carrying the
+    budget's error, which the stored response holds too."""
+    server.wait_idle()
+    client = server.client()
+    ask = {"model": "smollm2-135m", "input": "Hello", "max_output_tokens": 8000}
+    first = list(client.responses.create(**ask, background=True, stream=True))
+    rid = first[0].response.id
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.type for e in again] == [
+        "response.created",
+        "response.queued",
+        "response.failed",
+    ]
+    assert [e.model_dump() for e in first] == [e.model_dump() for e in again]
+    failed = again[-1].response
+    stored = client.responses.retrieve(rid)
+    assert failed.status == stored.status == "failed"
+    assert failed.error.code == stored.error.code == "kv_budget_exceeded"
+    assert failed.error.message == stored.error.message
+
+
 def test_metrics_need_the_key_and_health_does_not(server):
     r = httpx.get(f"{server.url}/metrics", timeout=60)
     assert r.status_code == 401

@@ -316,13 +316,6 @@ BAD = [
         "truncation must be 'auto' or 'disabled', got \"middle\"",
     ),
     (
-        {"background": True, "stream": True},
-        400,
-        "background",
-        "background with stream: true is not supported: read the answer with GET "
-        "/v1/responses/{id}, or stream it without background",
-    ),
-    (
         {"background": True, "store": False},
         400,
         "store",
@@ -443,6 +436,107 @@ def test_a_background_response_is_cancelled_where_it_stands(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.cancel(plain.id)
     assert e.value.message.endswith("only background responses can be cancelled")
+
+
+def test_a_background_stream_is_read_again_from_where_it_dropped(server):
+    """background with stream: the events come as they are written (created and queued
+    first); a client that drops the connection after event k reads the rest from k + 1 with
+    the client's own resume (``responses.stream(response_id, starting_after)``) and with a
+    raw ``retrieve(stream=True, starting_after)``: the same events, numbered on without a gap,
+    ending completed, and the text of both halves is the stored answer, the greedy one."""
+    client = server.client()
+    ask = {"model": server.model, "input": QUESTION, "max_output_tokens": 40, "temperature": 0}
+    first = []
+    with client.responses.stream(**ask, background=True) as s:
+        for e in s:
+            first.append(e)
+            if e.type == "response.output_text.delta" and len(first) >= 6:
+                break  # the connection drops here
+    rid, k = first[0].response.id, first[-1].sequence_number
+    assert [e.type for e in first[:3]] == [
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+    ]
+    assert first[0].response.status == "queued" and first[0].response.background is True
+    assert [e.sequence_number for e in first] == list(range(k + 1))
+    with client.responses.stream(response_id=rid, starting_after=k) as s:
+        rest = list(s)
+        final = s.get_final_response()
+    raw = list(client.responses.retrieve(rid, stream=True, starting_after=k))
+    assert [e.sequence_number for e in rest] == list(range(k + 1, k + 1 + len(rest)))
+    seen = [(e.sequence_number, e.type, getattr(e, "delta", None)) for e in rest]
+    assert [(e.sequence_number, e.type, getattr(e, "delta", None)) for e in raw] == seen
+    assert rest[-1].type == "response.completed"
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    stored = client.responses.retrieve(rid)
+    assert stored.status == "completed" and text == stored.output_text == final.output_text
+    assert text == client.responses.create(**ask).output_text
+    whole = list(client.responses.retrieve(rid, stream=True))  # from the first event again
+    assert [e.sequence_number for e in whole] == list(range(k + 1 + len(rest)))
+
+
+@pytest.mark.parametrize(
+    ("query", "param", "message"),
+    [
+        (
+            "stream=true",
+            "stream",
+            "the events of response 'ID' are not kept: only background "
+            "responses created with stream: true can be streamed again (the latest 16 MiB of "
+            "their events are kept); read it without stream=true",
+        ),
+        ("stream=maybe", "stream", 'stream must be true or false, got "maybe"'),
+        (
+            "stream=true&starting_after=-1",
+            "starting_after",
+            "starting_after must be the "
+            'sequence number (0 or more) of the last event read, got "-1"',
+        ),
+        ("starting_after=3", "starting_after", "starting_after goes with stream=true"),
+    ],
+)
+def test_streaming_a_response_again_refuses_what_it_cannot_do(server, query, param, message):
+    """A response that was not a streamed background one has no events to stream again,
+    and the query's values are checked: 400s naming the parameter."""
+    rid = client_response(server)
+    r = httpx.get(f"{server.url}/v1/responses/{rid}?{query}", timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": message.replace("ID", rid),
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
+
+
+def client_response(server) -> str:
+    ask = {"model": server.model, "input": QUESTION, "max_output_tokens": 2}
+    return server.client().responses.create(**ask).id
+
+
+def test_a_cancelled_background_stream_ends_for_its_readers(server):
+    """A long background stream with a second reader following it: cancelling the response
+    ends both streams where it stood (no completed event), and the stored response is
+    cancelled with the text they read."""
+    client = server.client()
+    body = {"model": server.model, "max_output_tokens": 4000, "temperature": 0}
+    stream = client.responses.create(
+        **body, input="Count to ten thousand, one by one.", background=True, stream=True
+    )
+    head = [next(stream) for _ in range(8)]
+    rid = head[0].response.id
+    follower = client.responses.retrieve(rid, stream=True, starting_after=7)
+    followed = [next(follower)]
+    assert followed[0].sequence_number == 8
+    assert client.responses.cancel(rid).status == "cancelled"
+    tail = list(stream)
+    followed += list(follower)
+    assert [e.model_dump() for e in followed] == [e.model_dump() for e in tail]
+    assert {e.type for e in tail} <= {"response.output_text.delta"}
+    stored = client.responses.retrieve(rid)
+    text = "".join(e.delta for e in head + tail if e.type == "response.output_text.delta")
+    assert stored.status == "cancelled" and stored.output_text == text
 
 
 def _wait_for(ready, seconds: float = 120.0) -> None:

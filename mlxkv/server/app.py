@@ -54,6 +54,7 @@ from mlxkv.server.answers import (
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.errors import APIError, bad
+from mlxkv.server.event_log import EventLogs
 from mlxkv.server.local import foreign_source, is_local_origin
 from mlxkv.server.messages import Message, error_response, event, parse_messages
 from mlxkv.server.params import (
@@ -75,6 +76,7 @@ from mlxkv.server.responses import (
     input_messages,
     not_found,
     parse_responses,
+    stream_query,
 )
 from mlxkv.server.tokenize import (
     detokenize_body,
@@ -185,6 +187,7 @@ class Disconnect:
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
     background: dict[str, asyncio.Task] = {}  # background responses still answering, by id
+    logs = EventLogs()  # the streamed background responses' events
     fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
     repo_level = fim is not None and has_tokens(served.tokenizer, fim.repo, fim.file_sep)
 
@@ -465,15 +468,29 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     def in_background(run: Run, env: Reply, ask: Ask, turn: Turn, text: str) -> Response:
         """A Responses request with ``background: true``: stored as queued and answered at
         once; the answer runs on, and its stored state (in progress, then completed,
-        incomplete, failed or cancelled) is what GET /v1/responses/{id} reads."""
+        incomplete, failed or cancelled) is what GET /v1/responses/{id} reads. With
+        ``stream: true`` the answer is streamed too, from a log any later GET with
+        ``stream=true`` reads again: a dropped connection leaves the answer running."""
         queued = env.snapshot("queued")
         hold(queued, turn)
-        task = asyncio.ensure_future(answer_in_background(run, env, ask, turn, text))
+        log = logs.open(env.id) if ask.stream else None
+        note = (lambda events: log.add([event(*e) for e in events])) if log else _ignore
+        note(env.queued())
+        task = asyncio.ensure_future(answer_in_background(run, env, ask, turn, text, note))
         background[env.id] = task
-        task.add_done_callback(lambda _: background.pop(env.id, None))
+
+        def ended(_) -> None:
+            background.pop(env.id, None)
+            if log is not None:
+                log.end()
+                logs.trim()
+
+        task.add_done_callback(ended)
+        if log is not None:
+            return _Stream(log.read(), _ignore)
         return JSONResponse(queued)
 
-    async def answer_in_background(run: Run, env: Reply, ask: Ask, turn: Turn, text: str):
+    async def answer_in_background(run: Run, env: Reply, ask: Ask, turn: Turn, text: str, note):
         choices = choices_of(run, ask, text)
         status = "failed"
         error = None
@@ -481,9 +498,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             first = await run.next()
             _raise_failed(first[1], ask.kind, ask.policy)
             hold(env.snapshot("in_progress"), turn)
+            note(env.running())
             async for _, part in _parts(run, first, run.next, ask, choices):
-                env.add(part)
-            env.whole(choices[0])  # stores the finished response
+                note(env.add(part))
+            note(env.end(choices[0]))  # stores the finished response
             return
         except APIError as e:
             _log_error(env.id, e)
@@ -496,7 +514,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         finally:
             bridge.finish(run)
             _log(env, ask, choices, run)
-        hold({**env.snapshot(status), "error": error}, turn)
+        ended = {**env.snapshot(status), "error": error}
+        hold(ended, turn)
+        if status == "failed":
+            note(env.failed(ended))
 
     def hold(response: dict, turn: Turn) -> None:
         """A background response's state before its answer is whole (its turn without the
@@ -686,9 +707,22 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if request.method == "DELETE":
             if not served.stored.delete(request.path_params["id"]):
                 raise not_found(request.path_params["id"])
+            logs.drop(request.path_params["id"])
             deleted = {"object": "response.deleted", "deleted": True}
             return JSONResponse({"id": request.path_params["id"], **deleted})
-        return JSONResponse(stored(request).response)
+        entry = stored(request)
+        after = stream_query(request.query_params)
+        if after is None:
+            return JSONResponse(entry.response)
+        log = logs.get(request.path_params["id"])
+        if log is None:
+            raise bad(
+                f"the events of response '{entry.response['id']}' are not kept: only background "
+                "responses created with stream: true can be streamed again (the latest "
+                f"{logs.limit // 2**20} MiB of their events are kept); read it without stream=true",
+                "stream",
+            )
+        return _Stream(log.read(after), _ignore)
 
     async def input_items(request: Request) -> Response:
         """The stored input items of a response, a page at a time (``limit``, ``order``,
@@ -1198,6 +1232,10 @@ def _raise_failed(ev, kind: str, policy: KVPolicy | None = None) -> None:
     if ev.code == "cancelled":
         raise APIError(503, "the server is shutting down; no new requests are taken", None, ev.code)
     raise APIError(500, f"the engine failed: {ev.message}", None, ev.code or "internal")
+
+
+def _ignore(*_) -> None:
+    pass
 
 
 def _data(obj: dict) -> str:

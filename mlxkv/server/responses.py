@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from mlxkv.engine.events import Stats
@@ -172,12 +172,6 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         _stream_options(body, stream)
         _check_plain(body)
         background = bool(bool_field(body, "background"))
-        if background and stream:
-            raise bad(
-                "background with stream: true is not supported: read the answer with GET "
-                "/v1/responses/{id}, or stream it without background",
-                "background",
-            )
         if background and body.get("store") is False:
             raise bad("background responses are stored: leave store out or set it true", "store")
         cache_hints(body)
@@ -711,10 +705,23 @@ class Reply:
 
     def start(self, stats: Stats) -> list[tuple[str, dict]]:
         snapshot = {**self.head("in_progress"), "output": []}
+        return [self._event("response.created", response=snapshot), *self.running()]
+
+    def queued(self) -> list[tuple[str, dict]]:
+        """A background response's first events: created, and waiting for its turn."""
+        snapshot = {**self.head("queued"), "output": []}
         return [
             self._event("response.created", response=snapshot),
-            self._event("response.in_progress", response=snapshot),
+            self._event("response.queued", response=snapshot),
         ]
+
+    def running(self) -> list[tuple[str, dict]]:
+        snapshot = {**self.head("in_progress"), "output": []}
+        return [self._event("response.in_progress", response=snapshot)]
+
+    def failed(self, response: dict) -> list[tuple[str, dict]]:
+        """A background response's last event when it failed (``response`` as stored)."""
+        return [self._event("response.failed", response=response)]
 
     def add(self, part: Part) -> list[tuple[str, dict]]:
         events = []
@@ -906,6 +913,27 @@ def _custom_input(arguments: str) -> str:
 
 def _copy(obj: dict) -> dict:
     return json.loads(json.dumps(obj))
+
+
+def stream_query(query: Mapping[str, str]) -> int | None:
+    """``GET /v1/responses/{id}``'s ``stream`` and ``starting_after``: the sequence number
+    after which to stream the response's events again (-1: from the first), or None to
+    read the response whole."""
+    stream = query.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise bad(f"stream must be true or false, got {show(query['stream'])}", "stream")
+    after = query.get("starting_after")
+    if after is None:
+        return -1 if stream == "true" else None
+    if not after.isdigit() or not after.isascii():
+        raise bad(
+            f"starting_after must be the sequence number (0 or more) of the last event read, "
+            f"got {show(after)}",
+            "starting_after",
+        )
+    if stream != "true":
+        raise bad("starting_after goes with stream=true", "starting_after")
+    return int(after)
 
 
 def count_body(n: int) -> dict:

@@ -518,7 +518,7 @@ def client_response(server) -> str:
 def test_a_cancelled_background_stream_ends_for_its_readers(server):
     """A long background stream with a second reader following it: cancelling the response
     ends both streams where it stood (no completed event), and the stored response is
-    cancelled with the text they read."""
+    cancelled with the text they read, which a later turn goes on from."""
     client = server.client()
     body = {"model": server.model, "max_output_tokens": 4000, "temperature": 0}
     stream = client.responses.create(
@@ -537,6 +537,15 @@ def test_a_cancelled_background_stream_ends_for_its_readers(server):
     stored = client.responses.retrieve(rid)
     text = "".join(e.delta for e in head + tail if e.type == "response.output_text.delta")
     assert stored.status == "cancelled" and stored.output_text == text
+    # a turn going on from it reads what it wrote, as if the conversation were sent whole
+    count = client.responses.input_tokens.count
+    after = count(model=server.model, input="Go on.", previous_response_id=rid)
+    sent = [
+        {"role": "user", "content": "Count to ten thousand, one by one."},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "Go on."},
+    ]
+    assert after.input_tokens == count(model=server.model, input=sent).input_tokens
 
 
 def _wait_for(ready, seconds: float = 120.0) -> None:

@@ -515,7 +515,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             bridge.finish(run)
             _log(env, ask, choices, run)
         ended = {**env.snapshot(status), "error": error}
-        hold(ended, turn)
+        if status == "cancelled" and env.done is not None:
+            env.done(ended)  # what it wrote is the answer a later turn goes on from
+        else:
+            hold(ended, turn)
         if status == "failed":
             note(env.failed(ended))
 

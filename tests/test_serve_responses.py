@@ -321,7 +321,6 @@ BAD = [
         "store",
         "background responses are stored: leave store out or set it true",
     ),
-    ({"conversation": "conv_1"}, 400, "conversation", None),
     (
         {"include": ["file_search_call.results"]},
         400,
@@ -553,6 +552,187 @@ def _wait_for(ready, seconds: float = 120.0) -> None:
     while not ready():
         assert time.monotonic() < end, "not reached in time"
         time.sleep(0.05)
+
+
+def test_a_conversation_is_the_turns_before_each_response(server):
+    """A conversation (OpenAI's Conversations API) made with a system item: each response
+    made with it reads its items before the input, is the greedy answer to the conversation
+    sent whole (the prefix cache serving the turns before), echoes it, and adds its input
+    and output, streamed or not; the items list in order, as the client reads them."""
+    client = server.client()
+    system = {"type": "message", "role": "system", "content": "Answer in one short sentence."}
+    conv = client.conversations.create(items=[system], metadata={"topic": "capitals"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "capitals"}
+    ask = {"model": server.model, "temperature": 0, "max_output_tokens": 24}
+    first = client.responses.create(**ask, conversation=conv.id, input=QUESTION)
+    assert first.conversation.id == conv.id
+    with client.responses.stream(**ask, conversation={"id": conv.id}, input="And Spain?") as s:
+        second = s.get_final_response()
+    whole = [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And Spain?"},
+    ]
+    alone = client.responses.create(**ask, input=whole)
+    assert second.output_text == alone.output_text and second.output_text
+    assert second.usage.input_tokens == alone.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    items = list(client.conversations.items.list(conv.id, order="asc"))
+    assert [(i.type, i.role, i.content[0].text, i.status) for i in items] == [
+        ("message", "system", "Answer in one short sentence.", "completed"),
+        ("message", "user", QUESTION, "completed"),
+        ("message", "assistant", first.output_text, "completed"),
+        ("message", "user", "And Spain?", "completed"),
+        ("message", "assistant", second.output_text, "completed"),
+    ]
+    assert [i.id for i in items[2::2]] == [first.output[0].id, second.output[0].id]
+    counted = client.responses.input_tokens.count(
+        model=server.model, conversation=conv.id, input="And Italy?"
+    )
+    rest = [*whole, {"role": "assistant", "content": second.output_text}]
+    sent = client.responses.input_tokens.count(
+        model=server.model, input=[*rest, {"role": "user", "content": "And Italy?"}]
+    )
+    assert counted.input_tokens == sent.input_tokens
+
+
+def test_a_conversations_items_are_added_listed_and_deleted(server):
+    """The calls an agent session makes: items added (ids given to them), listed a page at a
+    time, the newest read and popped; the labels replaced; the conversation deleted, after
+    which it and a response made with it are 404s."""
+    client = server.client()
+    conv = client.conversations.create()
+    added = client.conversations.items.create(
+        conv.id,
+        items=[
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+            {"role": "assistant", "content": "b"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "d"},
+        ],
+    )
+    ids = [i.id for i in added.data]
+    assert len(set(ids)) == 4 and (added.first_id, added.last_id) == (ids[0], ids[-1])
+    page = client.conversations.items.list(conv.id, limit=3)  # newest first
+    assert [i.id for i in page.data] == ids[::-1][:3] and page.has_more
+    assert [i.id for i in page.get_next_page().data] == ids[:1]
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc")] == ids
+    newest = client.conversations.items.retrieve(ids[-1], conversation_id=conv.id)
+    assert (newest.type, newest.output) == ("function_call_output", "d")
+    assert client.conversations.items.delete(ids[-1], conversation_id=conv.id).id == conv.id
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc")] == ids[:3]
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(ids[-1], conversation_id=conv.id)
+    renamed = client.conversations.update(conv.id, metadata={"user": "7"})
+    assert renamed.metadata == client.conversations.retrieve(conv.id).metadata == {"user": "7"}
+    assert client.conversations.delete(conv.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=server.model, conversation=conv.id, input="x")
+    assert e.value.body["param"] == "conversation"
+    assert e.value.body["message"] == (
+        f"No conversation found with id '{conv.id}': this server keeps conversations in "
+        "memory until they are deleted or the server restarts"
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "param", "message"),
+    [
+        (
+            "POST",
+            "/v1/responses",
+            {
+                "model": "smollm2-135m",
+                "input": "x",
+                "conversation": "c",
+                "previous_response_id": "r",
+            },
+            "conversation",
+            "previous_response_id and conversation cannot be used together: the conversation "
+            "holds the turns before this one; send one of them",
+        ),
+        (
+            "POST",
+            "/v1/responses",
+            {"model": "smollm2-135m", "input": "x", "conversation": 5},
+            "conversation",
+            "conversation must be a conversation id or {id}, got 5",
+        ),
+        (
+            "POST",
+            "/v1/conversations",
+            {"items": [{"role": "robot", "content": "x"}]},
+            "items[0].role",
+            'items[0].role must be one of system, developer, user, assistant, got "robot"',
+        ),
+        (
+            "POST",
+            "/v1/conversations",
+            {"items": "hello"},
+            "items",
+            "items must be a list of items",
+        ),
+        (
+            "POST",
+            "/v1/conversations",
+            {"title": "x"},
+            "title",
+            "Unrecognized request argument supplied: title",
+        ),
+        (
+            "POST",
+            "/v1/conversations",
+            {"metadata": {str(i): "x" for i in range(17)}},
+            "metadata",
+            "metadata must be an object of at most 16 keys",
+        ),
+        (
+            "POST",
+            "/v1/conversations/ID/items",
+            {"items": []},
+            "items",
+            "items must be a list of one or more items to add",
+        ),
+        (
+            "POST",
+            "/v1/conversations/ID",
+            {},
+            "metadata",
+            "metadata is required: the conversation's new labels",
+        ),
+        (
+            "GET",
+            "/v1/conversations/ID/items?limit=0",
+            None,
+            "limit",
+            "limit must be an integer in [1, 100], got '0'",
+        ),
+        (
+            "GET",
+            "/v1/conversations/ID/items?after=msg_x",
+            None,
+            "after",
+            'after names no item of this conversation: "msg_x"',
+        ),
+    ],
+)
+def test_bad_conversation_requests_get_a_400_naming_the_field(
+    server, method, path, body, param, message
+):
+    conv = server.client().conversations.create()
+    path = path.replace("ID", conv.id)
+    r = httpx.request(method, f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["message"], error["type"], error["param"]) == (
+        message,
+        "invalid_request_error",
+        param,
+    )
+    assert list(server.client().conversations.items.list(conv.id)) == []  # nothing added
 
 
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):

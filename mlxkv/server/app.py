@@ -53,6 +53,8 @@ from mlxkv.server.answers import (
 )
 from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.bridge import Bridge, Run
+from mlxkv.server.conversation_store import ConversationStore
+from mlxkv.server.conversations import Conversations
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.event_log import EventLogs
 from mlxkv.server.local import foreign_source, is_local_origin
@@ -65,7 +67,6 @@ from mlxkv.server.params import (
     parse_chat,
     parse_completion,
     parse_json,
-    show,
 )
 from mlxkv.server.reasoning import think_reader
 from mlxkv.server.response_store import ChainBroken, ResponseStore
@@ -74,6 +75,7 @@ from mlxkv.server.responses import (
     Turn,
     count_body,
     input_messages,
+    item_page,
     not_found,
     parse_responses,
     stream_query,
@@ -88,7 +90,7 @@ from mlxkv.server.tools import has_tool_calling, held_calls, reader_for
 from mlxkv.server.truncation import answer_room, fitted
 
 ENDPOINTS = (
-    "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
+    "/v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations, /v1/messages, "
     "/v1/messages/count_tokens, /v1/embeddings, /v1/models, /v1/status, /metrics, /health, "
     "/tokenize, /detokenize, llama.cpp's /completion, /infill, /props and /apply-template, "
     "and Ollama's /api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags, "
@@ -146,6 +148,7 @@ class Served:
     api_key: str | None = None
     max_body: int = 8 * 2**20
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
+    conversations: ConversationStore = field(default_factory=ConversationStore)
     facts: dict = field(default_factory=dict)  # size, family, context... (Ollama's listings)
     pooling: str = "last"  # how an embedding pools the final hidden states: "last", "mean"
     started: int = field(default_factory=lambda: int(time.time()))
@@ -207,6 +210,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 "MLXKV_API_KEY)",
                 code="invalid_api_key",
             )
+
+    async def read_json(request: Request) -> dict:
+        return parse_json(await read_body(request))
+
+    talks = Conversations(served.conversations, check_auth, read_json)
 
     def check_local(request: Request) -> None:
         why = foreign_source(request.headers.get("host"), request.headers.get("origin"))
@@ -326,7 +334,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
 
     def with_conversation(ask: Ask, turn: Turn) -> Ask:
         """A Responses request's messages with the stored conversation it goes on from
-        (``previous_response_id``) between its instructions and its input."""
+        (``previous_response_id``, or a ``conversation``'s items) between its instructions
+        and its input."""
+        system = ask.messages[: len(ask.messages) - len(turn.messages)]
+        if turn.conversation is not None:
+            before = talks.turns(turn.conversation)
+            return replace(ask, messages=system + before + turn.messages)
         if turn.previous is None:
             return ask
         held = served.stored.get(turn.previous)
@@ -349,15 +362,19 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 "previous_response_id",
                 "previous_response_not_found",
             ) from None
-        system = ask.messages[: len(ask.messages) - len(turn.messages)]
         return replace(ask, messages=system + before + turn.messages)
 
     def keeper(turn: Turn):
-        """What stores a finished response (None: store false)."""
-        if not turn.store:
+        """What keeps a finished response: in the store, and in its conversation (None:
+        store false and no conversation)."""
+        if not turn.store and turn.conversation is None:
             return None
 
         def keep(response: dict) -> None:
+            if turn.conversation is not None:
+                talks.keep(turn.conversation, turn.items, response)
+            if not turn.store:
+                return
             try:
                 answer = input_messages(response["output"], written=True)
             except APIError:  # a call with no name: nothing a template could go on from
@@ -731,31 +748,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         """The stored input items of a response, a page at a time (``limit``, ``order``,
         ``after``), as OpenAI's API lists them."""
         check_auth(request)
-        items = stored(request).items
-        q = request.query_params
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
-        limit = q.get("limit", "20")
-        if not (limit.isdigit() and 1 <= int(limit) <= 100):
-            raise bad(f"limit must be an integer in [1, 100], got {limit!r}", "limit")
-        items = items if order == "asc" else items[::-1]
-        after = q.get("after")
-        if after is not None:
-            ids = [i["id"] for i in items]
-            if after not in ids:
-                raise bad(f"after names no input item of this response: {show(after)}", "after")
-            items = items[ids.index(after) + 1 :]
-        page = items[: int(limit)]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(items) > len(page),
-            }
-        )
+        of = "this response's input"
+        return JSONResponse(item_page(stored(request).items, request.query_params, of))
 
     async def tokenize(request: Request) -> Response:
         check_auth(request)
@@ -1050,6 +1044,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             "draining": bridge.draining,
             **now,
             "response_store": served.stored.usage(),
+            "conversation_store": served.conversations.usage(),
         }
 
     async def status(request: Request) -> Response:
@@ -1071,6 +1066,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/responses/{id}", _guard(one_response), methods=["GET", "DELETE"]),
         Route("/v1/responses/{id}/input_items", _guard(input_items), methods=["GET"]),
         Route("/v1/responses/{id}/cancel", _guard(cancel_response), methods=["POST"]),
+        Route("/v1/conversations", _guard(talks.create), methods=["POST"]),
+        Route("/v1/conversations/{id}", _guard(talks.one), methods=["GET", "POST", "DELETE"]),
+        Route("/v1/conversations/{id}/items", _guard(talks.items), methods=["GET", "POST"]),
+        Route(
+            "/v1/conversations/{id}/items/{item_id}",
+            _guard(talks.item),
+            methods=["GET", "DELETE"],
+        ),
         Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
         Route("/api/chat", _guard(api_chat, ollama.error_response), methods=["POST"]),

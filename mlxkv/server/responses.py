@@ -67,6 +67,7 @@ COUNTED = {  # the fields of a token count (POST /v1/responses/input_tokens)
     "input",
     "instructions",
     "previous_response_id",
+    "conversation",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -103,7 +104,6 @@ HONOURED = COUNTED | {
 }
 # fields of OpenAI's platform that a local server has no counterpart for
 PLATFORM = {
-    "conversation": "conversations are not supported; send previous_response_id or the input",
     "prompt": "prompt templates are not supported; send instructions and input",
     "context_management": "context management (compaction) is not supported",
     "background_options": "background options are not supported; send background: true alone",
@@ -129,6 +129,7 @@ class Turn:
     truncate: bool = False  # truncation "auto": the oldest turns go where the input is too long
     background: bool = False  # answered after the request returns; read with GET /v1/responses/{id}
     custom: frozenset[str] = frozenset()  # the names of custom tools: their calls are text
+    conversation: str | None = None  # the id of the conversation it reads and adds to
 
 
 def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple[Ask, Turn]:
@@ -141,9 +142,9 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
             raise bad(f"{name}: {PLATFORM[name]}", name, "unsupported_parameter")
         if name not in allowed and name not in PLATFORM:
             raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-    if body.get("input") is None and body.get("previous_response_id") is None:
+    if all(body.get(k) is None for k in ("input", "previous_response_id", "conversation")):
         raise bad("input is required: a string or a list of input items", "input")
-    items = _items(body.get("input"))
+    items = parse_items(body.get("input"))
     messages = input_messages(items)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -152,6 +153,13 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
         raise bad("previous_response_id must be a response id", "previous_response_id")
+    conversation = _conversation(body.get("conversation"))
+    if conversation is not None and previous is not None:
+        raise bad(
+            "previous_response_id and conversation cannot be used together: the conversation "
+            "holds the turns before this one; send one of them",
+            "conversation",
+        )
     tools, offered = _tools(body)
     effort, summary = _reasoning(body.get("reasoning"))
     grammar, form, verbosity = _text(body.get("text"))
@@ -179,7 +187,7 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
     request = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": _metadata(body.get("metadata")),
+        "metadata": metadata_of(body.get("metadata")),
         "parallel_tool_calls": tools.parallel,
         "previous_response_id": previous,
         "reasoning": {"effort": effort.get("reasoning_effort"), "summary": summary},
@@ -197,6 +205,8 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         "service_tier": "default",
         "background": background,
     }
+    if conversation is not None:
+        request["conversation"] = {"id": conversation}
     ask = Ask(
         kind="responses",
         model=model_of(body),
@@ -219,8 +229,20 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
         truncation == "auto",
         custom=custom,
         background=background,
+        conversation=conversation,
     )
     return ask, turn
+
+
+def _conversation(v) -> str | None:
+    """``conversation``: a conversation's id, or ``{id}``."""
+    if isinstance(v, dict) and set(v) == {"id"}:
+        v = v["id"]
+    if v is not None and (not isinstance(v, str) or not v):
+        raise bad(
+            f"conversation must be a conversation id or {{id}}, got {show(v)}", "conversation"
+        )
+    return v
 
 
 def _check_plain(body: dict) -> None:
@@ -264,7 +286,7 @@ def _include(v) -> list[str]:
     return v
 
 
-def _metadata(v) -> dict:
+def metadata_of(v) -> dict:
     if v is None:
         return {}
     if not isinstance(v, dict) or len(v) > MAX_METADATA:
@@ -462,21 +484,22 @@ def _forced(choice, names: set[str]) -> str | None:
 
 
 # -- input items --------------------------------------------------------------------------
-def _items(v) -> list[dict]:
-    """``input`` as a list of items, each with an id (a string is one user message)."""
+def parse_items(v, name: str = "input") -> list[dict]:
+    """``input`` (or a conversation's ``items``: ``name``) as a list of items, each with an
+    id (a string is one user message)."""
     if v is None:
         return []
     if isinstance(v, str):
         v = [{"role": "user", "content": v}]
     if not isinstance(v, list):
-        raise bad("input must be a string or a list of input items", "input")
+        raise bad(f"{name} must be a string or a list of input items", name)
     out = []
     for i, item in enumerate(v):
         if not isinstance(item, dict):
-            raise bad(f"input[{i}] must be an object (an input item)", f"input[{i}]")
+            raise bad(f"{name}[{i}] must be an object (an input item)", f"{name}[{i}]")
         kind = item.get("type", "message" if "role" in item else None)
         if kind is not None and not isinstance(kind, str):
-            raise bad(f"input[{i}].type must be a string, such as 'message'", f"input[{i}].type")
+            raise bad(f"{name}[{i}].type must be a string, such as 'message'", f"{name}[{i}].type")
         item = {**item, "type": kind, "id": item.get("id") or _item_id(kind)}
         if kind == "message" and isinstance(item.get("content"), str):  # as OpenAI lists it
             text = "output_text" if item.get("role") == "assistant" else "input_text"
@@ -496,7 +519,7 @@ def _item_id(kind) -> str:
     return new_id(prefix.get(kind, "msg")).replace("-", "_")
 
 
-def input_messages(items: list[dict], written: bool = False) -> list[dict]:
+def input_messages(items: list[dict], written: bool = False, name: str = "input") -> list[dict]:
     """Input (or stored output) items as the chat messages a template reads: a message as
     itself, function calls as the ``tool_calls`` of the assistant message before them,
     their outputs as ``tool`` messages, and a reasoning item as the ``reasoning_content``
@@ -514,7 +537,7 @@ def input_messages(items: list[dict], written: bool = False) -> list[dict]:
         return out[-1]
 
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         kind = item["type"]
         if kind == "message":
             role, text = _message(item, where)
@@ -934,6 +957,32 @@ def stream_query(query: Mapping[str, str]) -> int | None:
     if stream != "true":
         raise bad("starting_after goes with stream=true", "starting_after")
     return int(after)
+
+
+def item_page(items: list[dict], query: Mapping[str, str], of: str) -> dict:
+    """A page of ``items`` (``limit``, ``order``, ``after``), as OpenAI's API lists them;
+    ``of`` names whose items they are, for the error when ``after`` is not one."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise bad(f"limit must be an integer in [1, 100], got {limit!r}", "limit")
+    items = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise bad(f"after names no item of {of}: {show(after)}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
 
 
 def count_body(n: int) -> dict:

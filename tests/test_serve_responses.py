@@ -735,6 +735,48 @@ def test_bad_conversation_requests_get_a_400_naming_the_field(
     assert list(server.client().conversations.items.list(conv.id)) == []  # nothing added
 
 
+@pytest.mark.slow  # three servers started
+def test_conversations_outlive_the_server(tmp_path):
+    """A conversation made on one server, with a turn answered in it, is on the next server
+    started on the same --conversation-dir, item for item, and a turn goes on from it; a
+    server started on the folder while another owns it keeps its conversations in memory
+    and says so."""
+    folder = str(tmp_path / "conversations")
+    ask = {"model": "smollm2-135m", "temperature": 0, "max_output_tokens": 16}
+    first = Server(tmp_path / "a", "--conversation-dir", folder)
+    try:
+        client = first.client()
+        conv = client.conversations.create(metadata={"topic": "capitals"})
+        client.responses.create(**ask, conversation=conv.id, input=QUESTION)
+        before = [i.model_dump() for i in client.conversations.items.list(conv.id, order="asc")]
+        second = Server(tmp_path / "b", "--conversation-dir", folder)
+        code = second.stop()
+        assert (
+            f"mlxkv: conversations: {folder} is in use by another mlxkv server: this "
+            "server keeps its conversations in memory only" in second.log()
+        )
+        assert code == 0
+    finally:
+        assert first.stop() == 0
+    third = Server(tmp_path / "c", "--conversation-dir", folder)
+    try:
+        assert f"mlxkv: conversations: 1 kept in {folder}" in third.log()
+        client = third.client()
+        assert client.conversations.retrieve(conv.id).metadata == {"topic": "capitals"}
+        after = [i.model_dump() for i in client.conversations.items.list(conv.id, order="asc")]
+        assert after == before and len(after) == 2
+        went_on = client.responses.create(**ask, conversation=conv.id, input="And Spain?")
+        whole = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": after[1]["content"][0]["text"]},
+            {"role": "user", "content": "And Spain?"},
+        ]
+        alone = client.responses.create(**ask, input=whole)
+        assert went_on.output_text == alone.output_text
+    finally:
+        assert third.stop() == 0
+
+
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):
     """The last test of the default model's server: it stops it. A stream still running
     when the grace time ends gets the Responses error event, and the server exits 0."""

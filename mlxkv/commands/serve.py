@@ -102,6 +102,12 @@ def add_arguments(p) -> None:
         "clients that send a name of their own; the first plain name is the one /v1/models "
         "lists and answers carry",
     )
+    g.add_argument(
+        "--conversation-dir",
+        metavar="DIR",
+        help="folder where conversations (/v1/conversations) are kept across restarts "
+        "(default: MLXKV_HOME/conversations); 'none' keeps them in memory only",
+    )
     m = p.add_argument_group("memory and the prefix cache")
     m.add_argument(
         "--memory",
@@ -191,9 +197,12 @@ def _check_memory_flags(args) -> None:
     if args.prefix_cache_bytes is not None:
         _size("--prefix-cache-bytes", args.prefix_cache_bytes)
     _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
-    d = args.prefix_cache_dir
-    if d is not None and d != "none" and Path(d).exists() and not Path(d).is_dir():
-        raise UserError(f"--prefix-cache-dir {d} is not a folder; name a folder or 'none'")
+    for flag, d in (
+        ("--prefix-cache-dir", args.prefix_cache_dir),
+        ("--conversation-dir", args.conversation_dir),
+    ):
+        if d is not None and d != "none" and Path(d).exists() and not Path(d).is_dir():
+            raise UserError(f"{flag} {d} is not a folder; name a folder or 'none'")
 
 
 def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
@@ -242,6 +251,29 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
     )
     count = None if lockstep is None else lockstep.largest
     return memory, PrefixCache(limit, loaded.model, disk, status, count)
+
+
+def _conversations(args):
+    """The conversation store, with its files in ``--conversation-dir`` read back (memory
+    only where that is 'none' or another server owns the folder)."""
+    from mlxkv.paths import home
+    from mlxkv.server.conversation_files import ConversationFiles, FolderBusy
+    from mlxkv.server.conversation_store import ConversationStore
+
+    if args.conversation_dir == "none":
+        return ConversationStore()
+    folder = Path(args.conversation_dir or home() / "conversations")
+    try:
+        files = ConversationFiles(folder, status)
+    except FolderBusy as e:
+        status(f"conversations: {e}: this server keeps its conversations in memory only")
+        return ConversationStore()
+    except OSError as e:
+        raise UserError(f"--conversation-dir {folder}: {e.strerror or e}") from None
+    store = ConversationStore(journal=files)
+    store.load(files.load(store.limit))
+    status(f"conversations: {len(store.conversations)} kept in {folder}")
+    return store
 
 
 def _smallest_budget(cluster, budget: int) -> int:
@@ -490,6 +522,7 @@ def run(args) -> int:
             api_key=key,
             max_body=args.max_body,
             pooling=pooling,
+            conversations=_conversations(args),
         )
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]

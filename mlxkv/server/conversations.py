@@ -6,7 +6,9 @@ output to it (``keep``)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,8 +44,16 @@ class Conversations:
     def keep(self, conversation_id: str, items: list[dict], response: dict) -> None:
         """A finished response's input items and output, added to its conversation."""
         conversation = self.store.get(conversation_id)
-        if conversation is not None:
+        if conversation is None:
+            return
+        try:
             self.store.add(conversation, _listed(items) + response["output"])
+        except OSError as e:  # the answer stands; its turn is not in the conversation
+            print(
+                f"mlxkv: {response['id']} not added to {conversation_id}: {_why(e)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- endpoints ----------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -56,7 +66,8 @@ class Conversations:
         if not self.store.fits(items, metadata):
             raise _full(self.store)
         conversation = Conversation(new_id("conv").replace("-", "_"), metadata, items)
-        self.store.create(conversation)
+        with _written():
+            self.store.create(conversation)
         return JSONResponse(conversation.resource())
 
     async def one(self, request: Request) -> Response:
@@ -64,7 +75,8 @@ class Conversations:
         self.check_auth(request)
         conversation = self._get(request.path_params["id"])
         if request.method == "DELETE":
-            self.store.delete(conversation.id)
+            with _written():
+                self.store.delete(conversation.id)
             return JSONResponse(
                 {"id": conversation.id, "object": "conversation.deleted", "deleted": True}
             )
@@ -76,7 +88,8 @@ class Conversations:
             metadata = metadata_of(body["metadata"])
             if not self.store.fits([], metadata):
                 raise _full(self.store)
-            self.store.set_metadata(conversation, metadata)
+            with _written():
+                self.store.set_metadata(conversation, metadata)
         return JSONResponse(conversation.resource())
 
     async def items(self, request: Request) -> Response:
@@ -93,7 +106,8 @@ class Conversations:
         items = _items(body["items"])
         if not self.store.fits(items):
             raise _full(self.store)
-        self.store.add(conversation, items)
+        with _written():
+            self.store.add(conversation, items)
         return JSONResponse(
             {
                 "object": "list",
@@ -118,7 +132,8 @@ class Conversations:
                 code="not_found",
             )
         if request.method == "DELETE":
-            self.store.remove(conversation, item_id)
+            with _written():
+                self.store.remove(conversation, item_id)
             return JSONResponse(conversation.resource())
         return JSONResponse(item)
 
@@ -153,6 +168,24 @@ def _only(body: dict, fields: set[str]) -> None:
     for name in body:
         if name not in fields:
             raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+
+
+@contextmanager
+def _written():
+    """A change the journal could not write is not made, and the client is told why."""
+    try:
+        yield
+    except OSError as e:
+        raise APIError(
+            500,
+            f"the conversation could not be written to its file: {_why(e)}; the change was "
+            "not made",
+            code="conversation_write_failed",
+        ) from None
+
+
+def _why(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
 
 
 def _full(store: ConversationStore) -> APIError:

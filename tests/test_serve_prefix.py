@@ -229,6 +229,14 @@ def test_without_a_budget_the_three_run_at_once_past_it(default_model, tmp_path)
             ["--prefix-cache-dir", "README.md"],
             "--prefix-cache-dir README.md is not a folder; name a folder or 'none'",
         ),
+        (
+            ["--conversation-dir", "README.md"],
+            "--conversation-dir README.md is not a folder; name a folder or 'none'",
+        ),
+        (
+            ["--conversation-dir", "README.md/conversations"],
+            "--conversation-dir README.md/conversations: Not a directory",
+        ),
     ],
 )
 def test_bad_memory_flags_are_refused_before_loading(flags, message):

@@ -498,6 +498,7 @@ def run(args) -> int:
         return _follow(args, model, policy, cluster, shard, template)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
+        conversations = _conversations(args)  # a folder it cannot use fails before loading
         loaded, scheduler = _engine(args, model, policy, cluster, shard, template)
         scheduler.start()
         model_id, names, patterns = _names(loaded, args.served_model_name)
@@ -522,7 +523,7 @@ def run(args) -> int:
             api_key=key,
             max_body=args.max_body,
             pooling=pooling,
-            conversations=_conversations(args),
+            conversations=conversations,
         )
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]

@@ -547,6 +547,21 @@ def test_a_cancelled_background_stream_ends_for_its_readers(server):
     assert after.input_tokens == count(model=server.model, input=sent).input_tokens
 
 
+def test_a_background_response_deleted_while_it_runs_stays_deleted(server):
+    """Deleting a background response that is still answering stops it: its end does not
+    store it again, and its engine row is gone."""
+    client = server.client()
+    body = {"model": server.model, "max_output_tokens": 4000, "temperature": 0}
+    long = client.responses.create(
+        **body, input="Count to ten thousand, one by one.", background=True
+    )
+    _wait_for(lambda: client.responses.retrieve(long.id).status == "in_progress")
+    client.responses.delete(long.id)
+    server.wait_idle()  # an answer left running would be stored again at its end
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(long.id)
+
+
 def _wait_for(ready, seconds: float = 120.0) -> None:
     end = time.monotonic() + seconds
     while not ready():

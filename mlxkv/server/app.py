@@ -551,11 +551,15 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         entry = stored(request)
         if not entry.response.get("background"):
             raise bad("only background responses can be cancelled", "response_id")
-        task = background.get(request.path_params["id"])
+        await stop_background(request.path_params["id"])
+        return JSONResponse(stored(request).response)
+
+    async def stop_background(response_id: str) -> None:
+        """A background response still answering stops, and is stored as cancelled."""
+        task = background.get(response_id)
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
-        return JSONResponse(stored(request).response)
 
     def fill_in(ask: Ask) -> Ask:
         """A completion with a suffix as the model's fill-in-the-middle prompts, which end
@@ -725,6 +729,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def one_response(request: Request) -> Response:
         check_auth(request)
         if request.method == "DELETE":
+            await stop_background(request.path_params["id"])  # or its end would store it again
             if not served.stored.delete(request.path_params["id"]):
                 raise not_found(request.path_params["id"])
             logs.drop(request.path_params["id"])

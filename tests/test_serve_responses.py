@@ -653,6 +653,31 @@ def test_a_conversations_items_are_added_listed_and_deleted(server):
     )
 
 
+def test_a_change_that_cannot_be_written_is_not_made(server):
+    """A conversation whose file went behind the server's back: adding to it is a 500
+    that says why and the change is not made; the server goes on serving."""
+    client = server.client()
+    conv = client.conversations.create()
+    path = server.log_path.parent / "conversations" / f"{conv.id}.jsonl"
+    path.unlink()
+    r = server.http(
+        "POST",
+        f"/v1/conversations/{conv.id}/items",
+        json={"items": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "the conversation could not be written to its file: No such file or "
+        f"directory ({path}); the change was not made",
+        "type": "server_error",
+        "param": None,
+        "code": "conversation_write_failed",
+    }
+    assert list(client.conversations.items.list(conv.id)) == []
+    assert not path.exists()  # no file made up in its place
+    assert client.conversations.delete(conv.id).deleted is True
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "param", "message"),
     [

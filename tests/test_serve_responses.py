@@ -617,7 +617,9 @@ def test_a_conversations_items_are_added_listed_and_deleted(server):
     time, the newest read and popped; the labels replaced; the conversation deleted, after
     which it and a response made with it are 404s."""
     client = server.client()
-    conv = client.conversations.create()
+    r = server.http("POST", "/v1/conversations")  # no body at all: an empty conversation
+    assert r.status_code == 200 and r.json()["object"] == "conversation"
+    conv = client.conversations.retrieve(r.json()["id"])
     added = client.conversations.items.create(
         conv.id,
         items=[

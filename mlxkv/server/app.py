@@ -211,8 +211,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 code="invalid_api_key",
             )
 
-    async def read_json(request: Request) -> dict:
-        return parse_json(await read_body(request))
+    async def read_json(request: Request, empty: dict | None = None) -> dict:
+        """The body as a JSON object (``empty`` stands for a body with nothing in it)."""
+        raw = await read_body(request)
+        return dict(empty) if empty is not None and not raw.strip() else parse_json(raw)
 
     talks = Conversations(served.conversations, check_auth, read_json)
 

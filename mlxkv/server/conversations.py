@@ -26,7 +26,7 @@ class Conversations:
         self,
         store: ConversationStore,
         check_auth: Callable[[Request], None],
-        read_json: Callable[[Request], Awaitable[dict]],
+        read_json: Callable[..., Awaitable[dict]],
     ):
         self.store = store
         self.check_auth = check_auth
@@ -57,9 +57,10 @@ class Conversations:
 
     # -- endpoints ----------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
-        """``POST /v1/conversations``: ``items`` (optional) and ``metadata``."""
+        """``POST /v1/conversations``: ``items`` and ``metadata``, both optional (so is the
+        body)."""
         self.check_auth(request)
-        body = await self.read_json(request)
+        body = await self.read_json(request, {})
         _only(body, {"items", "metadata"})
         items = _items(body.get("items"))
         metadata = metadata_of(body.get("metadata"))

@@ -795,7 +795,8 @@ def test_conversations_outlive_the_server(tmp_path):
         code = second.stop()
         assert (
             f"mlxkv: conversations: {folder} is in use by another mlxkv server: this "
-            "server keeps its conversations in memory only" in second.log()
+            "server keeps its conversations in memory only (give it a --conversation-dir of "
+            "its own to keep them)\n" in second.log()
         )
         assert code == 0
     finally:

@@ -266,7 +266,10 @@ def _conversations(args):
     try:
         files = ConversationFiles(folder, status)
     except FolderBusy as e:
-        status(f"conversations: {e}: this server keeps its conversations in memory only")
+        status(
+            f"conversations: {e}: this server keeps its conversations in memory only (give "
+            "it a --conversation-dir of its own to keep them)"
+        )
         return ConversationStore()
     except OSError as e:
         raise UserError(f"--conversation-dir {folder}: {e.strerror or e}") from None

@@ -82,3 +82,18 @@ def test_a_later_state_of_a_response_replaces_its_first():
     turn(store, "a", "a longer answer")
     assert list(store.entries) == ["a"] and store.bytes == size("a", "a longer answer")
     assert [m["content"] for m in store.conversation("a")] == ["a longer answer", "A LONGER ANSWER"]
+
+
+def test_a_stored_items_id_finds_it_until_its_response_goes():
+    """Input and output items by id (what item_reference names); a response's later state
+    keeps them, and a deleted or pushed-out response's items are found no more."""
+    store = ResponseStore(limit=size("a", "one") + size("b", "two") + 10)
+    output = [{"id": "fc_1", "type": "function_call", "name": "f"}]
+    store.put({"id": "a", "output": output}, [{"id": "msg_a"}], [], None)
+    assert store.item("fc_1") == output[0] and store.item("msg_a") == {"id": "msg_a"}
+    turn(store, "b", "two")
+    assert store.item("msg_b") == {"id": "msg_b"} and store.item("nope") is None
+    turn(store, "c", "three")  # pushes "a" out
+    assert store.get("a") is None and store.item("fc_1") is None and store.item("msg_a") is None
+    assert store.delete("b") and store.item("msg_b") is None
+    assert store.item("msg_c") == {"id": "msg_c"}

@@ -272,9 +272,10 @@ BAD = [
     (
         {"input": [{"type": "item_reference", "id": "msg_1"}]},
         400,
-        "input[0].type",
-        "input[0]: item references are not supported; send the item itself, or "
-        "previous_response_id to go on from a stored response",
+        "input[0].id",
+        'input[0]: item_reference "msg_1" names no item this server holds (the input and '
+        "output items of stored responses, and the conversation's items); send the item "
+        "itself",
     ),
     (
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
@@ -610,6 +611,16 @@ def test_a_conversation_is_the_turns_before_each_response(server):
         model=server.model, input=[*rest, {"role": "user", "content": "And Italy?"}]
     )
     assert counted.input_tokens == sent.input_tokens
+    # an item_reference to one of its items is that item
+    again = client.responses.input_tokens.count(
+        model=server.model,
+        conversation=conv.id,
+        input=[{"type": "item_reference", "id": items[1].id}],
+    )
+    sent = client.responses.input_tokens.count(
+        model=server.model, input=[*rest, {"role": "user", "content": QUESTION}]
+    )
+    assert again.input_tokens == sent.input_tokens
 
 
 def test_a_conversations_items_are_added_listed_and_deleted(server):
@@ -709,6 +720,13 @@ def test_a_change_that_cannot_be_written_is_not_made(server):
             {"items": [{"role": "robot", "content": "x"}]},
             "items[0].role",
             'items[0].role must be one of system, developer, user, assistant, got "robot"',
+        ),
+        (
+            "POST",
+            "/v1/conversations",
+            {"items": [{"type": "item_reference", "id": "msg_1"}]},
+            "items[0].type",
+            "items[0]: item references are not taken here; send the item itself",
         ),
         (
             "POST",
@@ -881,9 +899,10 @@ def test_reasoning_text_and_a_function_call_come_as_items(tool_server, built):
 
 
 def test_the_function_call_output_turn_renders_as_the_template_does(tool_server, built):
-    """The next turn, sent as items (the output again, then the call's output) or as
-    previous_response_id and the call's output alone: the same prompt, the messages the
-    chat template reads, the turn before served by the prefix cache."""
+    """The next turn, sent as items (the output again, or references to it, as Codex sends
+    them, then the call's output) or as previous_response_id and the call's output alone:
+    the same prompt, the messages the chat template reads, the turn before served by the
+    prefix cache."""
     folder, _ = built
     c = tool_server.client()
     kw = {"model": tool_server.model, "max_output_tokens": 64, "tools": [TOOL]}
@@ -894,6 +913,8 @@ def test_the_function_call_output_turn_renders_as_the_template_does(tool_server,
         input=[*ASK, *[o.model_dump(exclude_none=True) for o in first.output], result], **kw
     )
     chained = c.responses.create(input=[result], previous_response_id=first.id, **kw)
+    references = [{"type": "item_reference", "id": o.id} for o in first.output]
+    referenced = c.responses.create(input=[*ASK, *references, result], **kw)
     expected = [
         *ASK,
         {
@@ -912,6 +933,7 @@ def test_the_function_call_output_turn_renders_as_the_template_does(tool_server,
     ]
     want = len(rendered(folder, expected))
     assert resent.usage.input_tokens == chained.usage.input_tokens == want
+    assert referenced.usage.input_tokens == want
     assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 

@@ -366,6 +366,15 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ) from None
         return replace(ask, messages=system + before + turn.messages)
 
+    def referenced(item_id: str, conversation_id: str | None) -> dict | None:
+        """The item an ``item_reference`` names: one of the conversation's, or an input or
+        output item of a stored response."""
+        conversation = (
+            None if conversation_id is None else served.conversations.get(conversation_id)
+        )
+        found = None if conversation is None else conversation.item(item_id)
+        return found or served.stored.item(item_id)
+
     def keeper(turn: Turn):
         """What keeps a finished response: in the store, and in its conversation (None:
         store false and no conversation)."""
@@ -389,7 +398,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         check_auth(request)
         body = parse_json(await read_body(request))
         if kind == "responses":
-            ask, turn = parse_responses(body, served.limits)
+            ask, turn = parse_responses(body, served.limits, find=referenced)
         elif kind in LLAMA:
             ask, fill = llamacpp.parse_infill(body, served.limits, kind == "infill")
         else:
@@ -714,7 +723,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def input_tokens(request: Request) -> Response:
         check_auth(request)
         body = parse_json(await read_body(request))
-        ask, turn = parse_responses(body, served.limits, counting=True)
+        ask, turn = parse_responses(body, served.limits, counting=True, find=referenced)
         check_model(ask.model)
         check_tool_format(ask)
         ask = with_conversation(ask, turn)

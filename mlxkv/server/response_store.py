@@ -39,6 +39,7 @@ class ResponseStore:
         self.limit = limit
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self.bytes = 0
+        self.owners: dict[str, str] = {}  # item id -> the response whose input or output it is
 
     def put(
         self, response: dict, items: list[dict], messages: list[dict], previous: str | None
@@ -48,11 +49,12 @@ class ResponseStore:
         self.delete(response["id"])  # a background response's later state replaces its first
         if size > self.limit:
             return  # larger than the whole store: kept nowhere, as with store false
-        self.entries[response["id"]] = Stored(response, items, messages, previous, size)
+        entry = self.entries[response["id"]] = Stored(response, items, messages, previous, size)
         self.bytes += size
+        for item in _items(entry):
+            self.owners[item["id"]] = response["id"]
         while self.bytes > self.limit:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= old.size
+            self.delete(next(iter(self.entries)))
 
     def get(self, response_id: str) -> Stored | None:
         entry = self.entries.get(response_id)
@@ -62,9 +64,20 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         entry = self.entries.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry.size
-        return entry is not None
+        if entry is None:
+            return False
+        self.bytes -= entry.size
+        for item in _items(entry):
+            if self.owners.get(item["id"]) == response_id:
+                del self.owners[item["id"]]
+        return True
+
+    def item(self, item_id: str) -> dict | None:
+        """An input or output item of a stored response, by its id."""
+        entry = self.entries.get(self.owners.get(item_id, ""))
+        if entry is None:
+            return None
+        return next((i for i in _items(entry) if i["id"] == item_id), None)
 
     def usage(self) -> dict:
         return {"responses": len(self.entries), "bytes": self.bytes, "limit": self.limit}
@@ -81,3 +94,7 @@ class ResponseStore:
             turns.append(entry.messages)
             at = entry.previous
         return [m for turn in reversed(turns) for m in turn]
+
+
+def _items(entry: Stored) -> list[dict]:
+    return [*entry.items, *entry.response.get("output", [])]

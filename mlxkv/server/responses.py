@@ -116,6 +116,9 @@ PLATFORM = {
 }
 
 
+Find = Callable[[str, str | None], dict | None]  # (item id, conversation id) -> the item
+
+
 @dataclass
 class Turn:
     """What a Responses request adds to its Ask: what the response object echoes, the
@@ -132,10 +135,13 @@ class Turn:
     conversation: str | None = None  # the id of the conversation it reads and adds to
 
 
-def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple[Ask, Turn]:
+def parse_responses(
+    body: dict, limits: Limits, counting: bool = False, find: Find | None = None
+) -> tuple[Ask, Turn]:
     """A Responses request (or, ``counting``, an input_tokens request) as the server's Ask
     and the Turn it belongs to. ``Ask.messages`` holds the instructions and this input;
-    the server puts the stored conversation of ``previous_response_id`` between them."""
+    the server puts the stored conversation of ``previous_response_id`` between them.
+    ``find`` looks up the items that ``item_reference`` items name."""
     allowed = COUNTED if counting else HONOURED
     for name, value in body.items():
         if name in PLATFORM and value is not None:
@@ -144,7 +150,9 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
             raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
     if all(body.get(k) is None for k in ("input", "previous_response_id", "conversation")):
         raise bad("input is required: a string or a list of input items", "input")
-    items = parse_items(body.get("input"))
+    conversation = _conversation(body.get("conversation"))
+    lookup = None if find is None else lambda item_id: find(item_id, conversation)
+    items = parse_items(body.get("input"), find=lookup)
     messages = input_messages(items)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -153,7 +161,6 @@ def parse_responses(body: dict, limits: Limits, counting: bool = False) -> tuple
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
         raise bad("previous_response_id must be a response id", "previous_response_id")
-    conversation = _conversation(body.get("conversation"))
     if conversation is not None and previous is not None:
         raise bad(
             "previous_response_id and conversation cannot be used together: the conversation "
@@ -484,9 +491,12 @@ def _forced(choice, names: set[str]) -> str | None:
 
 
 # -- input items --------------------------------------------------------------------------
-def parse_items(v, name: str = "input") -> list[dict]:
+def parse_items(
+    v, name: str = "input", find: Callable[[str], dict | None] | None = None
+) -> list[dict]:
     """``input`` (or a conversation's ``items``: ``name``) as a list of items, each with an
-    id (a string is one user message)."""
+    id (a string is one user message); an ``item_reference`` is the item ``find`` gives
+    for its id (without ``find``, it is left for ``input_messages`` to refuse)."""
     if v is None:
         return []
     if isinstance(v, str):
@@ -500,12 +510,29 @@ def parse_items(v, name: str = "input") -> list[dict]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind is not None and not isinstance(kind, str):
             raise bad(f"{name}[{i}].type must be a string, such as 'message'", f"{name}[{i}].type")
+        if kind == "item_reference" and find is not None:
+            item = _referenced(item, f"{name}[{i}]", find)
+            kind = item["type"]
         item = {**item, "type": kind, "id": item.get("id") or _item_id(kind)}
         if kind == "message" and isinstance(item.get("content"), str):  # as OpenAI lists it
             text = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": text, "text": item["content"]}]
         out.append(item)
     return out
+
+
+def _referenced(item: dict, where: str, find: Callable[[str], dict | None]) -> dict:
+    _only(item, {"type", "id"}, where)
+    item_id = item.get("id")
+    found = find(item_id) if isinstance(item_id, str) else None
+    if found is None:
+        raise bad(
+            f"{where}: item_reference {show(item_id)} names no item this server holds (the "
+            "input and output items of stored responses, and the conversation's items); "
+            "send the item itself",
+            f"{where}.id",
+        )
+    return _copy(found)
 
 
 def _item_id(kind) -> str:
@@ -559,8 +586,7 @@ def input_messages(items: list[dict], written: bool = False, name: str = "input"
             thought.append(_reasoning_text(item, where))
         elif kind == "item_reference":
             raise bad(
-                f"{where}: item references are not supported; send the item itself, or "
-                "previous_response_id to go on from a stored response",
+                f"{where}: item references are not taken here; send the item itself",
                 f"{where}.type",
             )
         else:

@@ -532,12 +532,18 @@ def run(args) -> int:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         split = f", split over {cluster.size} ranks" if cluster is not None else ""
-        status(
+        serving = (
             f"serving {model_id} ({policy.describe()}, up to {args.max_batch} answers per batch"
             f"{split}) on http://{shown}:{port}/v1" + (" with an API key" if key else "")
         )
+        app = build_app(served, bridge)
         serve(
-            build_app(served, bridge), bridge, sock, args.shutdown_timeout, not args.no_access_log
+            app,
+            bridge,
+            sock,
+            args.shutdown_timeout,
+            not args.no_access_log,
+            on_ready=lambda: status(serving),
         )
         scheduler.close(timeout=1.0)
     finally:

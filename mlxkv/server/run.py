@@ -42,16 +42,24 @@ def listen(host: str, port: int) -> socket.socket:
 class _Server(uvicorn.Server):
     """uvicorn's server, with the shutdown drain of the bridge and a plain exit status."""
 
-    def __init__(self, config: uvicorn.Config, bridge: Bridge, grace: float):
+    def __init__(self, config: uvicorn.Config, bridge: Bridge, grace: float, on_ready):
         super().__init__(config)
         self.bridge = bridge
         self.grace = grace
+        self.on_ready = on_ready
         self.loop: asyncio.AbstractEventLoop | None = None
         self.cutting = False
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # said once requests are taken and a signal drains the server (a SIGTERM before
+        # that would end the process with the signal's status, not 0)
+        if not self.should_exit:
+            self.on_ready()
 
     @contextmanager
     def capture_signals(self):
@@ -111,8 +119,11 @@ class _AnswerCancelled:
                 pass
 
 
-def serve(app, bridge: Bridge, sock: socket.socket, grace: float, access_log: bool = True):
-    """Serve until a signal; the answers in flight get ``grace`` seconds to finish."""
+def serve(
+    app, bridge: Bridge, sock: socket.socket, grace: float, access_log: bool = True, on_ready=None
+):
+    """Serve until a signal; the answers in flight get ``grace`` seconds to finish.
+    ``on_ready`` runs once the server takes requests and handles signals."""
     config = uvicorn.Config(
         _AnswerCancelled(app),
         lifespan="off",
@@ -121,4 +132,4 @@ def serve(app, bridge: Bridge, sock: socket.socket, grace: float, access_log: bo
         timeout_graceful_shutdown=grace + 5,  # after the bridge has cut what was left
         timeout_keep_alive=5,
     )
-    _Server(config, bridge, grace).run(sockets=[sock])
+    _Server(config, bridge, grace, on_ready or (lambda: None)).run(sockets=[sock])

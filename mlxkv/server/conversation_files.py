@@ -80,9 +80,7 @@ class ConversationFiles:
         return out
 
     def created(self, conversation: Conversation) -> None:
-        data = _line({"conversation": _head(conversation)})
-        if conversation.items:
-            data += _line({"items": conversation.items})
+        data = _whole(conversation)
         # a new name: no file is ever overwritten
         fd = os.open(self.path(conversation.id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         _write(fd, data)
@@ -109,9 +107,7 @@ class ConversationFiles:
 
     def rewrite(self, conversation: Conversation) -> None:
         path = self.path(conversation.id)
-        data = _line({"conversation": _head(conversation)})
-        if conversation.items:
-            data += _line({"items": conversation.items})
+        data = _whole(conversation)
         new = path.with_name(path.name + ".new")
         new.unlink(missing_ok=True)  # a rewrite a crash left unfinished
         _write(os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), data)
@@ -126,12 +122,15 @@ class ConversationFiles:
         self.sizes[conversation.id] = self.sizes.get(conversation.id, 0) + len(data)
 
 
-def _head(conversation: Conversation) -> dict:
-    return {
+def _whole(conversation: Conversation) -> bytes:
+    """A file's lines for the conversation as it stands: its header, then its items."""
+    head = {
         "id": conversation.id,
         "created_at": conversation.created_at,
         "metadata": conversation.metadata,
     }
+    data = _line({"conversation": head})
+    return data + _line({"items": conversation.items}) if conversation.items else data
 
 
 def _line(obj: dict) -> bytes:

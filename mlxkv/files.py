@@ -16,6 +16,7 @@ cannot be encoded as UTF-8 (lone surrogates such as ``\\ud800``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -124,6 +125,44 @@ def atomic_write_with(path, write: Callable[[io.BufferedWriter], None], **kw) ->
     """Replace ``path`` with what ``write(file_object)`` writes; see :func:`atomic_file`."""
     with atomic_file(path, **kw) as f:
         write(f)
+
+
+def write_fd(fd: int, data: bytes) -> None:
+    """All of ``data`` written to the open file ``fd``, fsynced; ``fd`` is closed."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(folder: Path) -> None:
+    """A file created, renamed or removed in ``folder`` stays so after a crash."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FolderBusy(Exception):
+    """Another process owns the folder."""
+
+
+def lock_folder(folder: Path) -> io.TextIOWrapper:
+    """``folder`` (created if missing, private to the user) owned by this process while the
+    returned file stays open: an exclusive lock on its ``.lock`` file; :class:`FolderBusy`
+    when another process holds it."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = open(folder / ".lock", "a")  # (append: an existing one is kept)
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise FolderBusy(f"{folder} is in use by another mlxkv server") from None
+    return lock
 
 
 # -- reading -----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from mlxkv.server.conversation_files import SLACK, ConversationFiles, FolderBusy
+from mlxkv.files import FolderBusy
+from mlxkv.server.conversation_files import SLACK, ConversationFiles
 from mlxkv.server.conversation_store import Conversation, ConversationStore
 
 ID = "conv_" + "ab" * 12

@@ -256,8 +256,9 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
 def _conversations(args):
     """The conversation store, with its files in ``--conversation-dir`` read back (memory
     only where that is 'none' or another server owns the folder)."""
+    from mlxkv.files import FolderBusy
     from mlxkv.paths import home
-    from mlxkv.server.conversation_files import ConversationFiles, FolderBusy
+    from mlxkv.server.conversation_files import ConversationFiles
     from mlxkv.server.conversation_store import ConversationStore
 
     if args.conversation_dir == "none":

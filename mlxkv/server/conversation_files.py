@@ -15,7 +15,6 @@ read, rewritten or removed; anything else in the folder is left alone.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -23,15 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxkv.errors import first_line
+from mlxkv.files import lock_folder, sync_folder, write_fd
 from mlxkv.server.conversation_store import Conversation
 
 OWN_FILE = re.compile(r"conv_[0-9a-f]{24}\.jsonl")
-LOCK_FILE = ".lock"
 SLACK = 64 * 2**10  # a file may outgrow twice what it holds by this much before a rewrite
-
-
-class FolderBusy(Exception):
-    """Another server owns the folder."""
 
 
 class ConversationFiles:
@@ -39,13 +34,7 @@ class ConversationFiles:
         self.folder = Path(folder)
         self.log = log
         self.sizes: dict[str, int] = {}  # each file's bytes
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = open(self.folder / LOCK_FILE, "a")  # (append: an existing one is kept)
-        try:
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise FolderBusy(f"{self.folder} is in use by another mlxkv server") from None
+        self._lock = lock_folder(self.folder)
 
     def close(self) -> None:
         self._lock.close()  # (closing releases the lock)
@@ -83,8 +72,8 @@ class ConversationFiles:
         data = _whole(conversation)
         # a new name: no file is ever overwritten
         fd = os.open(self.path(conversation.id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        _write(fd, data)
-        _sync_folder(self.folder)
+        write_fd(fd, data)
+        sync_folder(self.folder)
         self.sizes[conversation.id] = len(data)
 
     def added(self, conversation: Conversation, items: list[dict]) -> None:
@@ -110,15 +99,15 @@ class ConversationFiles:
         data = _whole(conversation)
         new = path.with_name(path.name + ".new")
         new.unlink(missing_ok=True)  # a rewrite a crash left unfinished
-        _write(os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), data)
+        write_fd(os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), data)
         os.replace(new, path)
-        _sync_folder(self.folder)
+        sync_folder(self.folder)
         self.sizes[conversation.id] = len(data)
 
     def _append(self, conversation: Conversation, change: dict) -> None:
         data = _line(change)
         # no O_CREAT: a file removed behind the server's back is an error, not a new file
-        _write(os.open(self.path(conversation.id), os.O_WRONLY | os.O_APPEND), data)
+        write_fd(os.open(self.path(conversation.id), os.O_WRONLY | os.O_APPEND), data)
         self.sizes[conversation.id] = self.sizes.get(conversation.id, 0) + len(data)
 
 
@@ -135,25 +124,6 @@ def _whole(conversation: Conversation) -> bytes:
 
 def _line(obj: dict) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-
-
-def _write(fd: int, data: bytes) -> None:
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sync_folder(folder: Path) -> None:
-    """A file created, renamed or removed stays so after a crash."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read(path: Path) -> tuple[Conversation, bool]:

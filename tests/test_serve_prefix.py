@@ -237,6 +237,10 @@ def test_without_a_budget_the_three_run_at_once_past_it(default_model, tmp_path)
             ["--conversation-dir", "README.md/conversations"],
             "--conversation-dir README.md/conversations: Not a directory",
         ),
+        (
+            ["--conversation-dir", "none", "--files-dir", "README.md/files"],
+            "--files-dir README.md/files: Not a directory",
+        ),
     ],
 )
 def test_bad_memory_flags_are_refused_before_loading(flags, message):

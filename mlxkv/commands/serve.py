@@ -108,6 +108,13 @@ def add_arguments(p) -> None:
         help="folder where conversations (/v1/conversations) are kept across restarts "
         "(default: MLXKV_HOME/conversations); 'none' keeps them in memory only",
     )
+    g.add_argument(
+        "--files-dir",
+        metavar="DIR",
+        help="folder of the files uploaded to /v1/files and of the batches run on them "
+        "(/v1/batches), kept across restarts (default: MLXKV_HOME/files); 'none' turns both "
+        "off",
+    )
     m = p.add_argument_group("memory and the prefix cache")
     m.add_argument(
         "--memory",
@@ -200,6 +207,7 @@ def _check_memory_flags(args) -> None:
     for flag, d in (
         ("--prefix-cache-dir", args.prefix_cache_dir),
         ("--conversation-dir", args.conversation_dir),
+        ("--files-dir", args.files_dir),
     ):
         if d is not None and d != "none" and Path(d).exists() and not Path(d).is_dir():
             raise UserError(f"{flag} {d} is not a folder; name a folder or 'none'")
@@ -278,6 +286,30 @@ def _conversations(args):
     store.load(files.load(store.limit))
     status(f"conversations: {len(store.conversations)} kept in {folder}")
     return store
+
+
+def _files(args):
+    """The folder of uploaded files and batches (None where that is 'none' or another
+    server owns it)."""
+    from mlxkv.files import FolderBusy
+    from mlxkv.paths import home
+    from mlxkv.server.file_store import FileStore
+
+    if args.files_dir == "none":
+        return None
+    folder = Path(args.files_dir or home() / "files")
+    try:
+        files = FileStore(folder, status)
+    except FolderBusy as e:
+        status(
+            f"files: {e}: this server runs no batches (give it a --files-dir of its own to "
+            "run them)"
+        )
+        return None
+    except OSError as e:
+        raise UserError(f"--files-dir {folder}: {e.strerror or e}") from None
+    status(f"files: {len(files.all())} kept in {folder}")
+    return files
 
 
 def _smallest_budget(cluster, budget: int) -> int:
@@ -502,7 +534,8 @@ def run(args) -> int:
         return _follow(args, model, policy, cluster, shard, template)
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
-        conversations = _conversations(args)  # a folder it cannot use fails before loading
+        # a folder it cannot use fails before loading
+        conversations, files = _conversations(args), _files(args)
         loaded, scheduler = _engine(args, model, policy, cluster, shard, template)
         scheduler.start()
         model_id, names, patterns = _names(loaded, args.served_model_name)
@@ -528,6 +561,7 @@ def run(args) -> int:
             max_body=args.max_body,
             pooling=pooling,
             conversations=conversations,
+            files=files,
         )
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]
@@ -538,13 +572,21 @@ def run(args) -> int:
             f"{split}) on http://{shown}:{port}/v1" + (" with an API key" if key else "")
         )
         app = build_app(served, bridge)
+
+        def ready() -> None:
+            status(serving)
+            if app.state.batches is not None:  # batches a stop left go on
+                app.state.batches.start()
+
+        batches = app.state.batches
         serve(
             app,
             bridge,
             sock,
             args.shutdown_timeout,
             not args.no_access_log,
-            on_ready=lambda: status(serving),
+            on_ready=ready,
+            busy=lambda: batches is not None and batches.busy(),
         )
         scheduler.close(timeout=1.0)
     finally:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
 
+import httpx
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -52,13 +53,17 @@ from mlxkv.server.answers import (
     prompt_entries,
 )
 from mlxkv.server.answers import usage as usage_of
+from mlxkv.server.batch_api import BatchAPI
+from mlxkv.server.batch_runner import BatchRunner
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.conversation_store import ConversationStore
 from mlxkv.server.conversations import Conversations
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.event_log import EventLogs
+from mlxkv.server.file_store import FileStore
 from mlxkv.server.local import foreign_source, is_local_origin
 from mlxkv.server.messages import Message, error_response, event, parse_messages
+from mlxkv.server.pages import item_page
 from mlxkv.server.params import (
     Ask,
     Limits,
@@ -75,7 +80,6 @@ from mlxkv.server.responses import (
     Turn,
     count_body,
     input_messages,
-    item_page,
     not_found,
     parse_responses,
     stream_query,
@@ -149,6 +153,7 @@ class Served:
     max_body: int = 8 * 2**20
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
     conversations: ConversationStore = field(default_factory=ConversationStore)
+    files: FileStore | None = None  # uploads and batch results (None: no files, no batches)
     facts: dict = field(default_factory=dict)  # size, family, context... (Ollama's listings)
     pooling: str = "last"  # how an embedding pools the final hidden states: "last", "mean"
     started: int = field(default_factory=lambda: int(time.time()))
@@ -217,6 +222,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return dict(empty) if empty is not None and not raw.strip() else parse_json(raw)
 
     talks = Conversations(served.conversations, check_auth, read_json)
+    runner = None
+    if served.files is not None:
+        runner = BatchRunner(served.files, None, served.max_batch, _say)
+        runner.load()
+    batch_api = BatchAPI(served.files, runner, served.id, check_auth, read_json)
 
     def check_local(request: Request) -> None:
         why = foreign_source(request.headers.get("host"), request.headers.get("origin"))
@@ -1061,6 +1071,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             **now,
             "response_store": served.stored.usage(),
             "conversation_store": served.conversations.usage(),
+            "batches": None if runner is None else runner.usage(),
         }
 
     async def status(request: Request) -> Response:
@@ -1090,6 +1101,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             _guard(talks.item),
             methods=["GET", "DELETE"],
         ),
+        Route("/v1/files", _guard(batch_api.upload), methods=["POST"]),
+        Route("/v1/files", _guard(batch_api.listing), methods=["GET"]),
+        Route("/v1/files/{id}", _guard(batch_api.one_file), methods=["GET", "DELETE"]),
+        Route("/v1/files/{id}/content", _guard(batch_api.content), methods=["GET"]),
+        Route("/v1/batches", _guard(batch_api.create), methods=["POST"]),
+        Route("/v1/batches", _guard(batch_api.batches), methods=["GET"]),
+        Route("/v1/batches/{id}", _guard(batch_api.one_batch), methods=["GET"]),
+        Route("/v1/batches/{id}/cancel", _guard(batch_api.cancel), methods=["POST"]),
         Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
         Route("/api/chat", _guard(api_chat, ollama.error_response), methods=["POST"]),
@@ -1131,11 +1150,39 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         allow_headers=["*"],
         max_age=600,
     )
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[cors],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
+    if runner is not None:
+        runner.send = _loopback(app, served.api_key)
+    app.state.batches = runner
+    return app
+
+
+def _loopback(app: Starlette, api_key: str | None):
+    """A batch's request sent to this app's own endpoint, in this process (no socket): the
+    answer a client would get."""
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=None
+    )
+    headers = {"content-type": "application/json"}
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key}"
+
+    async def send(url: str, body: bytes) -> tuple[int, dict]:
+        answer = await client.post(url, content=body, headers=headers)
+        try:
+            return answer.status_code, answer.json()
+        except ValueError:  # every endpoint answers JSON; keep what came if one did not
+            return answer.status_code, {"error": {"message": answer.text[:1000]}}
+
+    return send
+
+
+def _say(line: str) -> None:
+    print(f"mlxkv: {line}", file=sys.stderr, flush=True)
 
 
 class _CORS(CORSMiddleware):

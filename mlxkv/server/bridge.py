@@ -103,7 +103,9 @@ class Bridge:
         seed s gives answer j the seed s + j, so the answers differ and repeat); ``embed``:
         each row's answer is its prompt pooled (``Request.embed``)."""
         if self.draining:
-            raise APIError(503, "the server is shutting down; no new requests are taken")
+            raise APIError(
+                503, "the server is shutting down; no new requests are taken", code="shutting_down"
+            )
         rows = len(prompts) * n
         busy = self.rows_in_flight
         if busy + rows > self.capacity:

@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 from mlxkv.server.answers import new_id
 from mlxkv.server.conversation_store import Conversation, ConversationStore
 from mlxkv.server.errors import APIError, bad
-from mlxkv.server.responses import input_messages, item_page, metadata_of, parse_items
+from mlxkv.server.pages import item_page
+from mlxkv.server.responses import input_messages, metadata_of, parse_items
 
 
 class Conversations:

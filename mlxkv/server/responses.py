@@ -985,32 +985,6 @@ def stream_query(query: Mapping[str, str]) -> int | None:
     return int(after)
 
 
-def item_page(items: list[dict], query: Mapping[str, str], of: str) -> dict:
-    """A page of ``items`` (``limit``, ``order``, ``after``), as OpenAI's API lists them;
-    ``of`` names whose items they are, for the error when ``after`` is not one."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
-    limit = query.get("limit", "20")
-    if not (limit.isdigit() and 1 <= int(limit) <= 100):
-        raise bad(f"limit must be an integer in [1, 100], got {limit!r}", "limit")
-    items = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [i["id"] for i in items]
-        if after not in ids:
-            raise bad(f"after names no item of {of}: {show(after)}", "after")
-        items = items[ids.index(after) + 1 :]
-    page = items[: int(limit)]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > len(page),
-    }
-
-
 def count_body(n: int) -> dict:
     return {"object": "response.input_tokens", "input_tokens": n}
 

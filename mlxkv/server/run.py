@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from mlxkv.errors import UserError
-from mlxkv.server.bridge import Bridge
+from mlxkv.server.bridge import ENGINE_SILENCE, Bridge
 from mlxkv.server.errors import APIError
 
 
@@ -42,11 +42,12 @@ def listen(host: str, port: int) -> socket.socket:
 class _Server(uvicorn.Server):
     """uvicorn's server, with the shutdown drain of the bridge and a plain exit status."""
 
-    def __init__(self, config: uvicorn.Config, bridge: Bridge, grace: float, on_ready):
+    def __init__(self, config: uvicorn.Config, bridge: Bridge, grace: float, on_ready, busy):
         super().__init__(config)
         self.bridge = bridge
         self.grace = grace
         self.on_ready = on_ready
+        self.busy = busy
         self.loop: asyncio.AbstractEventLoop | None = None
         self.cutting = False
 
@@ -60,6 +61,17 @@ class _Server(uvicorn.Server):
         # that would end the process with the signal's status, not 0)
         if not self.should_exit:
             self.on_ready()
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        # Answers no connection waits for (a batch's requests, sent in this process) get the
+        # same grace as the clients' and are cut with them; what they write is written.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace + ENGINE_SILENCE + 1
+        while not self.force_exit and loop.time() < deadline:
+            if not self.bridge.rows_in_flight and not self.busy():
+                break
+            await asyncio.sleep(0.05)
 
     @contextmanager
     def capture_signals(self):
@@ -120,10 +132,17 @@ class _AnswerCancelled:
 
 
 def serve(
-    app, bridge: Bridge, sock: socket.socket, grace: float, access_log: bool = True, on_ready=None
+    app,
+    bridge: Bridge,
+    sock: socket.socket,
+    grace: float,
+    access_log: bool = True,
+    on_ready=None,
+    busy=None,
 ):
     """Serve until a signal; the answers in flight get ``grace`` seconds to finish.
-    ``on_ready`` runs once the server takes requests and handles signals."""
+    ``on_ready`` runs once the server takes requests and handles signals; ``busy()`` says
+    whether work of the app's own (a batch's records) is still being written at the end."""
     config = uvicorn.Config(
         _AnswerCancelled(app),
         lifespan="off",
@@ -132,4 +151,6 @@ def serve(
         timeout_graceful_shutdown=grace + 5,  # after the bridge has cut what was left
         timeout_keep_alive=5,
     )
-    _Server(config, bridge, grace, on_ready or (lambda: None)).run(sockets=[sock])
+    _Server(config, bridge, grace, on_ready or (lambda: None), busy or (lambda: False)).run(
+        sockets=[sock]
+    )

@@ -237,6 +237,7 @@ def test_without_a_budget_the_three_run_at_once_past_it(default_model, tmp_path)
             ["--conversation-dir", "README.md/conversations"],
             "--conversation-dir README.md/conversations: Not a directory",
         ),
+        (["--batch-requests", "0"], "--batch-requests must be at least 1, got 0"),
         (
             ["--conversation-dir", "none", "--files-dir", "README.md/files"],
             "--files-dir README.md/files: Not a directory",

@@ -62,6 +62,14 @@ def add_arguments(p) -> None:
         help="answers that may wait for a row; past it a request gets 429 (default 256)",
     )
     g.add_argument(
+        "--batch-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests of a batch (/v1/batches) in flight at once (default: --max-batch "
+        "minus one, so a client's request never waits for a batch's)",
+    )
+    g.add_argument(
         "--api-key",
         default=None,
         metavar="KEY",
@@ -156,6 +164,8 @@ def _check(args) -> str | None:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.batch_requests is not None and args.batch_requests < 1:
+        raise UserError(f"--batch-requests must be at least 1, got {args.batch_requests}")
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_body < 1024:
@@ -556,6 +566,7 @@ def run(args) -> int:
             ),
             facts={**_facts(loaded), "embedding_model": embedding_model},
             max_batch=args.max_batch,
+            batch_requests=args.batch_requests or max(1, args.max_batch - 1),
             ranks=1 if cluster is None else cluster.size,
             api_key=key,
             max_body=args.max_body,

@@ -148,6 +148,7 @@ class Served:
     patterns: tuple[str, ...] = ()  # shell patterns of more names ('claude-*', '*')
     limits: Limits = field(default_factory=Limits)
     max_batch: int = 16
+    batch_requests: int = 15  # a batch's requests in flight at once (/v1/batches)
     ranks: int = 1  # processes the model is split over (mlx.launch); rank 0 serves
     api_key: str | None = None
     max_body: int = 8 * 2**20
@@ -224,7 +225,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     talks = Conversations(served.conversations, check_auth, read_json)
     runner = None
     if served.files is not None:
-        runner = BatchRunner(served.files, None, served.max_batch, _say)
+        runner = BatchRunner(served.files, None, served.batch_requests, _say)
         runner.load()
     batch_api = BatchAPI(served.files, runner, served.id, check_auth, read_json)
 

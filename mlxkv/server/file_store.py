@@ -12,6 +12,7 @@ description that does not read as one is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -96,9 +97,10 @@ class FileStore:
                 described = self.get(path.stem)
                 if described is None:
                     self.log(f"files: skipped {path.name}: it does not describe a file")
-                else:
-                    found.append(described)
-        return sorted(found, key=lambda f: (f["created_at"], f["id"]))
+                    continue
+                with contextlib.suppress(OSError):  # (the time a second cannot tell apart)
+                    found.append((described["created_at"], path.stat().st_mtime_ns, described))
+        return [described for *_, described in sorted(found, key=lambda f: f[:2])]
 
     def delete(self, file_id: str) -> None:
         # the description last: a file whose removal stopped midway is still listed

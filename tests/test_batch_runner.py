@@ -52,7 +52,7 @@ def start(tmp_path, data: bytes, send: Send, parallel: int = 2, **changes):
     batch = {**new_batch(uploaded["id"], URL, {}, "m"), **changes}
 
     async def added() -> None:
-        runner.add(batch, *check_input(files.path(uploaded["id"]), URL))
+        runner.add(batch, *check_input(files.path(uploaded["id"]), URL, 2**20))
         await run(runner)
 
     asyncio.run(added())
@@ -129,17 +129,28 @@ def test_a_batch_past_its_window_expires_with_what_it_holds(tmp_path):
 def test_an_input_is_checked_whole_and_its_request_count_bounded(tmp_path, monkeypatch):
     path = tmp_path / "in.jsonl"
     path.write_bytes(lines("a", "b", "c") + b"\n  \n")
-    assert check_input(path, URL) == (3, [], 0)
+    assert check_input(path, URL, 2**20) == (3, [], 0)
     monkeypatch.setattr(batch_runner, "MOST_REQUESTS", 2)
-    count, errors, n = check_input(path, URL)
+    count, errors, n = check_input(path, URL, 2**20)
     assert (count, n) == (3, 1)
     assert errors[0]["message"] == "the input file holds 3 requests; a batch takes at most 2"
     monkeypatch.undo()
     monkeypatch.setattr(batch_runner, "LISTED_ERRORS", 2)
     path.write_bytes(b"[1]\n" * 5)
-    count, errors, n = check_input(path, URL)
+    count, errors, n = check_input(path, URL, 2**20)
     assert (count, len(errors), n) == (5, 2, 5)
     assert [e["line"] for e in errors] == [1, 2]
+    monkeypatch.undo()
+    path.write_bytes(lines("a") + b"[" + b"0," * 1000 + b"0]\n" + lines("b") + b"x" * 3000)
+    count, errors, n = check_input(path, URL, 1000)
+    assert (count, n) == (4, 2)
+    assert [(e["line"], e["code"]) for e in errors] == [
+        (2, "line_too_large"),
+        (4, "line_too_large"),
+    ]
+    assert errors[0]["message"] == (
+        "line 2 is larger than a request this server takes (1,000 bytes, --max-body)"
+    )
 
 
 def test_the_folder_s_other_and_crafted_files_are_left_alone(tmp_path):

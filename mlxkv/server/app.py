@@ -225,7 +225,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     talks = Conversations(served.conversations, check_auth, read_json)
     runner = None
     if served.files is not None:
-        runner = BatchRunner(served.files, None, served.batch_requests, _say)
+        runner = BatchRunner(served.files, None, served.batch_requests, _say, served.max_body)
         runner.load()
     batch_api = BatchAPI(served.files, runner, served.id, check_auth, read_json)
 

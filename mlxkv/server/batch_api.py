@@ -145,7 +145,9 @@ class BatchAPI:
                 "input_file_id",
             )
         batch = new_batch(file_id, endpoint, metadata, self.model)
-        checked = await asyncio.to_thread(check_input, files.path(file_id), endpoint)
+        checked = await asyncio.to_thread(
+            check_input, files.path(file_id), endpoint, self.runner.max_line
+        )
         with _written("the batch"):
             self.runner.add(batch, *checked)
         return JSONResponse(batch)

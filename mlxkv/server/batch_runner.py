@@ -107,25 +107,41 @@ def read_line(number: int, raw: bytes, endpoint: str) -> Line:
     return Line(number, custom_id, body)
 
 
-def lines_of(path: Path) -> Iterator[tuple[int, bytes]]:
-    """The file's lines that are not blank, numbered from 1."""
+def lines_of(path: Path, most: int) -> Iterator[tuple[int, bytes | None]]:
+    """The file's lines that are not blank, numbered from 1; None for one longer than
+    ``most`` bytes (never read whole: a request that long would be refused anyway)."""
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if raw.strip():
+        number = 0
+        while raw := f.readline(most + 1):
+            number += 1
+            if len(raw) > most and not raw.endswith(b"\n"):
+                while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+                    pass
+                yield number, None
+            elif raw.strip():
                 yield number, raw
 
 
-def check_input(path: Path, endpoint: str) -> tuple[int, list[dict], int]:
-    """An input file's requests counted, and what keeps it from running: OpenAI's error
-    objects (the first ``LISTED_ERRORS``) and how many there are."""
+def check_input(path: Path, endpoint: str, most: int) -> tuple[int, list[dict], int]:
+    """An input file's requests (lines of at most ``most`` bytes) counted, and what keeps
+    it from running: OpenAI's error objects (the first ``LISTED_ERRORS``) and how many
+    there are."""
     errors, count, seen = [], 0, set()
 
     def error(code: str, message: str, line: int | None = None, param=None) -> None:
         errors.append({"code": code, "message": message, "param": param, "line": line})
 
     try:
-        for number, raw in lines_of(path):
+        for number, raw in lines_of(path, most):
             count += 1
+            if raw is None:
+                error(
+                    "line_too_large",
+                    f"line {number} is larger than a request this server takes ({most:,} "
+                    "bytes, --max-body)",
+                    number,
+                )
+                continue
             try:
                 line = read_line(number, raw, endpoint)
             except BadLine as e:
@@ -185,9 +201,15 @@ class BatchRunner:
     """The server's batches, by id (oldest first), and the task that runs them."""
 
     def __init__(
-        self, files: FileStore, send: Send | None, parallel: int, log: Callable[[str], None]
+        self,
+        files: FileStore,
+        send: Send | None,
+        parallel: int,
+        log: Callable[[str], None],
+        max_line: int = 8 * 2**20,
     ):
         self.files = files
+        self.max_line = max_line  # bytes of a request line (the server's --max-body)
         self.send = send  # (set once the app it sends to is built)
         self.parallel = max(1, parallel)
         self.log = log
@@ -322,8 +344,8 @@ class BatchRunner:
         flying = self.lines.setdefault(batch["id"], set())
         writing = asyncio.Lock()
         try:
-            for number, raw in lines_of(path):
-                line = read_line(number, raw, batch["endpoint"])
+            for number, raw in lines_of(path, self.max_line):
+                line = read_line(number, raw or b"", batch["endpoint"])
                 if line.custom_id in done:
                     continue
                 await turns.acquire()

@@ -109,6 +109,8 @@ def test_the_key_is_required(server):
         ("POST", "/api/generate"),
         ("GET", "/api/tags"),
         ("POST", "/api/show"),
+        ("GET", "/v1/files"),
+        ("POST", "/v1/batches"),
     ):
         r = server.http(method, path, headers={"Authorization": "Bearer wrong"}, json={})
         assert r.status_code == 401, path
@@ -229,6 +231,34 @@ def test_past_the_rows_and_queue_a_request_gets_429(server):
     server.wait_idle()
     r = server.http("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert r.status_code == 200
+
+
+def test_a_batch_runs_under_the_key_and_waits_out_a_full_server(server):
+    """The batch's requests carry the server's key; one the server is too busy for (both
+    rows taken, no queue) is sent again until it runs."""
+    client = server.client()
+    stream = client.completions.create(
+        model="smollm2-135m", prompt=COUNTING, max_tokens=4000, temperature=0, n=2, stream=True
+    )
+    next(iter(stream))
+    refused = server.status()["refused"]["busy"]
+    line = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
+    data = b"".join(json.dumps({"custom_id": c, **line}).encode() + b"\n" for c in "ab")
+    uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    time.sleep(2.5)
+    assert client.batches.retrieve(batch.id).request_counts.completed == 0
+    assert server.status()["refused"]["busy"] >= refused + 2  # asked again, a second apart
+    stream.close()
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert (batch.request_counts.completed, batch.error_file_id) == (2, None)
+    got = client.files.content(batch.output_file_id).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in got) == ["a", "b"]
 
 
 def test_sigterm_lets_answers_finish_then_cuts_the_rest(server):

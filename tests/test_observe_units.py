@@ -258,6 +258,11 @@ def test_texts_a_user_reads():
     assert top_view.header(v, "http://h:1").plain == (
         "smollm2-135m at http://h:1 · policy full · 12.5 tok/s"
     )
+    running = {"id": "batch_1", "total": 40, "completed": 11, "failed": 1}
+    in_batch = top_view.view({**STATUS, "batches": {"running": running, "waiting": 0}})
+    assert top_view.header(in_batch, "http://h:1").plain == (
+        "smollm2-135m at http://h:1 · policy full · 12.5 tok/s · batch 12 of 40 answered"
+    )
     assert top_view.totals_text(v).plain.splitlines() == [
         "Since start 4 requests finished · 250 tokens generated · 123 steps · 60 of 90 drafts "
         "taken",

@@ -102,6 +102,7 @@ class TopView:
     counters: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
     draining: bool = False
+    batch: tuple[int, int] | None = None  # the running batch's requests answered, in all
 
 
 def view(status: dict) -> TopView:
@@ -169,6 +170,7 @@ def view(status: dict) -> TopView:
         counters=observe.counters(status),
         refused=observe.refused(status),
         draining=bool(status.get("draining")),
+        batch=observe.batch(status),
     )
 
 
@@ -190,6 +192,8 @@ def header(v: TopView, url: str) -> Text:
     out.append(v.model or "?", "bold").append(" at ").append(url, "underline")
     out.append(" · policy ").append(v.policy or "?", "bold yellow")
     out.append(f" · {v.tokens_per_second:.1f} tok/s", "bold green")
+    if v.batch is not None:
+        out.append(f" · batch {v.batch[0]} of {v.batch[1]} answered", "magenta")
     if v.draining:
         out.append(" · shutting down", "bold red")
     return out

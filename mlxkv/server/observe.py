@@ -96,6 +96,16 @@ def counters(status: dict) -> dict[str, int]:
     return {k: integer(status, k) for k in COUNTERS}
 
 
+def batch(status: dict) -> tuple[int, int] | None:
+    """The running batch's (/v1/batches) requests answered and in all; None when none
+    runs."""
+    section = status.get("batches")
+    now = section.get("running") if isinstance(section, dict) else None
+    if not isinstance(now, dict):
+        return None
+    return integer(now, "completed") + integer(now, "failed"), integer(now, "total")
+
+
 def refused(status: dict) -> dict[str, int]:
     section = status.get("refused")
     return {"busy": integer(section, "busy"), "too_large": integer(section, "too_large")}

@@ -313,6 +313,16 @@ def test_a_batch_goes_on_after_the_server_is_killed(tmp_path):
             alone = client.chat.completions.create(model=batch.model, **line["body"])
             body = answered[line["custom_id"]]["response"]["body"]
             assert body["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        third = Server(tmp_path / "c", "--files-dir", folder)  # the folder is the second's
+        try:
+            assert (
+                f"files: {folder} is in use by another mlxkv server: this server runs no "
+                "batches (give it a --files-dir of its own to run them)"
+            ) in third.log()
+            r = third.http("GET", "/v1/files")
+            assert (r.status_code, r.json()["error"]["code"]) == (404, "files_off")
+        finally:
+            assert third.stop() == 0
     finally:
         assert second.stop() == 0
     assert "Traceback" not in second.log()

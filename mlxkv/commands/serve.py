@@ -274,24 +274,16 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
 def _conversations(args):
     """The conversation store, with its files in ``--conversation-dir`` read back (memory
     only where that is 'none' or another server owns the folder)."""
-    from mlxkv.files import FolderBusy
-    from mlxkv.paths import home
     from mlxkv.server.conversation_files import ConversationFiles
     from mlxkv.server.conversation_store import ConversationStore
 
-    if args.conversation_dir == "none":
+    busy = "this server keeps its conversations in memory only (give it a --conversation-dir "
+    busy += "of its own to keep them)"
+    files, folder = _owned(
+        "--conversation-dir", "conversations", ConversationFiles, busy, args.conversation_dir
+    )
+    if files is None:
         return ConversationStore()
-    folder = Path(args.conversation_dir or home() / "conversations")
-    try:
-        files = ConversationFiles(folder, status)
-    except FolderBusy as e:
-        status(
-            f"conversations: {e}: this server keeps its conversations in memory only (give "
-            "it a --conversation-dir of its own to keep them)"
-        )
-        return ConversationStore()
-    except OSError as e:
-        raise UserError(f"--conversation-dir {folder}: {e.strerror or e}") from None
     store = ConversationStore(journal=files)
     store.load(files.load(store.limit))
     status(f"conversations: {len(store.conversations)} kept in {folder}")
@@ -301,25 +293,32 @@ def _conversations(args):
 def _files(args):
     """The folder of uploaded files and batches (None where that is 'none' or another
     server owns it)."""
-    from mlxkv.files import FolderBusy
-    from mlxkv.paths import home
     from mlxkv.server.file_store import FileStore
 
-    if args.files_dir == "none":
-        return None
-    folder = Path(args.files_dir or home() / "files")
-    try:
-        files = FileStore(folder, status)
-    except FolderBusy as e:
-        status(
-            f"files: {e}: this server runs no batches (give it a --files-dir of its own to "
-            "run them)"
-        )
-        return None
-    except OSError as e:
-        raise UserError(f"--files-dir {folder}: {e.strerror or e}") from None
-    status(f"files: {len(files.all())} kept in {folder}")
+    busy = "this server runs no batches (give it a --files-dir of its own to run them)"
+    files, folder = _owned("--files-dir", "files", FileStore, busy, args.files_dir)
+    if files is not None:
+        status(f"files: {len(files.all())} kept in {folder}")
     return files
+
+
+def _owned(flag: str, name: str, make, busy: str, given: str | None):
+    """``make(folder, log)`` on the folder ``flag`` names (``given``; by default ``name``
+    under MLXKV_HOME), and the folder; None where it is 'none' or another server owns it
+    (``busy`` says what that costs)."""
+    from mlxkv.files import FolderBusy
+    from mlxkv.paths import home
+
+    if given == "none":
+        return None, None
+    folder = Path(given or home() / name)
+    try:
+        return make(folder, status), folder
+    except FolderBusy as e:
+        status(f"{name}: {e}: {busy}")
+        return None, folder
+    except OSError as e:
+        raise UserError(f"{flag} {folder}: {e.strerror or e}") from None
 
 
 def _smallest_budget(cluster, budget: int) -> int:

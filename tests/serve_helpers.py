@@ -33,10 +33,14 @@ class Server:
     ):
         tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "server.log"
-        # the prefix cache's, the conversations' and the uploads' files stay in the test's
-        # folder unless the test names one
+        # the prefix cache's, the conversations', the stored responses' and the uploads'
+        # files stay in the test's folder unless the test names one
         own_files = [] if "--prefix-cache-dir" in flags else ["--prefix-cache-dir", str(tmp / "pc")]
-        for flag, folder in (("--conversation-dir", "conversations"), ("--files-dir", "files")):
+        for flag, folder in (
+            ("--conversation-dir", "conversations"),
+            ("--responses-dir", "responses"),
+            ("--files-dir", "files"),
+        ):
             if flag not in flags:
                 own_files += [flag, str(tmp / folder)]
         self.launcher = launcher

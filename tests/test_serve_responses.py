@@ -661,8 +661,8 @@ def test_a_conversations_items_are_added_listed_and_deleted(server):
         client.responses.create(model=server.model, conversation=conv.id, input="x")
     assert e.value.body["param"] == "conversation"
     assert e.value.body["message"] == (
-        f"No conversation found with id '{conv.id}': this server keeps conversations in "
-        "memory until they are deleted or the server restarts"
+        f"No conversation found with id '{conv.id}': this server keeps conversations until "
+        "they are deleted"
     )
 
 
@@ -796,32 +796,41 @@ def test_bad_conversation_requests_get_a_400_naming_the_field(
 
 
 @pytest.mark.slow  # three servers started
-def test_conversations_outlive_the_server(tmp_path):
-    """A conversation made on one server, with a turn answered in it, is on the next server
-    started on the same --conversation-dir, item for item, and a turn goes on from it; a
-    server started on the folder while another owns it keeps its conversations in memory
-    and says so."""
+def test_conversations_and_stored_responses_outlive_the_server(tmp_path):
+    """A conversation made on one server, with a turn answered in it, and a stored response
+    are on the next server started on the same folders, item for item, and turns go on
+    from them; a server started on the folders while another owns them keeps both in
+    memory and says so."""
     folder = str(tmp_path / "conversations")
+    kept = str(tmp_path / "responses")
+    dirs = ("--conversation-dir", folder, "--responses-dir", kept)
     ask = {"model": "smollm2-135m", "temperature": 0, "max_output_tokens": 16}
-    first = Server(tmp_path / "a", "--conversation-dir", folder)
+    first = Server(tmp_path / "a", *dirs)
     try:
         client = first.client()
         conv = client.conversations.create(metadata={"topic": "capitals"})
         client.responses.create(**ask, conversation=conv.id, input=QUESTION)
         before = [i.model_dump() for i in client.conversations.items.list(conv.id, order="asc")]
-        second = Server(tmp_path / "b", "--conversation-dir", folder)
+        stored = client.responses.create(**ask, input=QUESTION)
+        second = Server(tmp_path / "b", *dirs)
         code = second.stop()
         assert (
             f"mlxkv: conversations: {folder} is in use by another mlxkv server: this "
             "server keeps its conversations in memory only (give it a --conversation-dir of "
             "its own to keep them)\n" in second.log()
         )
+        assert (
+            f"mlxkv: responses: {kept} is in use by another mlxkv server: this server keeps "
+            "its stored responses in memory only (give it a --responses-dir of its own to "
+            "keep them)\n" in second.log()
+        )
         assert code == 0
     finally:
         assert first.stop() == 0
-    third = Server(tmp_path / "c", "--conversation-dir", folder)
+    third = Server(tmp_path / "c", *dirs)
     try:
         assert f"mlxkv: conversations: 1 kept in {folder}" in third.log()
+        assert f"mlxkv: responses: 2 kept in {kept}" in third.log()
         client = third.client()
         assert client.conversations.retrieve(conv.id).metadata == {"topic": "capitals"}
         after = [i.model_dump() for i in client.conversations.items.list(conv.id, order="asc")]
@@ -834,6 +843,9 @@ def test_conversations_outlive_the_server(tmp_path):
         ]
         alone = client.responses.create(**ask, input=whole)
         assert went_on.output_text == alone.output_text
+        assert client.responses.retrieve(stored.id).model_dump() == stored.model_dump()
+        chained = client.responses.create(**ask, previous_response_id=stored.id, input="And Spain?")
+        assert chained.output_text == alone.output_text
     finally:
         assert third.stop() == 0
 

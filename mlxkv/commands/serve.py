@@ -117,6 +117,13 @@ def add_arguments(p) -> None:
         "(default: MLXKV_HOME/conversations); 'none' keeps them in memory only",
     )
     g.add_argument(
+        "--responses-dir",
+        metavar="DIR",
+        help="folder where stored responses (/v1/responses with store, previous_response_id) "
+        "are kept across restarts (default: MLXKV_HOME/responses); 'none' keeps them in "
+        "memory only",
+    )
+    g.add_argument(
         "--files-dir",
         metavar="DIR",
         help="folder of the files uploaded to /v1/files and of the batches run on them "
@@ -218,6 +225,7 @@ def _check_memory_flags(args) -> None:
         ("--prefix-cache-dir", args.prefix_cache_dir),
         ("--conversation-dir", args.conversation_dir),
         ("--files-dir", args.files_dir),
+        ("--responses-dir", args.responses_dir),
     ):
         if d is not None and d != "none" and Path(d).exists() and not Path(d).is_dir():
             raise UserError(f"{flag} {d} is not a folder; name a folder or 'none'")
@@ -287,6 +295,23 @@ def _conversations(args):
     store = ConversationStore(journal=files)
     store.load(files.load(store.limit))
     status(f"conversations: {len(store.conversations)} kept in {folder}")
+    return store
+
+
+def _responses(args):
+    """The response store, with its files in ``--responses-dir`` read back (memory only
+    where that is 'none' or another server owns the folder)."""
+    from mlxkv.server.response_files import ResponseFiles
+    from mlxkv.server.response_store import ResponseStore
+
+    busy = "this server keeps its stored responses in memory only (give it a "
+    busy += "--responses-dir of its own to keep them)"
+    files, folder = _owned("--responses-dir", "responses", ResponseFiles, busy, args.responses_dir)
+    if files is None:
+        return ResponseStore()
+    store = ResponseStore(journal=files)
+    store.load(files.load(store.limit))
+    status(f"responses: {len(store.entries)} kept in {folder}")
     return store
 
 
@@ -544,7 +569,7 @@ def run(args) -> int:
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
         # a folder it cannot use fails before loading
-        conversations, files = _conversations(args), _files(args)
+        conversations, files, stored = _conversations(args), _files(args), _responses(args)
         loaded, scheduler = _engine(args, model, policy, cluster, shard, template)
         scheduler.start()
         model_id, names, patterns = _names(loaded, args.served_model_name)
@@ -572,6 +597,7 @@ def run(args) -> int:
             pooling=pooling,
             conversations=conversations,
             files=files,
+            stored=stored,
         )
         bridge = Bridge(scheduler, args.max_batch, args.max_queue)
         host, port = sock.getsockname()[:2]

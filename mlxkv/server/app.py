@@ -370,8 +370,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             gone = "" if e.missing == e.asked else f" (the response '{e.missing}' before it)"
             raise bad(
                 f"Previous response with id '{e.asked}' not found{gone}: this server keeps "
-                "stored responses in memory until they are deleted, pushed out by newer ones, "
-                "or the server restarts; send the conversation as input instead",
+                "stored responses until they are deleted or pushed out by newer ones "
+                f"({served.stored.limit // 2**20} MiB are kept); send the conversation as "
+                "input instead",
                 "previous_response_id",
                 "previous_response_not_found",
             ) from None
@@ -401,9 +402,17 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 answer = input_messages(response["output"], written=True)
             except APIError:  # a call with no name: nothing a template could go on from
                 return
-            served.stored.put(response, turn.items, turn.messages + answer, turn.previous)
+            remember(response, turn.items, turn.messages + answer, turn.previous)
 
         return keep
+
+    def remember(response: dict, items: list, messages: list, previous: str | None) -> None:
+        """A response stored; where its file cannot be written it is kept in memory only."""
+        try:
+            served.stored.put(response, items, messages, previous)
+        except OSError as e:
+            _say(f"{response['id']} is stored in memory only: its file: {e.strerror or e}")
+            served.stored.put(response, items, messages, previous, written=True)
 
     async def completions(request: Request, kind: str) -> Response:
         check_auth(request)
@@ -564,7 +573,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     def hold(response: dict, turn: Turn) -> None:
         """A background response's state before its answer is whole (its turn without the
         answer); the finished response replaces it through ``keeper``."""
-        served.stored.put(response, turn.items, turn.messages, turn.previous)
+        remember(response, turn.items, turn.messages, turn.previous)
 
     async def cancel_response(request: Request) -> Response:
         """``POST /v1/responses/{id}/cancel``: a background response stops where it is and
@@ -752,8 +761,16 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         check_auth(request)
         if request.method == "DELETE":
             await stop_background(request.path_params["id"])  # or its end would store it again
-            if not served.stored.delete(request.path_params["id"]):
-                raise not_found(request.path_params["id"])
+            try:
+                if not served.stored.delete(request.path_params["id"]):
+                    raise not_found(request.path_params["id"])
+            except OSError as e:
+                raise APIError(
+                    500,
+                    f"the response's file could not be removed: {e.strerror or e}; it was not "
+                    "deleted",
+                    code="response_write_failed",
+                ) from None
             logs.drop(request.path_params["id"])
             deleted = {"object": "response.deleted", "deleted": True}
             return JSONResponse({"id": request.path_params["id"], **deleted})

@@ -145,7 +145,7 @@ class Conversations:
             raise APIError(
                 404,
                 f"No conversation found with id '{conversation_id}': this server keeps "
-                "conversations in memory until they are deleted or the server restarts",
+                "conversations until they are deleted",
                 param=param,
                 code="not_found",
             )

@@ -37,6 +37,7 @@ from mlxkv.server.params import (
     template_kwargs_of,
     user_of,
 )
+from mlxkv.server.response_store import STORE_BYTES
 from mlxkv.server.tools import ANY, NAME, ToolUse, function_of, tool_list
 
 MAX_METADATA = 16  # as OpenAI's API: keys, each up to 64 characters, values up to 512
@@ -993,7 +994,7 @@ def not_found(response_id: str) -> APIError:
     return APIError(
         404,
         f"No response found with id '{response_id}': this server keeps the responses sent "
-        "with store (the default) in memory, until they are deleted, pushed out by newer "
-        "ones, or the server restarts",
+        "with store (the default) until they are deleted or pushed out by newer ones "
+        f"({STORE_BYTES // 2**20} MiB are kept)",
         code="not_found",
     )

@@ -484,7 +484,7 @@ def test_a_background_stream_is_read_again_from_where_it_dropped(server):
             "stream",
             "the events of response 'ID' are not kept: only background "
             "responses created with stream: true can be streamed again (the latest 16 MiB of "
-            "their events are kept); read it without stream=true",
+            "their events are kept, in memory); read it without stream=true",
         ),
         ("stream=maybe", "stream", 'stream must be true or false, got "maybe"'),
         (

@@ -783,7 +783,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             raise bad(
                 f"the events of response '{entry.response['id']}' are not kept: only background "
                 "responses created with stream: true can be streamed again (the latest "
-                f"{logs.limit // 2**20} MiB of their events are kept); read it without stream=true",
+                f"{logs.limit // 2**20} MiB of their events are kept, in memory); read it without "
+                "stream=true",
                 "stream",
             )
         return _Stream(log.read(after), _ignore)

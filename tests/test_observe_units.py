@@ -320,6 +320,15 @@ def test_metrics_read_the_status():
     assert m[("mlxkv_server_info", (("model", "smollm2-135m"), ("policy", "full")))] == 1
     assert m[("mlxkv_requests_refused_total", (("reason", "busy"),))] == 2
     assert m[("mlxkv_requests_refused_total", (("reason", "too_large"),))] == 1
+    assert m[("mlxkv_batches_waiting", ())] == 0
+    assert m[("mlxkv_batch_requests", (("state", "total"),))] == 0
+    running = {"id": "batch_1", "total": 40, "completed": 11, "failed": 1}
+    batches = {"running": running, "waiting": 2, "requests_in_flight": 15}
+    m = scrape({**STATUS, "batches": batches})
+    assert m[("mlxkv_batches_waiting", ())] == 2
+    states = ("in_flight", "answered", "total")
+    got = {state: m[("mlxkv_batch_requests", (("state", state),))] for state in states}
+    assert got == {"in_flight": 15, "answered": 12, "total": 40}
 
 
 def test_metrics_of_a_status_without_the_new_sections():

@@ -91,6 +91,21 @@ class StatusCollector:
             value=observe.real(s, "tokens_per_second"),
         )
 
+        batches = observe.batches(s)
+        yield GaugeMetricFamily(
+            "mlxkv_batches_waiting",
+            "batches (/v1/batches) waiting to run",
+            value=batches["waiting"],
+        )
+        running = GaugeMetricFamily(
+            "mlxkv_batch_requests",
+            "the running batch's requests: in flight, answered, in all (0: no batch runs)",
+            labels=["state"],
+        )
+        for state in ("in_flight", "answered", "total"):
+            running.add_metric([state], batches[state])
+        yield running
+
         counts = observe.counters(s)
         for name, (key, doc) in COUNTERS.items():
             yield CounterMetricFamily(f"mlxkv_{name}", doc, value=counts[key])

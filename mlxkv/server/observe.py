@@ -96,6 +96,19 @@ def counters(status: dict) -> dict[str, int]:
     return {k: integer(status, k) for k in COUNTERS}
 
 
+def batches(status: dict) -> dict[str, int]:
+    """The batches (/v1/batches) waiting to run, and the running one's requests in flight,
+    answered and in all (0 where none runs)."""
+    section = status.get("batches")
+    now = batch(status) or (0, 0)
+    return {
+        "waiting": integer(section, "waiting") if isinstance(section, dict) else 0,
+        "in_flight": integer(section, "requests_in_flight") if isinstance(section, dict) else 0,
+        "answered": now[0],
+        "total": now[1],
+    }
+
+
 def batch(status: dict) -> tuple[int, int] | None:
     """The running batch's (/v1/batches) requests answered and in all; None when none
     runs."""

@@ -1193,9 +1193,12 @@ def _loopback(app: Starlette, api_key: str | None):
     async def send(url: str, body: bytes) -> tuple[int, dict]:
         answer = await client.post(url, content=body, headers=headers)
         try:
-            return answer.status_code, answer.json()
-        except ValueError:  # every endpoint answers JSON; keep what came if one did not
-            return answer.status_code, {"error": {"message": answer.text[:1000]}}
+            body = answer.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # every endpoint answers an object; keep what came
+            body = {"error": {"message": answer.text[:1000]}}
+        return answer.status_code, body
 
     return send
 

@@ -404,22 +404,22 @@ class BatchRunner:
         ok = 200 <= status < 300
         async with writing:
             try:
-                await asyncio.to_thread(self._append, batch, ok, _jsonl(record))
+                await asyncio.to_thread(self._append, batch, ok, record)
             except OSError as e:
                 self._fail(batch, "output_write_failed", f"a record could not be written: {e}")
-                return
-        counts = batch["request_counts"]
-        counts["completed" if ok else "failed"] += 1
-        if ok:
-            _add_usage(batch["usage"], answer.get("usage"))
 
-    def _append(self, batch: dict, ok: bool, data: bytes) -> None:
+    def _append(self, batch: dict, ok: bool, record: dict) -> None:
+        """The record written, then counted (here, in the writing thread: a cancel that
+        stops the waiting task does not stop the write, and what is written counts)."""
         key = "output_file_id" if ok else "error_file_id"
         if batch[key] is None:
             kind = "output" if ok else "error"
             batch[key] = self.files.start(f"{batch['id']}_{kind}.jsonl", "batch_output")["id"]
             self.save(batch)
-        self.files.append(batch[key], data)
+        self.files.append(batch[key], _jsonl(record))
+        batch["request_counts"]["completed" if ok else "failed"] += 1
+        if ok:
+            _add_usage(batch["usage"], record["response"]["body"].get("usage"))
 
     def _recorded(self, batch: dict) -> set[str]:
         """The custom_ids the batch's files hold records of (its counts and usage made

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
 
-import httpx
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -53,7 +52,7 @@ from mlxkv.server.answers import (
     prompt_entries,
 )
 from mlxkv.server.answers import usage as usage_of
-from mlxkv.server.batch_api import BatchAPI
+from mlxkv.server.batch_api import BatchAPI, loopback
 from mlxkv.server.batch_runner import BatchRunner
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.conversation_store import ConversationStore
@@ -1175,32 +1174,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
     if runner is not None:
-        runner.send = _loopback(app, served.api_key)
+        runner.send = loopback(app, served.api_key)
     app.state.batches = runner
     return app
-
-
-def _loopback(app: Starlette, api_key: str | None):
-    """A batch's request sent to this app's own endpoint, in this process (no socket): the
-    answer a client would get."""
-    client = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=None
-    )
-    headers = {"content-type": "application/json"}
-    if api_key is not None:
-        headers["authorization"] = f"Bearer {api_key}"
-
-    async def send(url: str, body: bytes) -> tuple[int, dict]:
-        answer = await client.post(url, content=body, headers=headers)
-        try:
-            body = answer.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):  # every endpoint answers an object; keep what came
-            body = {"error": {"message": answer.text[:1000]}}
-        return answer.status_code, body
-
-    return send
 
 
 def _say(line: str) -> None:

@@ -113,6 +113,25 @@ def test_a_batch_answers_as_the_requests_one_at_a_time(server):
     assert batch.id in [b.id for b in client.batches.list()]
 
 
+def test_an_embeddings_batch_gives_the_vectors_of_the_requests_alone(server):
+    client = server.client()
+    texts = ["The capital of France is Paris.", "Bonjour"]
+    lines = [
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": t}}
+        for i, t in enumerate(texts)
+    ]
+    _, batch = run_batch(client, jsonl(lines), "/v1/embeddings")
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    answered = records(client, batch.output_file_id)
+    for i, text in enumerate(texts):
+        alone = client.embeddings.create(model=server.model, input=text).data[0].embedding
+        got = answered[f"e{i}"]["response"]["body"]["data"][0]["embedding"]
+        assert got == pytest.approx(alone, abs=1e-4)  # inputs may share a call: other sums
+    assert batch.usage.input_tokens == sum(
+        answered[f"e{i}"]["response"]["body"]["usage"]["prompt_tokens"] for i in range(2)
+    )
+
+
 def test_an_input_the_batch_cannot_run_fails_it_with_each_line_named(server):
     client = server.client()
     lines = [

@@ -165,6 +165,19 @@ def lock_folder(folder: Path) -> io.TextIOWrapper:
     return lock
 
 
+class OwnedFolder:
+    """A folder of files a server keeps, owned by this process until :meth:`close` (see
+    :func:`lock_folder`); ``log`` takes a line about a file it skips."""
+
+    def __init__(self, folder, log: Callable[[str], None]):
+        self.folder = Path(folder)
+        self.log = log
+        self._lock = lock_folder(self.folder)
+
+    def close(self) -> None:
+        self._lock.close()  # (closing releases the lock)
+
+
 # -- reading -----------------------------------------------------------------------------
 
 

@@ -280,39 +280,35 @@ def _memory_and_prefixes(args, loaded, policy, cluster=None, lockstep=None):
 
 
 def _conversations(args):
-    """The conversation store, with its files in ``--conversation-dir`` read back (memory
-    only where that is 'none' or another server owns the folder)."""
+    """The conversation store, with its files in ``--conversation-dir`` read back."""
     from mlxkv.server.conversation_files import ConversationFiles
     from mlxkv.server.conversation_store import ConversationStore
 
-    busy = "this server keeps its conversations in memory only (give it a --conversation-dir "
-    busy += "of its own to keep them)"
-    files, folder = _owned(
-        "--conversation-dir", "conversations", ConversationFiles, busy, args.conversation_dir
-    )
-    if files is None:
-        return ConversationStore()
-    store = ConversationStore(journal=files)
-    store.load(files.load(store.limit))
-    status(f"conversations: {len(store.conversations)} kept in {folder}")
-    return store
+    flag, given = "--conversation-dir", args.conversation_dir
+    return _kept(flag, given, "conversations", ConversationStore, ConversationFiles)
 
 
 def _responses(args):
-    """The response store, with its files in ``--responses-dir`` read back (memory only
-    where that is 'none' or another server owns the folder)."""
+    """The response store, with its files in ``--responses-dir`` read back."""
     from mlxkv.server.response_files import ResponseFiles
     from mlxkv.server.response_store import ResponseStore
 
-    busy = "this server keeps its stored responses in memory only (give it a "
-    busy += "--responses-dir of its own to keep them)"
-    files, folder = _owned("--responses-dir", "responses", ResponseFiles, busy, args.responses_dir)
+    flag, given = "--responses-dir", args.responses_dir
+    return _kept(flag, given, "responses", ResponseStore, ResponseFiles, "stored responses")
+
+
+def _kept(flag: str, given: str | None, name: str, store, journal, what: str = ""):
+    """A store whose changes ``journal`` writes to the folder ``flag`` names, read back
+    (memory only where that is 'none' or another server owns the folder)."""
+    what = what or name
+    busy = f"this server keeps its {what} in memory only (give it a {flag} of its own to keep "
+    files, folder = _owned(flag, name, journal, busy + "them)", given)
     if files is None:
-        return ResponseStore()
-    store = ResponseStore(journal=files)
-    store.load(files.load(store.limit))
-    status(f"responses: {len(store.entries)} kept in {folder}")
-    return store
+        return store()
+    kept = store(journal=files)
+    kept.load(files.load(kept.limit))
+    status(f"{name}: {len(kept)} kept in {folder}")
+    return kept
 
 
 def _files(args):

@@ -22,22 +22,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxkv.errors import first_line
-from mlxkv.files import lock_folder, sync_folder, write_fd
+from mlxkv.files import OwnedFolder, sync_folder, write_fd
 from mlxkv.server.conversation_store import Conversation
 
 OWN_FILE = re.compile(r"conv_[0-9a-f]{24}\.jsonl")
 SLACK = 64 * 2**10  # a file may outgrow twice what it holds by this much before a rewrite
 
 
-class ConversationFiles:
+class ConversationFiles(OwnedFolder):
     def __init__(self, folder: Path, log: Callable[[str], None]):
-        self.folder = Path(folder)
-        self.log = log
+        super().__init__(folder, log)
         self.sizes: dict[str, int] = {}  # each file's bytes
-        self._lock = lock_folder(self.folder)
-
-    def close(self) -> None:
-        self._lock.close()  # (closing releases the lock)
 
     def path(self, conversation_id: str) -> Path:
         return self.folder / f"{conversation_id}.jsonl"

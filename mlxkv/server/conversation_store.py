@@ -108,6 +108,9 @@ class ConversationStore:
         conversation.metadata = metadata
         self._resize(conversation)
 
+    def __len__(self) -> int:
+        return len(self.conversations)
+
     def usage(self) -> dict:
         return {
             "conversations": len(self.conversations),

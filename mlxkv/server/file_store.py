@@ -19,15 +19,14 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 from mlxkv.errors import UserError, first_line
 from mlxkv.files import (
+    OwnedFolder,
     atomic_file,
     atomic_write,
-    lock_folder,
     parse_json,
     read_bytes,
     sync_folder,
@@ -39,16 +38,8 @@ DESCRIPTION_LIMIT = 64 * 2**10  # bytes of a description file read back
 FILE_LIMIT = 200 * 10**6  # bytes of an upload: OpenAI's limit for a batch input file
 
 
-class FileStore:
+class FileStore(OwnedFolder):
     """The folder's files, by id."""
-
-    def __init__(self, folder: Path, log: Callable[[str], None]):
-        self.folder = Path(folder)
-        self.log = log
-        self._lock = lock_folder(self.folder)
-
-    def close(self) -> None:
-        self._lock.close()
 
     def path(self, file_id: str) -> Path:
         return self.folder / file_id

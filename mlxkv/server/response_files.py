@@ -12,25 +12,16 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from mlxkv.errors import UserError, first_line
-from mlxkv.files import atomic_write, lock_folder, parse_json, read_bytes, sync_folder
+from mlxkv.files import OwnedFolder, atomic_write, parse_json, read_bytes, sync_folder
 
 OWN_FILE = re.compile(r"resp_[0-9a-f]{24}\.json")
 UNFINISHED = ("queued", "in_progress")  # a background response's states before its end
 
 
-class ResponseFiles:
-    def __init__(self, folder: Path, log: Callable[[str], None]):
-        self.folder = Path(folder)
-        self.log = log
-        self._lock = lock_folder(self.folder)
-
-    def close(self) -> None:
-        self._lock.close()
-
+class ResponseFiles(OwnedFolder):
     def kept(self, response_id: str, record: dict) -> None:
         try:
             atomic_write(self._path(response_id), json.dumps(record), new_mode=0o600)

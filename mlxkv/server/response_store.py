@@ -118,6 +118,9 @@ class ResponseStore:
             return None
         return next((i for i in _items(entry) if i["id"] == item_id), None)
 
+    def __len__(self) -> int:
+        return len(self.entries)
+
     def usage(self) -> dict:
         return {"responses": len(self.entries), "bytes": self.bytes, "limit": self.limit}
 

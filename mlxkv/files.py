@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from itertools import pairwise
 from pathlib import Path
 
-from mlxkv.errors import UserError, one_line
+from mlxkv.errors import UserError, first_line, one_line
 
 MiB = 1 << 20
 JSON_DEPTH = 64  # deeper nesting than any config, message list or batch line needs
@@ -176,6 +176,15 @@ class OwnedFolder:
 
     def close(self) -> None:
         self._lock.close()  # (closing releases the lock)
+
+    def write_json(self, name: str, obj) -> None:
+        """The folder's file ``name`` replaced whole by ``obj`` as JSON (see
+        :func:`atomic_write`), readable by its owner alone; an OSError says why it could
+        not be."""
+        try:
+            atomic_write(self.folder / name, json.dumps(obj), new_mode=0o600)
+        except UserError as e:
+            raise OSError(first_line(e)) from None
 
 
 # -- reading -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mlxkv.errors import UserError, first_line
-from mlxkv.files import atomic_file, atomic_write, parse_json, read_bytes
+from mlxkv.files import atomic_file, parse_json, read_bytes
 from mlxkv.server.file_store import FileStore
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -246,11 +246,7 @@ class BatchRunner:
                 self.log(f"batches: {batch['id']} goes on from the records its files hold")
 
     def save(self, batch: dict) -> None:
-        try:
-            path = self.files.folder / f"{batch['id']}.json"
-            atomic_write(path, json.dumps(batch), new_mode=0o600)
-        except UserError as e:
-            raise OSError(first_line(e)) from None
+        self.files.write_json(f"{batch['id']}.json", batch)
 
     def reader_of(self, file_id: str) -> dict | None:
         """The unfinished batch that reads or writes ``file_id``, if any."""

@@ -13,7 +13,6 @@ description that does not read as one is skipped.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -26,7 +25,6 @@ from mlxkv.errors import UserError, first_line
 from mlxkv.files import (
     OwnedFolder,
     atomic_file,
-    atomic_write,
     parse_json,
     read_bytes,
     sync_folder,
@@ -111,10 +109,10 @@ class FileStore(OwnedFolder):
             "status_details": None,
         }
         try:
-            atomic_write(self.folder / f"{file_id}.json", json.dumps(described), new_mode=0o600)
-        except UserError as e:
+            self.write_json(f"{file_id}.json", described)
+        except OSError:
             self.path(file_id).unlink(missing_ok=True)
-            raise OSError(first_line(e)) from None
+            raise
         return {**described, "bytes": self.path(file_id).stat().st_size}
 
 

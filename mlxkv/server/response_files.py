@@ -10,12 +10,11 @@ or removed, and one that does not read as an entry is skipped and left alone.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from pathlib import Path
 
 from mlxkv.errors import UserError, first_line
-from mlxkv.files import OwnedFolder, atomic_write, parse_json, read_bytes, sync_folder
+from mlxkv.files import OwnedFolder, parse_json, read_bytes, sync_folder
 
 OWN_FILE = re.compile(r"resp_[0-9a-f]{24}\.json")
 UNFINISHED = ("queued", "in_progress")  # a background response's states before its end
@@ -23,10 +22,7 @@ UNFINISHED = ("queued", "in_progress")  # a background response's states before 
 
 class ResponseFiles(OwnedFolder):
     def kept(self, response_id: str, record: dict) -> None:
-        try:
-            atomic_write(self._path(response_id), json.dumps(record), new_mode=0o600)
-        except UserError as e:
-            raise OSError(first_line(e)) from None
+        self.write_json(f"{response_id}.json", record)
 
     def dropped(self, response_id: str) -> None:
         self._path(response_id).unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import secrets
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mlxkv.errors import UserError, first_line
-from mlxkv.files import atomic_file, parse_json, read_bytes
+from mlxkv.files import parse_json, read_bytes
 from mlxkv.server.file_store import FileStore
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -433,21 +434,24 @@ class BatchRunner:
                 self.log(f"{batch['id']}: its {key[:-3]} {file_id} was deleted; a new one is made")
                 batch[key] = None
                 continue
-            data = path.read_bytes()
-            whole = data[: data.rfind(b"\n") + 1]
-            if len(whole) < len(data):
-                with atomic_file(path, "file", new_mode=0o600) as f:
-                    f.write(whole)
-            for raw in whole.splitlines():
-                try:
-                    record = json.loads(raw)
-                    done.add(record["custom_id"])
-                except (ValueError, KeyError, TypeError):  # not a record: its line runs again
-                    continue
-                counts[kind] += 1
-                if kind == "completed":
-                    with contextlib.suppress(KeyError, TypeError, AttributeError):
-                        _add_usage(batch["usage"], record["response"]["body"].get("usage"))
+            whole = 0  # bytes of whole lines (a file of many answers is read a line at a time)
+            with open(path, "rb") as f:
+                for raw in f:
+                    if not raw.endswith(b"\n"):  # the last line, cut short by a stop
+                        break
+                    whole += len(raw)
+                    try:
+                        record = json.loads(raw)
+                        done.add(record["custom_id"])
+                    except (ValueError, KeyError, TypeError):  # not a record: it runs again
+                        continue
+                    counts[kind] += 1
+                    if kind == "completed":
+                        with contextlib.suppress(KeyError, TypeError, AttributeError):
+                            body = record["response"]["body"]
+                            _add_usage(batch["usage"], body.get("usage"))
+            if whole < path.stat().st_size:
+                os.truncate(path, whole)  # (the server's own file: its torn record goes)
         return done
 
     def _fail(self, batch: dict, code: str, message: str) -> None:

@@ -83,21 +83,24 @@ def test_the_split_server_answers_as_one_process(servers):
 
 def test_batches_and_cancels_keep_the_ranks_in_step(servers):
     """Three streamed answers at once share a batch; one client hangs up after its first
-    piece. The other two run to their 12 tokens, and the server answers afterwards as one
-    process does."""
+    piece. The other two run to their 24 tokens, and the server answers afterwards as one
+    process does. (The clients are made before the barrier and the answers are long enough
+    that a loaded machine still starts the three within one answer's time.)"""
     split, whole = servers
     before = split.status()["max_rows_in_a_step"]
     got: dict[int, list[str]] = {}
     started = threading.Barrier(3)
+    name = model_id(split)
 
     def stream(seed: int) -> None:
+        client = split.client()
         started.wait()
-        s = split.client().chat.completions.create(
-            model=model_id(split),
+        s = client.chat.completions.create(
+            model=name,
             messages=[{"role": "user", "content": f"stream {seed}"}],
             temperature=1.0,
             seed=seed,
-            max_tokens=12,
+            max_tokens=24,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -117,7 +120,7 @@ def test_batches_and_cancels_keep_the_ranks_in_step(servers):
     for t in threads:
         t.join(600)
     assert len(got[0]) == 1
-    assert got[1][-1] == got[2][-1] == "usage 12"
+    assert got[1][-1] == got[2][-1] == "usage 24"
     status = split.wait_idle()
     assert status["max_rows_in_a_step"] >= 2 or before >= 2
     a, _ = ask(split, "hello number 3", 3)

@@ -73,7 +73,7 @@ from mlxkv.server.params import (
     parse_json,
 )
 from mlxkv.server.reasoning import think_reader
-from mlxkv.server.response_store import ChainBroken, ResponseStore
+from mlxkv.server.response_store import UNFINISHED, ChainBroken, ResponseStore
 from mlxkv.server.responses import (
     Reply,
     Turn,
@@ -164,9 +164,6 @@ class Served:
 
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
-
-
-UNFINISHED = ("queued", "in_progress")  # a background response's states before its end
 
 
 class Disconnect:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from mlxkv.errors import UserError, first_line
 from mlxkv.files import OwnedFolder, parse_json, read_bytes, sync_folder
+from mlxkv.server.response_store import UNFINISHED
 
 OWN_FILE = re.compile(r"resp_[0-9a-f]{24}\.json")
-UNFINISHED = ("queued", "in_progress")  # a background response's states before its end
 
 
 class ResponseFiles(OwnedFolder):

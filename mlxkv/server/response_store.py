@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 STORE_BYTES = 64 * 2**20
+UNFINISHED = ("queued", "in_progress")  # a background response's states before its end
 
 
 @dataclass

@@ -86,7 +86,7 @@ def test_a_client_still_sending_its_body_at_the_deadline_gets_a_503(tmp_path):
 @pytest.mark.slow
 def test_a_body_that_stops_arriving_gets_408(tmp_path):
     """A client that sent its headers and a few bytes held its connection open for ever."""
-    from mlxkv.server.app import BODY_WAIT
+    from mlxkv.server.gate import BODY_WAIT
 
     server = Server(tmp_path)
     url = urlsplit(server.url)

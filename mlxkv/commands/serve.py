@@ -537,10 +537,11 @@ def _follow(args, model, policy, cluster, shard: str, template) -> int:
 
 def run(args) -> int:
     from mlxkv.commands.common import join_cluster
-    from mlxkv.server.app import Served, build_app
+    from mlxkv.server.app import build_app
     from mlxkv.server.bridge import Bridge
     from mlxkv.server.params import Limits
     from mlxkv.server.run import listen, serve
+    from mlxkv.server.served import Served
 
     key = _check(args)
     _check_memory_flags(args)

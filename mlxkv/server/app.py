@@ -1,17 +1,16 @@
-"""The HTTP API (Starlette): OpenAI's chat and text completions, responses and embeddings,
-Anthropic's messages, Ollama's chat, generate and embed, models, health, status, metrics."""
+"""The HTTP API (Starlette): its routes, and the endpoints that answer with the model
+(OpenAI's chat and text completions, responses and embeddings, Anthropic's messages,
+Ollama's chat, generate and embed, llama.cpp's completion and infill), streamed or whole.
+The others live beside it: the model's listings and the server's state (``model_info``),
+token counts (``token_api``), conversations, files and batches."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import hmac
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
-from fnmatch import fnmatchcase
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -19,10 +18,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxkv import __version__
 from mlxkv.engine.events import (
     Embedding,
     Failed,
@@ -32,17 +30,10 @@ from mlxkv.engine.events import (
     Stats,
     TokenDelta,
 )
-from mlxkv.engine.request import (
-    RESERVE_STEP,
-    GenerationSettings,
-    encode_prompt,
-    encode_text,
-    most_prompt_characters,
-)
-from mlxkv.errors import UserError, first_line
-from mlxkv.models.fim import fim_format, has_tokens, infill_ids
+from mlxkv.engine.request import GenerationSettings
+from mlxkv.errors import first_line
 from mlxkv.policy import KVPolicy
-from mlxkv.server import embeddings, llamacpp, metrics, ollama
+from mlxkv.server import embeddings, llamacpp, ollama
 from mlxkv.server.answers import (
     Choice,
     Envelope,
@@ -55,25 +46,24 @@ from mlxkv.server.answers import usage as usage_of
 from mlxkv.server.batch_api import BatchAPI, loopback
 from mlxkv.server.batch_runner import BatchRunner
 from mlxkv.server.bridge import Bridge, Run
-from mlxkv.server.conversation_store import ConversationStore
 from mlxkv.server.conversations import Conversations
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.event_log import EventLogs
-from mlxkv.server.file_store import FileStore
-from mlxkv.server.local import foreign_source, is_local_origin
+from mlxkv.server.gate import Gate
+from mlxkv.server.local import is_local_origin
 from mlxkv.server.messages import Message, error_response, event, parse_messages
+from mlxkv.server.model_info import ModelInfo
 from mlxkv.server.pages import item_page
 from mlxkv.server.params import (
     Ask,
-    Limits,
     api_names,
-    model_of,
     parse_chat,
     parse_completion,
     parse_json,
 )
+from mlxkv.server.prompts import Prompts
 from mlxkv.server.reasoning import think_reader
-from mlxkv.server.response_store import UNFINISHED, ChainBroken, ResponseStore
+from mlxkv.server.response_store import UNFINISHED, ChainBroken
 from mlxkv.server.responses import (
     Reply,
     Turn,
@@ -83,19 +73,15 @@ from mlxkv.server.responses import (
     parse_responses,
     stream_query,
 )
-from mlxkv.server.tokenize import (
-    detokenize_body,
-    parse_detokenize,
-    parse_tokenize,
-    tokenize_body,
-)
-from mlxkv.server.tools import has_tool_calling, held_calls, reader_for
-from mlxkv.server.truncation import answer_room, fitted
+from mlxkv.server.served import Served
+from mlxkv.server.token_api import TokenAPI
+from mlxkv.server.tools import held_calls, reader_for
 
 ENDPOINTS = (
     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/embeddings, /v1/models, /v1/status, /metrics, /health, "
-    "/tokenize, /detokenize, llama.cpp's /completion, /infill, /props and /apply-template, "
+    "/v1/messages/count_tokens, /v1/embeddings, /v1/files, /v1/batches, /v1/models, "
+    "/v1/status, /metrics, /health, /tokenize, /detokenize, llama.cpp's /completion, "
+    "/infill, /props and /apply-template, "
     "and Ollama's /api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags, "
     "/api/show, /api/ps, /api/version"
 )
@@ -106,14 +92,6 @@ PARSERS = {
     "api_chat": ollama.parse_chat,
     "api_generate": ollama.parse_generate,
 }
-# what a request can do instead, in each API's words (OpenAI's: chat and responses)
-NO_TOOLS = {
-    "openai": "leave 'tools' out, send tool_choice 'none', or force a call (tool_choice "
-    "'required' or a function's name)",
-    "messages": "leave 'tools' out, or send tool_choice {type: 'none'}, or force a call "
-    "({type: 'any'} or {type: 'tool', name})",
-    "api_chat": "leave 'tools' out",
-}
 FORMAT_PARAMS = {  # where each API asks for an answer's schema
     "chat": "response_format",
     "responses": "text.format",
@@ -122,7 +100,6 @@ FORMAT_PARAMS = {  # where each API asks for an answer's schema
     "api_generate": "format",
 }
 BLOCKS = ("messages", "responses")  # one answer, as a list of blocks or items
-BODY_WAIT = 30.0  # seconds a request body may pause before it gets 408
 OLLAMA = ("api_chat", "api_generate")
 LLAMA = ("infill", "llama_completion")  # llama.cpp's own endpoints
 # the field that holds each kind's prompt (an error about the prompt names it)
@@ -134,32 +111,6 @@ PROMPT_PARAMS = {
     "embeddings": "input",
 }
 LOGGED_MESSAGE = 1000  # characters of an error message the log line keeps
-
-
-@dataclass
-class Served:
-    """The one model this server runs and the rules it runs it by."""
-
-    id: str  # the name /v1/models lists
-    names: set[str]  # every name a request's ``model`` may give (alias, repo id)
-    tokenizer: object  # chat template and token texts (no MLX)
-    policy: KVPolicy  # the default KV policy
-    patterns: tuple[str, ...] = ()  # shell patterns of more names ('claude-*', '*')
-    limits: Limits = field(default_factory=Limits)
-    max_batch: int = 16
-    batch_requests: int = 15  # a batch's requests in flight at once (/v1/batches)
-    ranks: int = 1  # processes the model is split over (mlx.launch); rank 0 serves
-    api_key: str | None = None
-    max_body: int = 8 * 2**20
-    stored: ResponseStore = field(default_factory=ResponseStore)  # Responses' store: true
-    conversations: ConversationStore = field(default_factory=ConversationStore)
-    files: FileStore | None = None  # uploads and batch results (None: no files, no batches)
-    facts: dict = field(default_factory=dict)  # size, family, context... (Ollama's listings)
-    pooling: str = "last"  # how an embedding pools the final hidden states: "last", "mean"
-    started: int = field(default_factory=lambda: int(time.time()))
-
-    def serves(self, name: str) -> bool:
-        return name in self.names or any(fnmatchcase(name, p) for p in self.patterns)
 
 
 class ClientGone(Exception):
@@ -193,153 +144,16 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
     background: dict[str, asyncio.Task] = {}  # background responses still answering, by id
     logs = EventLogs()  # the streamed background responses' events
-    fim = fim_format(served.tokenizer)  # read once: it walks the whole vocabulary
-    repo_level = fim is not None and has_tokens(served.tokenizer, fim.repo, fim.file_sep)
-
-    def check_auth(request: Request) -> None:
-        if served.api_key is None:
-            check_local(request)
-            return
-        # OpenAI's clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY"
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            key = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(key.strip().encode(), served.api_key.encode()):
-            raise APIError(
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer KEY' (or "
-                "'x-api-key: KEY') with the key the server was started with (--api-key or "
-                "MLXKV_API_KEY)",
-                code="invalid_api_key",
-            )
-
-    async def read_json(request: Request, empty: dict | None = None) -> dict:
-        """The body as a JSON object (``empty`` stands for a body with nothing in it)."""
-        raw = await read_body(request)
-        return dict(empty) if empty is not None and not raw.strip() else parse_json(raw)
-
-    talks = Conversations(served.conversations, check_auth, read_json)
+    gate = Gate(served)
+    prompts_of = Prompts(served, bridge.scheduler.encode)
+    talks = Conversations(served.conversations, gate.auth, gate.json)
     runner = None
     if served.files is not None:
         runner = BatchRunner(served.files, None, served.batch_requests, _say, served.max_body)
         runner.load()
-    batch_api = BatchAPI(served.files, runner, served.id, check_auth, read_json)
-
-    def check_local(request: Request) -> None:
-        why = foreign_source(request.headers.get("host"), request.headers.get("origin"))
-        if why is not None:
-            raise APIError(
-                403,
-                f"this server has no API key, so it answers this machine only ({why}); "
-                "start it with --api-key to take requests from elsewhere",
-                code="forbidden_origin",
-            )
-
-    async def read_body(request: Request) -> bytes:
-        limit = served.max_body
-        declared = request.headers.get("content-length", "")
-        too_big = APIError(
-            413,
-            f"the request body is larger than this server takes ({limit} bytes, --max-body)",
-            code="request_too_large",
-        )
-        if declared.isdigit() and int(declared) > limit:
-            raise too_big
-        chunks, size = [], 0
-        parts = request.stream().__aiter__()
-        while True:
-            try:  # a client that stops mid-body would hold its connection for ever
-                chunk = await asyncio.wait_for(parts.__anext__(), BODY_WAIT)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise APIError(
-                    408,
-                    f"the request body stopped arriving (nothing for {BODY_WAIT:g} s); send it "
-                    "whole",
-                    code="request_timeout",
-                ) from None
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def check_model(name: str | None) -> None:
-        if name is not None and not served.serves(name):
-            raise APIError(
-                404,
-                f"The model '{name}' does not exist on this server: it serves '{served.id}' "
-                "(GET /v1/models); the model is chosen when mlxkv serve starts "
-                "(--served-model-name gives it more names)",
-                param="model",
-                code="model_not_found",
-            )
-
-    def render(ask: Ask, answer: bool = True) -> tuple[list[list[int]], str]:
-        """The prompts as token ids (the chat template applied), and a chat prompt's text
-        (not ``answer``: the messages as the start of a longer prompt); runs in a worker
-        thread."""
-
-        def encode(text: str) -> list[int]:
-            try:
-                return bridge.scheduler.encode(text)
-            except UserError as e:  # the tokenizer failed on this text
-                raise bad(str(e), "messages" if ask.messages else "prompt") from None
-
-        if ask.kind in ("completion", *LLAMA):
-            return [p if isinstance(p, list) else encode(p) for p in ask.prompts], ""
-        tools = {"tools": ask.tools.tools} if ask.tools.on else {}
-        # a last assistant message is the start of the answer: the template leaves it open
-        go_on = ask.continue_final and answer
-        ending = {"continue_final_message": True} if go_on else {}
-        try:
-            text = served.tokenizer.apply_chat_template(
-                ask.messages,
-                tokenize=False,
-                add_generation_prompt=answer and not go_on,
-                **ending,
-                **tools,
-                **ask.template_kwargs,
-            )
-        except Exception as e:  # the template refused these messages or arguments
-            raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
-        if not isinstance(text, str):
-            raise bad("chat_template_kwargs made the template return no text", "messages")
-        return [encode(text)], text
-
-    def truncated(ask: Ask) -> tuple[Ask, tuple[list[list[int]], str]]:
-        """A Responses request without the oldest turns that keep its conversation from
-        fitting the model's context with room for the answer (``truncation: "auto"``), and
-        its render; runs in a worker thread."""
-        context = served.limits.context_length
-        if not context or (ask.policy or served.policy).window is not None:
-            return ask, render(ask)  # a window takes a prompt of any length
-        renders = {}  # by length: what is kept is the instructions and a suffix
-
-        def count(messages: list[dict], whole: bool) -> int | None:
-            if whole:
-                renders[len(messages)] = render(replace(ask, messages=messages))
-                return len(renders[len(messages)][0][0])
-            try:
-                return len(render(replace(ask, messages=messages), answer=False)[0][0])
-            except APIError:  # a template that renders no conversation cut short
-                return None
-
-        s = ask.settings
-        room = context - answer_room(RESERVE_STEP if s.open_ended else s.max_tokens, context)
-        kept = fitted(ask.messages, count, room)
-        if kept is None:
-            raise APIError(
-                400,
-                f"even the input's last turn does not fit the model's context ({context} "
-                f"tokens) with room for the answer ({context - room}): shorten it or send a "
-                "smaller max_output_tokens",
-                "input",
-                "context_length_exceeded",
-            )
-        ask = replace(ask, messages=kept)
-        return ask, renders.get(len(kept)) or render(ask)
+    batch_api = BatchAPI(served.files, runner, served.id, gate.auth, gate.json)
+    info = ModelInfo(served, bridge, gate, runner, prompts_of.fim is not None)
+    tokens = TokenAPI(served, gate, prompts_of)
 
     def with_conversation(ask: Ask, turn: Turn) -> Ask:
         """A Responses request's messages with the stored conversation it goes on from
@@ -411,8 +225,8 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             served.stored.put(response, items, messages, previous, written=True)
 
     async def completions(request: Request, kind: str) -> Response:
-        check_auth(request)
-        body = parse_json(await read_body(request))
+        gate.auth(request)
+        body = parse_json(await gate.body(request))
         if kind == "responses":
             ask, turn = parse_responses(body, served.limits, find=referenced)
         elif kind in LLAMA:
@@ -421,26 +235,26 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ask = PARSERS[kind](body, served.limits)
         if kind in OLLAMA:  # Ollama's clients add its default tag to a name
             ask = replace(ask, model=ollama.served_name(ask.model, served.serves) or ask.model)
-        check_model(ask.model)
-        check_tool_format(ask)
+        gate.model(ask.model)
+        prompts_of.check_tool_format(ask)
         if (held := held_calls(ask.tools, served.tokenizer)) is not None:
             ask = replace(ask, settings=replace(ask.settings, call_grammar=held))
         rendered = None
         if kind == "responses":
             ask = with_conversation(ask, turn)
             if turn.truncate:
-                ask, rendered = await run_in_threadpool(truncated, ask)
+                ask, rendered = await run_in_threadpool(prompts_of.truncated, ask)
         if ask.suffix is not None:
-            ask = fill_in(ask)
+            ask = prompts_of.fill_in(ask)
         if kind == "infill":
-            ask = await run_in_threadpool(infill_prompt, ask, fill)
+            ask = await run_in_threadpool(prompts_of.infill, ask, fill)
         if kind in OLLAMA and not (ask.messages or ask.prompts):
             # nothing to answer: a client making sure the model is loaded (it always is)
             return JSONResponse(ollama.Reply(served.id, kind == "api_chat").loaded())
-        prompts, text = rendered or await run_in_threadpool(render, ask)
+        prompts, text = rendered or await run_in_threadpool(prompts_of.render, ask)
         predicted = None
         if ask.prediction:
-            predicted = await run_in_threadpool(prediction_ids, ask.prediction)
+            predicted = await run_in_threadpool(prompts_of.prediction_ids, ask.prediction)
         run = bridge.start(
             prompts,
             ask.n,
@@ -459,7 +273,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         elif kind in OLLAMA:
             env = ollama.Reply(served.id, kind == "api_chat")
         elif kind in LLAMA:
-            env = llamacpp.Reply(served.id, fill, fim.stops if kind == "infill" else ())
+            env = llamacpp.Reply(served.id, fill, prompts_of.fim.stops if kind == "infill" else ())
         else:
             env = Envelope(kind, served.id)
         choices = choices_of(run, ask, text)
@@ -574,7 +388,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def cancel_response(request: Request) -> Response:
         """``POST /v1/responses/{id}/cancel``: a background response stops where it is and
         is stored as cancelled (one already ended is answered as it is)."""
-        check_auth(request)
+        gate.auth(request)
         entry = stored(request)
         if not entry.response.get("background"):
             raise bad("only background responses can be cancelled", "response_id")
@@ -587,55 +401,6 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
-
-    def fill_in(ask: Ask) -> Ask:
-        """A completion with a suffix as the model's fill-in-the-middle prompts, which end
-        where the model writes one of the format's markers."""
-        if fim is None:
-            raise APIError(
-                400,
-                f"suffix: the model '{served.id}' has no fill-in-the-middle tokens (as code "
-                "models such as Qwen2.5-Coder, StarCoder2, DeepSeek-Coder and Codestral have); "
-                "leave suffix out",
-                param="suffix",
-                code="fim_unsupported",
-            )
-        prompts = [fim.prompt(p, ask.suffix) for p in ask.prompts]
-        return replace(ask, prompts=prompts, settings=ending_at_markers(ask.settings))
-
-    def ending_at_markers(settings):
-        """``settings`` whose answer (a middle) also ends at the FIM format's markers."""
-        return replace(settings, stop=tuple(dict.fromkeys((*settings.stop, *fim.stops))))
-
-    def infill_prompt(ask: Ask, infill: llamacpp.Infill) -> Ask:
-        """An /infill request's prompt, laid out as llama.cpp lays it out; its middle ends
-        where the model writes one of the format's markers. Runs in a worker thread."""
-        if fim is None:
-            raise APIError(
-                400,
-                f"the model '{served.id}' has no fill-in-the-middle tokens (as code models "
-                "such as Qwen2.5-Coder, StarCoder2, DeepSeek-Coder and Codestral have), so "
-                "/infill cannot run on it; serve a code model",
-                code="fim_unsupported",
-            )
-        answer = -1 if ask.settings.open_ended else ask.settings.max_tokens
-        limit = served.limits.context_length
-        ids, infill.truncated = infill_ids(
-            served.tokenizer, fim, repo_level, infill.text, answer, limit
-        )
-        return replace(ask, prompts=[ids], settings=ending_at_markers(ask.settings))
-
-    def check_tool_format(ask: Ask) -> None:
-        """Tools the model may call need its family's call format; a forced call does not
-        (it is written as JSON held to the schema, whatever the family)."""
-        if ask.tools.on and not ask.tools.forced and not has_tool_calling(served.tokenizer):
-            raise APIError(
-                400,
-                f"the model '{served.id}' cannot call tools: its chat template has no "
-                f"tool-call format mlx-lm knows; {NO_TOOLS.get(ask.kind, NO_TOOLS['openai'])}",
-                param="tools",
-                code="tools_unsupported",
-            )
 
     async def _parts(run: Run, first, next_event, ask: Ask, choices: list[Choice]):
         """``(row, part)`` for what each event of ``run`` adds, from ``first`` on."""
@@ -737,13 +502,13 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return await completions(request, "responses")
 
     async def input_tokens(request: Request) -> Response:
-        check_auth(request)
-        body = parse_json(await read_body(request))
+        gate.auth(request)
+        body = parse_json(await gate.body(request))
         ask, turn = parse_responses(body, served.limits, counting=True, find=referenced)
-        check_model(ask.model)
-        check_tool_format(ask)
+        gate.model(ask.model)
+        prompts_of.check_tool_format(ask)
         ask = with_conversation(ask, turn)
-        use = truncated if turn.truncate else lambda a: (a, render(a))
+        use = prompts_of.truncated if turn.truncate else lambda a: (a, prompts_of.render(a))
         _, (prompts, _) = await run_in_threadpool(use, ask)
         return JSONResponse(count_body(len(prompts[0])))
 
@@ -754,7 +519,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         return entry
 
     async def one_response(request: Request) -> Response:
-        check_auth(request)
+        gate.auth(request)
         if request.method == "DELETE":
             await stop_background(request.path_params["id"])  # or its end would store it again
             try:
@@ -788,36 +553,16 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def input_items(request: Request) -> Response:
         """The stored input items of a response, a page at a time (``limit``, ``order``,
         ``after``), as OpenAI's API lists them."""
-        check_auth(request)
+        gate.auth(request)
         of = "this response's input"
         return JSONResponse(item_page(stored(request).items, request.query_params, of))
-
-    async def tokenize(request: Request) -> Response:
-        check_auth(request)
-        body = parse_json(await read_body(request))
-        ask = parse_tokenize(body)
-        check_model(model_of(body))
-        if ask.form == "messages":
-            chat = parse_chat(ask.chat, served.limits)
-            check_tool_format(chat)
-            prompts, _ = await run_in_threadpool(render, chat, ask.generation_prompt)
-            ids = prompts[0]
-        else:
-            try:
-                ids = await run_in_threadpool(
-                    encode_prompt, served.tokenizer, ask.text, ask.specials
-                )
-            except UserError as e:  # the tokenizer failed on this text
-                raise bad(str(e), ask.form) from None
-        context = served.limits.context_length
-        return JSONResponse(tokenize_body(ask, ids, words, context))
 
     async def embed(request: Request, kind: str) -> Response:
         """OpenAI's ``/v1/embeddings`` ("openai") and Ollama's ``/api/embed`` ("api_embed")
         and ``/api/embeddings`` ("api_embeddings"): each input's vector."""
-        check_auth(request)
+        gate.auth(request)
         started = time.perf_counter()
-        body = parse_json(await read_body(request))
+        body = parse_json(await gate.body(request))
         width = served.facts.get("embedding_length")
         if kind == "openai":
             ask = embeddings.parse_openai(body, served.limits, width)
@@ -828,7 +573,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         name = ask.model
         if kind != "openai" and name is not None:  # Ollama's clients add its default tag
             name = ollama.served_name(name, served.serves) or name
-        check_model(name)
+        gate.model(name)
         if served.ranks > 1:
             raise APIError(
                 400,
@@ -837,7 +582,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 "model",
                 "embeddings_unsupported",
             )
-        prompts = await run_in_threadpool(embedding_ids, ask)
+        prompts = await run_in_threadpool(prompts_of.embedding_ids, ask)
         gone = Disconnect(request)
         try:
             vectors, tokens = await pooled(prompts, gone)
@@ -858,61 +603,6 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             seconds = time.perf_counter() - started
             return JSONResponse(embeddings.ollama_body(served.id, vectors, tokens, seconds))
         return JSONResponse({"embedding": vectors[0].tolist()})
-
-    def embedding_ids(ask: embeddings.EmbedAsk) -> list[list[int]]:
-        """Each input's token ids as the model's tokenizer makes them for itself (with the
-        markers it adds: an embedding model's end of text), each within the context (cut to
-        it when the request says ``truncate``); runs in a worker thread."""
-        out, context = [], served.limits.context_length
-        most = most_characters()
-
-        def too_long(i: int, size: str) -> APIError:
-            where = f"input[{i}]" if len(ask.inputs) > 1 else "input"
-            return APIError(
-                400,
-                f"{where} has {size} but the model's context is {context} tokens; shorten it",
-                "input",
-                "context_length_exceeded",
-            )
-
-        for i, p in enumerate(ask.inputs):
-            if isinstance(p, str) and most is not None and len(p) > most:
-                if not ask.truncate:  # refused before the tokenizer reads it all
-                    raise too_long(i, f"{len(p)} characters")
-                p = p[:most]
-            try:
-                ids = p if isinstance(p, list) else encode_text(served.tokenizer, p, True)
-            except UserError as e:  # the tokenizer failed on this text
-                raise bad(str(e), "input") from None
-            if context and len(ids) >= context:
-                if not ask.truncate:
-                    raise too_long(i, f"{len(ids)} tokens")
-                ids = ids[: context - 1]
-            out.append(ids)
-        return out
-
-    def prediction_ids(text: str) -> list[int]:
-        """A predicted output's token ids (no markers added), refused past what the context
-        could hold before the tokenizer reads it all; runs in a worker thread."""
-        most = most_characters()
-        if most is not None and len(text) > most:
-            raise APIError(
-                400,
-                f"prediction has {len(text)} characters, more than an answer in a "
-                f"{served.limits.context_length}-token context can hold; shorten it",
-                "prediction",
-                "context_length_exceeded",
-            )
-        try:
-            return encode_text(served.tokenizer, text, False)
-        except UserError as e:  # the tokenizer failed on this text
-            raise bad(str(e), "prediction") from None
-
-    @functools.cache
-    def most_characters() -> int | None:
-        """Characters no input can exceed and fit the context (read once: it walks the
-        vocabulary)."""
-        return most_prompt_characters(served.tokenizer, served.limits.context_length)
 
     async def pooled(prompts: list[list[int]], gone: Disconnect) -> tuple[list, int]:
         """Each prompt's pooled vector and the prompts' tokens, ``max_batch`` prompts in
@@ -936,169 +626,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 bridge.finish(run)
         return vectors, tokens
 
-    async def props(request: Request) -> Response:
-        check_auth(request)
-        return JSONResponse(
-            llamacpp.props_body(
-                served.id,
-                served.limits,
-                served.tokenizer,
-                served.max_batch,
-                f"mlxkv {__version__}",
-            )
-        )
-
-    async def apply_template(request: Request) -> Response:
-        """llama.cpp's ``/apply-template``: ``{"messages", "tools"?, ...}`` as the chat
-        template renders it for an answer, ``{"prompt": TEXT}``."""
-        check_auth(request)
-        body = parse_json(await read_body(request))
-        for name in body:
-            if name not in ("model", "messages", "tools", "tool_choice", "chat_template_kwargs"):
-                raise bad(f"{name} is not a field of /apply-template; send messages", name)
-        chat = parse_chat(body, served.limits)
-        check_model(chat.model)
-        check_tool_format(chat)
-        _, text = await run_in_threadpool(render, chat)
-        return JSONResponse({"prompt": text})
-
-    async def detokenize(request: Request) -> Response:
-        check_auth(request)
-        body = parse_json(await read_body(request))
-        ids = parse_detokenize(body, served.limits.vocab_size)
-        check_model(model_of(body))
-        text = await run_in_threadpool(served.tokenizer.decode, ids)
-        return JSONResponse(detokenize_body(text))
-
-    async def count_tokens(request: Request) -> Response:
-        check_auth(request)
-        ask = parse_messages(parse_json(await read_body(request)), served.limits, counting=True)
-        check_model(ask.model)
-        check_tool_format(ask)
-        prompts, _ = await run_in_threadpool(render, ask)
-        return JSONResponse({"input_tokens": len(prompts[0])})
-
     async def api_chat(request: Request) -> Response:
         return await completions(request, "api_chat")
 
     async def api_generate(request: Request) -> Response:
         return await completions(request, "api_generate")
-
-    def modified() -> str:
-        return datetime.fromtimestamp(served.started, timezone.utc).isoformat()
-
-    async def api_tags(request: Request) -> Response:
-        check_auth(request)
-        return JSONResponse({"models": [ollama.listing(served.id, served.facts, modified())]})
-
-    async def api_ps(request: Request) -> Response:
-        check_auth(request)
-        loaded = ollama.listing(served.id, served.facts, modified())
-        loaded.update(
-            expires_at=None,  # loaded while the server runs
-            size_vram=served.facts.get("size", 0),  # unified memory: all of it
-            context_length=served.facts.get("context_length"),
-        )
-        return JSONResponse({"models": [loaded]})
-
-    async def api_show(request: Request) -> Response:
-        check_auth(request)
-        body = parse_json(await read_body(request))
-        for k in body:
-            if k not in ("model", "name", "verbose"):
-                raise bad(f"{k} is not a field of this request; send model", k)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str):
-            raise bad("model is required", "model")
-        check_model(ollama.served_name(name, served.serves) or name)
-        tok = served.tokenizer
-        abilities = ["completion"]
-        abilities += ["tools"] if has_tool_calling(tok) else []
-        abilities += ["thinking"] if getattr(tok, "has_thinking", False) else []
-        abilities += ["insert"] if fim is not None else []  # fill-in-the-middle
-        abilities += ["embedding"] if served.facts.get("embedding_model") else []
-        template = getattr(tok, "chat_template", None)
-        return JSONResponse(
-            {
-                "license": "",
-                "modelfile": "",
-                "parameters": "",
-                "template": template if isinstance(template, str) else "",
-                "details": ollama.details(served.facts),
-                "model_info": ollama.model_info(served.facts, served.id),
-                "capabilities": abilities,
-                "modified_at": modified(),
-            }
-        )
-
-    async def api_version(request: Request) -> Response:
-        return JSONResponse({"version": ollama.API_VERSION})
-
-    def model_card() -> dict:
-        """The served model as both APIs list one (OpenAI's fields, then Anthropic's), and
-        its context as vLLM lists it (``max_model_len``) and OpenRouter (``context_length``,
-        which llama.vscode and other clients look for), which clients read to size their
-        prompts."""
-        started = datetime.fromtimestamp(served.started, timezone.utc)
-        context = served.limits.context_length
-        return {
-            "id": served.id,
-            "object": "model",
-            "created": served.started,
-            "owned_by": "mlxkv",
-            "type": "model",
-            "display_name": served.id,
-            "created_at": started.isoformat().replace("+00:00", "Z"),
-            "lifecycle": "active",
-            **({"max_model_len": context, "context_length": context} if context else {}),
-        }
-
-    async def models(request: Request) -> Response:
-        check_auth(request)
-        listed = {"object": "list", "data": [model_card()]}
-        paging = {"has_more": False, "first_id": served.id, "last_id": served.id}
-        return JSONResponse({**listed, **paging})
-
-    async def one_model(request: Request) -> Response:
-        check_auth(request)
-        check_model(request.path_params["name"])
-        return JSONResponse(model_card())
-
-    async def root(request: Request) -> Response:
-        """What Ollama's clients probe before they talk to a server (``GET``/``HEAD /``)."""
-        return PlainTextResponse("mlxkv is running")
-
-    async def health(request: Request) -> Response:
-        if bridge.draining:
-            return JSONResponse({"status": "shutting_down"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": served.id})
-
-    def status_now() -> dict:
-        now = bridge.scheduler.status()
-        now["refused"] = {**now.get("refused", {}), "busy": bridge.refused_busy}
-        return {
-            "model": served.id,
-            "policy": served.policy.describe(),
-            "max_batch": served.max_batch,
-            "ranks": served.ranks,
-            "rows_in_flight": bridge.rows_in_flight,
-            "draining": bridge.draining,
-            **now,
-            "response_store": served.stored.usage(),
-            "conversation_store": served.conversations.usage(),
-            "batches": None if runner is None else runner.usage(),
-        }
-
-    async def status(request: Request) -> Response:
-        check_auth(request)
-        return JSONResponse(status_now())
-
-    scrape = metrics.registry(status_now)
-
-    async def metrics_text(request: Request) -> Response:
-        check_auth(request)
-        body, content_type = metrics.exposition(scrape)
-        return Response(body, media_type=content_type)
 
     routes = [
         Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
@@ -1125,17 +657,25 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/batches/{id}", _guard(batch_api.one_batch), methods=["GET"]),
         Route("/v1/batches/{id}/cancel", _guard(batch_api.cancel), methods=["POST"]),
         Route("/v1/messages", _guard(messages, error_response), methods=["POST"]),
-        Route("/v1/messages/count_tokens", _guard(count_tokens, error_response), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            _guard(tokens.count_tokens, error_response),
+            methods=["POST"],
+        ),
         Route("/api/chat", _guard(api_chat, ollama.error_response), methods=["POST"]),
         Route("/api/generate", _guard(api_generate, ollama.error_response), methods=["POST"]),
-        Route("/api/tags", _guard(api_tags, ollama.error_response), methods=["GET"]),
-        Route("/api/ps", _guard(api_ps, ollama.error_response), methods=["GET"]),
-        Route("/api/show", _guard(api_show, ollama.error_response), methods=["POST"]),
-        Route("/api/version", _guard(api_version, ollama.error_response), methods=["GET"]),
+        Route("/api/tags", _guard(info.api_tags, ollama.error_response), methods=["GET"]),
+        Route("/api/ps", _guard(info.api_ps, ollama.error_response), methods=["GET"]),
+        Route("/api/show", _guard(info.api_show, ollama.error_response), methods=["POST"]),
+        Route("/api/version", _guard(info.api_version, ollama.error_response), methods=["GET"]),
         Route("/infill", _guard(infill, llamacpp.error_response), methods=["POST"]),
         Route("/completion", _guard(llama_completion, llamacpp.error_response), methods=["POST"]),
-        Route("/props", _guard(props, llamacpp.error_response), methods=["GET"]),
-        Route("/apply-template", _guard(apply_template, llamacpp.error_response), methods=["POST"]),
+        Route("/props", _guard(info.props, llamacpp.error_response), methods=["GET"]),
+        Route(
+            "/apply-template",
+            _guard(tokens.apply_template, llamacpp.error_response),
+            methods=["POST"],
+        ),
         Route("/v1/embeddings", _guard(lambda r: embed(r, "openai")), methods=["POST"]),
         Route(
             "/api/embed",
@@ -1147,14 +687,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             _guard(lambda r: embed(r, "api_embeddings"), ollama.error_response),
             methods=["POST"],
         ),
-        Route("/tokenize", _guard(tokenize), methods=["POST"]),
-        Route("/detokenize", _guard(detokenize), methods=["POST"]),
-        Route("/v1/models", _guard(models), methods=["GET"]),
-        Route("/v1/models/{name:path}", _guard(one_model), methods=["GET"]),
-        Route("/v1/status", _guard(status), methods=["GET"]),
-        Route("/metrics", _guard(metrics_text), methods=["GET"]),
-        Route("/health", _guard(health), methods=["GET"]),
-        Route("/", root, methods=["GET", "HEAD"]),
+        Route("/tokenize", _guard(tokens.tokenize), methods=["POST"]),
+        Route("/detokenize", _guard(tokens.detokenize), methods=["POST"]),
+        Route("/v1/models", _guard(info.models), methods=["GET"]),
+        Route("/v1/models/{name:path}", _guard(info.one_model), methods=["GET"]),
+        Route("/v1/status", _guard(info.status), methods=["GET"]),
+        Route("/metrics", _guard(info.metrics), methods=["GET"]),
+        Route("/health", _guard(info.health), methods=["GET"]),
+        Route("/", info.root, methods=["GET", "HEAD"]),
     ]
     # Browser pages (a web UI, an editor's webview) may call the API: the preflight is
     # answered and the answers carry CORS headers for the pages that may use it.

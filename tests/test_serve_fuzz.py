@@ -5,6 +5,7 @@ never a 5xx, and the server logs no traceback (about 2300 requests in all, 26-45
 from __future__ import annotations
 
 import copy
+import json
 
 import httpx
 import pytest
@@ -112,6 +113,29 @@ BODIES = {
     "/v1/embeddings": {"input": ["hi", "yo"], "dimensions": 8, "encoding_format": "base64"},
     "/api/embed": {"model": "smollm2-135m", "input": ["hi"], "truncate": True, "options": {}},
     "/api/embeddings": {"model": "smollm2-135m", "prompt": "hi"},
+    "/v1/messages/count_tokens": {
+        "system": "s",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+    },
+    "/v1/responses/input_tokens": {
+        "instructions": "i",
+        "input": [{"role": "user", "content": "q"}],
+    },
+    "/v1/conversations": {
+        "items": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        "metadata": {"k": "v"},
+    },
+    "/api/show": {"model": "smollm2-135m", "verbose": True},
+    # (its input_file_id: a file the server fixture uploads)
+    "/v1/batches": {
+        "input_file_id": "",
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        "metadata": {"k": "v"},
+    },
 }  # fmt: skip
 BODIES["/v1/chat/completions"] |= {"n_predict": 1, "id_slot": 0, "samplers": ["top_k"]}
 # lists and objects whose fields are lists cannot be dictionary keys (every suite); then
@@ -155,14 +179,22 @@ def error_shaped(url: str, body) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from serving(tmp_path_factory.mktemp("serve_fuzz"), "--max-tokens", "1")
+    for s in serving(tmp_path_factory.mktemp("serve_fuzz"), "--max-tokens", "1"):
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}
+        line["body"] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        upload = {"file": ("in.jsonl", json.dumps(line).encode())}
+        r = httpx.post(f"{s.url}/v1/files", data={"purpose": "batch"}, files=upload)
+        s.batch_file = r.json()["id"]
+        yield s
 
 
 def shake(server, values: list) -> list[str]:
     """Every path of every body with each value; what went wrong, one line each."""
     wrong = []
+    bodies = dict(BODIES)
+    bodies["/v1/batches"] = {**BODIES["/v1/batches"], "input_file_id": server.batch_file}
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        for url, body in BODIES.items():
+        for url, body in bodies.items():
             for at in paths(body):
                 for value in values:
                     if value in LONG.get(at, ()):

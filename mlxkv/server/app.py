@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxkv.engine.events import (
@@ -47,13 +47,11 @@ from mlxkv.server.batch_api import BatchAPI, loopback
 from mlxkv.server.batch_runner import BatchRunner
 from mlxkv.server.bridge import Bridge, Run
 from mlxkv.server.conversations import Conversations
-from mlxkv.server.errors import APIError, bad
-from mlxkv.server.event_log import EventLogs
+from mlxkv.server.errors import APIError
 from mlxkv.server.gate import Gate
 from mlxkv.server.local import is_local_origin
 from mlxkv.server.messages import Message, error_response, event, parse_messages
 from mlxkv.server.model_info import ModelInfo
-from mlxkv.server.pages import item_page
 from mlxkv.server.params import (
     Ask,
     api_names,
@@ -63,17 +61,13 @@ from mlxkv.server.params import (
 )
 from mlxkv.server.prompts import Prompts
 from mlxkv.server.reasoning import think_reader
-from mlxkv.server.response_store import UNFINISHED, ChainBroken
+from mlxkv.server.response_api import ResponseAPI
 from mlxkv.server.responses import (
     Reply,
     Turn,
-    count_body,
-    input_messages,
-    not_found,
-    parse_responses,
-    stream_query,
 )
 from mlxkv.server.served import Served
+from mlxkv.server.stream import EventStream
 from mlxkv.server.token_api import TokenAPI
 from mlxkv.server.tools import held_calls, reader_for
 
@@ -142,8 +136,6 @@ class Disconnect:
 
 def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
-    background: dict[str, asyncio.Task] = {}  # background responses still answering, by id
-    logs = EventLogs()  # the streamed background responses' events
     gate = Gate(served)
     prompts_of = Prompts(served, bridge.scheduler.encode)
     talks = Conversations(served.conversations, gate.auth, gate.json)
@@ -154,81 +146,13 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     batch_api = BatchAPI(served.files, runner, served.id, gate.auth, gate.json)
     info = ModelInfo(served, bridge, gate, runner, prompts_of.fim is not None)
     tokens = TokenAPI(served, gate, prompts_of)
-
-    def with_conversation(ask: Ask, turn: Turn) -> Ask:
-        """A Responses request's messages with the stored conversation it goes on from
-        (``previous_response_id``, or a ``conversation``'s items) between its instructions
-        and its input."""
-        system = ask.messages[: len(ask.messages) - len(turn.messages)]
-        if turn.conversation is not None:
-            before = talks.turns(turn.conversation)
-            return replace(ask, messages=system + before + turn.messages)
-        if turn.previous is None:
-            return ask
-        held = served.stored.get(turn.previous)
-        if held is not None and held.response["status"] in UNFINISHED:
-            raise bad(
-                f"Previous response with id '{turn.previous}' is still "
-                f"{held.response['status'].replace('_', ' ')}: wait until GET "
-                f"/v1/responses/{turn.previous} says it is completed",
-                "previous_response_id",
-                "previous_response_not_finished",
-            )
-        try:
-            before = served.stored.conversation(turn.previous)
-        except ChainBroken as e:
-            gone = "" if e.missing == e.asked else f" (the response '{e.missing}' before it)"
-            raise bad(
-                f"Previous response with id '{e.asked}' not found{gone}: this server keeps "
-                "stored responses until they are deleted or pushed out by newer ones "
-                f"({served.stored.limit // 2**20} MiB are kept); send the conversation as "
-                "input instead",
-                "previous_response_id",
-                "previous_response_not_found",
-            ) from None
-        return replace(ask, messages=system + before + turn.messages)
-
-    def referenced(item_id: str, conversation_id: str | None) -> dict | None:
-        """The item an ``item_reference`` names: one of the conversation's, or an input or
-        output item of a stored response."""
-        conversation = (
-            None if conversation_id is None else served.conversations.get(conversation_id)
-        )
-        found = None if conversation is None else conversation.item(item_id)
-        return found or served.stored.item(item_id)
-
-    def keeper(turn: Turn):
-        """What keeps a finished response: in the store, and in its conversation (None:
-        store false and no conversation)."""
-        if not turn.store and turn.conversation is None:
-            return None
-
-        def keep(response: dict) -> None:
-            if turn.conversation is not None:
-                talks.keep(turn.conversation, turn.items, response)
-            if not turn.store:
-                return
-            try:
-                answer = input_messages(response["output"], written=True)
-            except APIError:  # a call with no name: nothing a template could go on from
-                return
-            remember(response, turn.items, turn.messages + answer, turn.previous)
-
-        return keep
-
-    def remember(response: dict, items: list, messages: list, previous: str | None) -> None:
-        """A response stored; where its file cannot be written it is kept in memory only."""
-        try:
-            served.stored.put(response, items, messages, previous)
-        except OSError as e:
-            _say(f"{response['id']} is stored in memory only: its file: {e.strerror or e}")
-            served.stored.put(response, items, messages, previous, written=True)
+    kept = ResponseAPI(served, gate, prompts_of, talks)
 
     async def completions(request: Request, kind: str) -> Response:
         gate.auth(request)
         body = parse_json(await gate.body(request))
         if kind == "responses":
-            ask, turn = parse_responses(body, served.limits, find=referenced)
+            ask, turn = kept.parse(body)
         elif kind in LLAMA:
             ask, fill = llamacpp.parse_infill(body, served.limits, kind == "infill")
         else:
@@ -241,7 +165,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             ask = replace(ask, settings=replace(ask.settings, call_grammar=held))
         rendered = None
         if kind == "responses":
-            ask = with_conversation(ask, turn)
+            ask = kept.with_conversation(ask, turn)
             if turn.truncate:
                 ask, rendered = await run_in_threadpool(prompts_of.truncated, ask)
         if ask.suffix is not None:
@@ -265,11 +189,11 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
             prediction=predicted,
         )
         if kind == "responses" and turn.background:
-            return in_background(run, Reply(served.id, turn, keeper(turn)), ask, turn, text)
+            return in_background(run, Reply(served.id, turn, kept.keeper(turn)), ask, turn, text)
         if kind == "messages":
             env = Message(served.id, ask.show_thinking)
         elif kind == "responses":
-            env = Reply(served.id, turn, keeper(turn))
+            env = Reply(served.id, turn, kept.keeper(turn))
         elif kind in OLLAMA:
             env = ollama.Reply(served.id, kind == "api_chat")
         elif kind in LLAMA:
@@ -290,10 +214,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 gone.stop()
                 if kind in OLLAMA:
                     lines = _ndjson(run, first, env, ask, choices)
-                    return _Stream(lines, lambda: bridge.finish(run), ollama.STREAM_MEDIA)
+                    return EventStream(lines, lambda: bridge.finish(run), ollama.STREAM_MEDIA)
                 shape = _infill_sse if kind in LLAMA else _sse
                 events = (_block_events if kind in BLOCKS else shape)(run, first, env, ask, choices)
-                return _Stream(events, lambda: bridge.finish(run))
+                return EventStream(events, lambda: bridge.finish(run))
             async for _, part in _parts(run, first, lambda: gone.next(run), ask, choices):
                 if kind in BLOCKS:
                     env.add(part)
@@ -330,22 +254,14 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         ``stream: true`` the answer is streamed too, from a log any later GET with
         ``stream=true`` reads again: a dropped connection leaves the answer running."""
         queued = env.snapshot("queued")
-        hold(queued, turn)
-        log = logs.open(env.id) if ask.stream else None
+        kept.hold(queued, turn)
+        log = kept.logs.open(env.id) if ask.stream else None
         note = (lambda events: log.add([event(*e) for e in events])) if log else _ignore
         note(env.queued())
         task = asyncio.ensure_future(answer_in_background(run, env, ask, turn, text, note))
-        background[env.id] = task
-
-        def ended(_) -> None:
-            background.pop(env.id, None)
-            if log is not None:
-                log.end()
-                logs.trim()
-
-        task.add_done_callback(ended)
+        kept.track(env.id, task, log)
         if log is not None:
-            return _Stream(log.read(), _ignore)
+            return EventStream(log.read())
         return JSONResponse(queued)
 
     async def answer_in_background(run: Run, env: Reply, ask: Ask, turn: Turn, text: str, note):
@@ -355,7 +271,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         try:
             first = await run.next()
             _raise_failed(first[1], ask.kind, ask.policy)
-            hold(env.snapshot("in_progress"), turn)
+            kept.hold(env.snapshot("in_progress"), turn)
             note(env.running())
             async for _, part in _parts(run, first, run.next, ask, choices):
                 note(env.add(part))
@@ -376,31 +292,9 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         if status == "cancelled" and env.done is not None:
             env.done(ended)  # what it wrote is the answer a later turn goes on from
         else:
-            hold(ended, turn)
+            kept.hold(ended, turn)
         if status == "failed":
             note(env.failed(ended))
-
-    def hold(response: dict, turn: Turn) -> None:
-        """A background response's state before its answer is whole (its turn without the
-        answer); the finished response replaces it through ``keeper``."""
-        remember(response, turn.items, turn.messages, turn.previous)
-
-    async def cancel_response(request: Request) -> Response:
-        """``POST /v1/responses/{id}/cancel``: a background response stops where it is and
-        is stored as cancelled (one already ended is answered as it is)."""
-        gate.auth(request)
-        entry = stored(request)
-        if not entry.response.get("background"):
-            raise bad("only background responses can be cancelled", "response_id")
-        await stop_background(request.path_params["id"])
-        return JSONResponse(stored(request).response)
-
-    async def stop_background(response_id: str) -> None:
-        """A background response still answering stops, and is stored as cancelled."""
-        task = background.get(response_id)
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
 
     async def _parts(run: Run, first, next_event, ask: Ask, choices: list[Choice]):
         """``(row, part)`` for what each event of ``run`` adds, from ``first`` on."""
@@ -501,62 +395,6 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     async def responses(request: Request) -> Response:
         return await completions(request, "responses")
 
-    async def input_tokens(request: Request) -> Response:
-        gate.auth(request)
-        body = parse_json(await gate.body(request))
-        ask, turn = parse_responses(body, served.limits, counting=True, find=referenced)
-        gate.model(ask.model)
-        prompts_of.check_tool_format(ask)
-        ask = with_conversation(ask, turn)
-        use = prompts_of.truncated if turn.truncate else lambda a: (a, prompts_of.render(a))
-        _, (prompts, _) = await run_in_threadpool(use, ask)
-        return JSONResponse(count_body(len(prompts[0])))
-
-    def stored(request: Request):
-        entry = served.stored.get(request.path_params["id"])
-        if entry is None:
-            raise not_found(request.path_params["id"])
-        return entry
-
-    async def one_response(request: Request) -> Response:
-        gate.auth(request)
-        if request.method == "DELETE":
-            await stop_background(request.path_params["id"])  # or its end would store it again
-            try:
-                if not served.stored.delete(request.path_params["id"]):
-                    raise not_found(request.path_params["id"])
-            except OSError as e:
-                raise APIError(
-                    500,
-                    f"the response's file could not be removed: {e.strerror or e}; it was not "
-                    "deleted",
-                    code="response_write_failed",
-                ) from None
-            logs.drop(request.path_params["id"])
-            deleted = {"object": "response.deleted", "deleted": True}
-            return JSONResponse({"id": request.path_params["id"], **deleted})
-        entry = stored(request)
-        after = stream_query(request.query_params)
-        if after is None:
-            return JSONResponse(entry.response)
-        log = logs.get(request.path_params["id"])
-        if log is None:
-            raise bad(
-                f"the events of response '{entry.response['id']}' are not kept: only background "
-                "responses created with stream: true can be streamed again (the latest "
-                f"{logs.limit // 2**20} MiB of their events are kept, in memory); read it without "
-                "stream=true",
-                "stream",
-            )
-        return _Stream(log.read(after), _ignore)
-
-    async def input_items(request: Request) -> Response:
-        """The stored input items of a response, a page at a time (``limit``, ``order``,
-        ``after``), as OpenAI's API lists them."""
-        gate.auth(request)
-        of = "this response's input"
-        return JSONResponse(item_page(stored(request).items, request.query_params, of))
-
     async def embed(request: Request, kind: str) -> Response:
         """OpenAI's ``/v1/embeddings`` ("openai") and Ollama's ``/api/embed`` ("api_embed")
         and ``/api/embeddings`` ("api_embeddings"): each input's vector."""
@@ -636,10 +474,10 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
         Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", _guard(text_completions), methods=["POST"]),
         Route("/v1/responses", _guard(responses), methods=["POST"]),
-        Route("/v1/responses/input_tokens", _guard(input_tokens), methods=["POST"]),
-        Route("/v1/responses/{id}", _guard(one_response), methods=["GET", "DELETE"]),
-        Route("/v1/responses/{id}/input_items", _guard(input_items), methods=["GET"]),
-        Route("/v1/responses/{id}/cancel", _guard(cancel_response), methods=["POST"]),
+        Route("/v1/responses/input_tokens", _guard(kept.input_tokens), methods=["POST"]),
+        Route("/v1/responses/{id}", _guard(kept.one), methods=["GET", "DELETE"]),
+        Route("/v1/responses/{id}/input_items", _guard(kept.input_items), methods=["GET"]),
+        Route("/v1/responses/{id}/cancel", _guard(kept.cancel), methods=["POST"]),
         Route("/v1/conversations", _guard(talks.create), methods=["POST"]),
         Route("/v1/conversations/{id}", _guard(talks.one), methods=["GET", "POST", "DELETE"]),
         Route("/v1/conversations/{id}/items", _guard(talks.items), methods=["GET", "POST"]),
@@ -730,25 +568,6 @@ class _CORS(CORSMiddleware):
 
     def is_allowed_origin(self, origin: str) -> bool:
         return self.anyone or is_local_origin(origin)
-
-
-class _Stream(StreamingResponse):
-    """A streamed answer (server-sent events, or Ollama's NDJSON); ``on_close`` runs however the
-    response ends (even when the client leaves before the first event is sent)."""
-
-    def __init__(self, events, on_close, media_type: str = "text/event-stream"):
-        super().__init__(
-            events,
-            media_type=media_type,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 def _guard(endpoint, shape=APIError.response):

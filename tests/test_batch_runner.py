@@ -178,3 +178,45 @@ def test_the_folder_s_other_and_crafted_files_are_left_alone(tmp_path):
         assert (folder / name).read_bytes() == data
     with pytest.raises(Exception, match="in use by another mlxkv server"):
         FileStore(folder, print)
+
+
+def test_expired_files_are_gone_at_once_and_removed_unless_a_running_batch_uses_them(tmp_path):
+    folder = tmp_path / "files"
+    files = FileStore(folder, print)
+    old, used, lasting = (files.add(f"{n}.jsonl", "batch", io.BytesIO(b"x\n"), 3600) for n in "abc")
+    kept = files.add("d.jsonl", "batch", io.BytesIO(b"x\n"))  # no lifetime: until deleted
+    assert kept["expires_at"] is None
+    assert lasting["expires_at"] == lasting["created_at"] + 3600
+    for f in (old, used):  # their hour has passed
+        path = folder / f"{f['id']}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": 1}))
+    assert files.get(old["id"]) is None and files.get(used["id"]) is None
+    assert [f["id"] for f in files.all()] == [lasting["id"], kept["id"]]
+
+    runner = BatchRunner(files, Endpoint(), 1, print)
+    runner.batches["batch_x"] = {**new_batch(used["id"], URL, {}, "m"), "status": "in_progress"}
+    asyncio.run(runner.expire())
+    assert not files.path(old["id"]).exists()
+    assert not (folder / f"{old['id']}.json").exists()
+    assert files.path(used["id"]).read_bytes() == b"x\n"  # the running batch reads it
+    assert files.get(lasting["id"]) is not None and files.get(kept["id"]) is not None
+    runner.batches["batch_x"]["status"] = "completed"
+    asyncio.run(runner.expire())
+    assert not files.path(used["id"]).exists()
+
+
+def test_a_batch_s_output_lives_as_long_as_it_asked(tmp_path):
+    files, runner, batch = start(tmp_path, lines("a"), Endpoint())
+    assert files.get(batch["output_file_id"])["expires_at"] is None
+    files.close()
+    files, runner, batch = start(
+        tmp_path / "two", lines("a"), Endpoint(), output_expires_after={"seconds": 7200}
+    )
+    output = files.get(batch["output_file_id"])
+    assert output["expires_at"] == output["created_at"] + 7200
+    files.close()
+    crafted = {"seconds": "7200"}  # a batch object written by hand: no lifetime
+    files, runner, batch = start(
+        tmp_path / "three", lines("a"), Endpoint(), output_expires_after=crafted
+    )
+    assert files.get(batch["output_file_id"])["expires_at"] is None

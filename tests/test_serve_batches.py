@@ -189,6 +189,16 @@ def test_bad_file_and_batch_requests_are_refused_with_a_reason(server):
     r = server.http("POST", "/v1/files", data={"purpose": "batch"}, files={"other": b"x"})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "Unrecognized request argument supplied: other"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(
+            file=("x.jsonl", b"{}\n"),
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 31 * 86400},
+        )
+    assert e.value.body["message"] == (
+        "expires_after.seconds must be a whole number of seconds from 3600 (1 hour) to 2592000 "
+        "(30 days), got 2678400"
+    )
 
     uploaded = client.files.create(
         file=("in.jsonl", jsonl([chat_line("a", "Hi")])), purpose="batch"
@@ -212,8 +222,13 @@ def test_bad_file_and_batch_requests_are_refused_with_a_reason(server):
             "'../../etc/passwd' (upload it with POST /v1/files, purpose 'batch')",
         ),
         (
-            {"output_expires_after": {"anchor": "created_at", "seconds": 3600}},
-            "output_expires_after is not taken: output files stay until they are deleted",
+            {"output_expires_after": {"anchor": "created_at", "seconds": 60}},
+            "output_expires_after.seconds must be a whole number of seconds from 3600 (1 hour) "
+            "to 2592000 (30 days), got 60",
+        ),
+        (
+            {"output_expires_after": {"anchor": "last_active_at", "seconds": 3600}},
+            "output_expires_after.anchor must be 'created_at'",
         ),
     ]
     for change, message in cases:
@@ -242,6 +257,43 @@ def test_bad_file_and_batch_requests_are_refused_with_a_reason(server):
     client.files.delete(uploaded.id)
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
+
+
+def test_files_expire_when_asked_and_uploads_after_30_days(server):
+    """As OpenAI's API: an upload expires 30 days after it is made unless it says when
+    (``expires_after``), a batch's output file when ``output_expires_after`` says; by
+    default it stays."""
+    client = server.client()
+    data = jsonl([chat_line("a", "Say hi.", max_tokens=2)])
+    plain = client.files.create(file=("in.jsonl", data), purpose="batch")
+    assert plain.expires_at == plain.created_at + 30 * 86400
+    hour = {"anchor": "created_at", "seconds": 3600}
+    short = client.files.create(file=("in.jsonl", data), purpose="batch", expires_after=hour)
+    assert short.expires_at == short.created_at + 3600
+    assert client.files.retrieve(short.id).expires_at == short.expires_at
+
+    kept = ended(
+        client,
+        client.batches.create(
+            input_file_id=plain.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    )
+    assert kept.status == "completed"
+    assert client.files.retrieve(kept.output_file_id).expires_at is None
+    day = {"anchor": "created_at", "seconds": 86400}
+    going = ended(
+        client,
+        client.batches.create(
+            input_file_id=short.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            output_expires_after=day,
+        ),
+    )
+    assert going.status == "completed" and going.output_expires_after == day
+    output = client.files.retrieve(going.output_file_id)
+    assert output.purpose == "batch_output"
+    assert output.expires_at == output.created_at + 86400
 
 
 def test_an_upload_larger_than_the_limit_is_refused_before_it_is_read(server):

@@ -135,6 +135,7 @@ BODIES = {
         "endpoint": "/v1/chat/completions",
         "completion_window": "24h",
         "metadata": {"k": "v"},
+        "output_expires_after": {"anchor": "created_at", "seconds": 3600},
     },
 }  # fmt: skip
 BODIES["/v1/chat/completions"] |= {"n_predict": 1, "id_slot": 0, "samplers": ["top_k"]}

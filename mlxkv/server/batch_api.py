@@ -18,11 +18,19 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from mlxkv.server.batch_runner import ENDPOINTS, BatchRunner, Send, check_input, new_batch
 from mlxkv.server.errors import APIError, bad
-from mlxkv.server.file_store import FILE_LIMIT, FileStore
+from mlxkv.server.file_store import FILE_LIMIT, LIFETIMES, UPLOAD_LIFETIME, FileStore
 from mlxkv.server.pages import item_page
 from mlxkv.server.responses import metadata_of
 
 PURPOSES = ("batch",)  # what an upload may be for: the files this server reads
+EXPIRY_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")  # as a form sends them
+BATCH_FIELDS = (
+    "input_file_id",
+    "endpoint",
+    "completion_window",
+    "metadata",
+    "output_expires_after",
+)
 FILENAME_LIMIT = 255  # characters of an upload's name kept
 FORM_SLACK = 64 * 2**10  # bytes of a form around its file (boundaries, headers, purpose)
 
@@ -51,15 +59,17 @@ class BatchAPI:
         files = self._files(request)
         form = await _form(request)
         try:
-            unknown = sorted(set(form) - {"file", "purpose"})
+            unknown = sorted(set(form) - {"file", "purpose", *EXPIRY_FIELDS})
             if unknown:
                 raise bad(
-                    f"{unknown[0]} is not taken: files stay until they are deleted"
-                    if unknown[0].startswith("expires_after")
-                    else f"Unrecognized request argument supplied: {unknown[0]}",
+                    f"Unrecognized request argument supplied: {unknown[0]}",
                     unknown[0],
                     "unknown_parameter",
                 )
+            lifetime = UPLOAD_LIFETIME
+            if any(name in form for name in EXPIRY_FIELDS):
+                given = {name[len("expires_after[") : -1]: form.get(name) for name in EXPIRY_FIELDS}
+                lifetime = lifetime_of({k: v for k, v in given.items() if v is not None})
             purpose = form.get("purpose")
             if purpose not in PURPOSES:
                 raise bad(
@@ -71,7 +81,7 @@ class BatchAPI:
                 raise bad("file is required: the file's bytes, as a form's file field", "file")
             name = (upload.filename or "upload")[:FILENAME_LIMIT]
             with _written("the file"):
-                described = await asyncio.to_thread(files.add, name, purpose, upload.file)
+                described = await asyncio.to_thread(files.add, name, purpose, upload.file, lifetime)
         finally:
             await form.close()
         return JSONResponse(described)
@@ -117,13 +127,9 @@ class BatchAPI:
         files = self._files(request)
         body = await self.read_json(request)
         for name in body:
-            if name not in ("input_file_id", "endpoint", "completion_window", "metadata"):
+            if name not in BATCH_FIELDS:
                 raise bad(
-                    "output_expires_after is not taken: output files stay until they are deleted"
-                    if name == "output_expires_after"
-                    else f"Unrecognized request argument supplied: {name}",
-                    name,
-                    "unknown_parameter",
+                    f"Unrecognized request argument supplied: {name}", name, "unknown_parameter"
                 )
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
@@ -131,6 +137,8 @@ class BatchAPI:
         if body.get("completion_window") != "24h":
             raise bad("completion_window must be '24h'", "completion_window")
         metadata = metadata_of(body.get("metadata"))
+        expiry = body.get("output_expires_after")
+        lifetime = None if expiry is None else lifetime_of(expiry, "output_expires_after")
         file_id = body.get("input_file_id")
         described = files.get(file_id) if isinstance(file_id, str) else None
         if described is None:
@@ -145,7 +153,7 @@ class BatchAPI:
                 "uploaded with purpose 'batch'",
                 "input_file_id",
             )
-        batch = new_batch(file_id, endpoint, metadata, self.model)
+        batch = new_batch(file_id, endpoint, metadata, self.model, lifetime)
         checked = await asyncio.to_thread(
             check_input, files.path(file_id), endpoint, self.runner.max_line
         )
@@ -202,6 +210,29 @@ class BatchAPI:
         if batch is None:
             raise APIError(404, f"No batch found with id '{batch_id[:100]}'", "id", "not_found")
         return batch
+
+
+def lifetime_of(expiry, param: str = "expires_after") -> int:
+    """The seconds a file lives from an ``expires_after`` object (``{"anchor": "created_at",
+    "seconds": N}``; a form's fields are text)."""
+    if not isinstance(expiry, dict):
+        raise bad(f"{param} must be an object: {{anchor: 'created_at', seconds: N}}", param)
+    for name in expiry:
+        if name not in ("anchor", "seconds"):
+            raise bad(f"{name} is not a field of {param}; send anchor and seconds", param)
+    if expiry.get("anchor") != "created_at":
+        raise bad(f"{param}.anchor must be 'created_at'", f"{param}.anchor")
+    seconds = expiry.get("seconds")
+    if isinstance(seconds, str) and seconds.isdigit():
+        seconds = int(seconds)
+    low, high = LIFETIMES
+    if type(seconds) is not int or not low <= seconds <= high:
+        raise bad(
+            f"{param}.seconds must be a whole number of seconds from {low} (1 hour) to {high} "
+            f"(30 days), got {str(seconds)[:40]}",
+            f"{param}.seconds",
+        )
+    return seconds
 
 
 async def _form(request: Request):

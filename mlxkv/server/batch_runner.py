@@ -34,6 +34,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/r
 MOST_REQUESTS = 50_000  # per batch, as OpenAI takes them
 LISTED_ERRORS = 100  # a failed batch's errors listed (the count is given in full)
 WINDOW = 24 * 3600  # completion_window "24h": a batch still running then expires
+SWEEP_EVERY = 600  # seconds between looks for expired files while no batch runs
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
 BATCH_FILE_LIMIT = 256 * 2**10  # bytes of a batch object read back
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -169,8 +170,11 @@ def check_input(path: Path, endpoint: str, most: int) -> tuple[int, list[dict], 
     return count, errors[:LISTED_ERRORS], len(errors)
 
 
-def new_batch(input_file_id: str, endpoint: str, metadata: dict, model: str) -> dict:
-    """A batch object, as OpenAI's API answers it."""
+def new_batch(
+    input_file_id: str, endpoint: str, metadata: dict, model: str, lifetime: int | None = None
+) -> dict:
+    """A batch object, as OpenAI's API answers it; ``lifetime``: the seconds its output and
+    error files live (None: until deleted), kept as ``output_expires_after``."""
     now = int(time.time())
     return {
         "id": f"batch_{secrets.token_hex(12)}",
@@ -195,6 +199,9 @@ def new_batch(input_file_id: str, endpoint: str, metadata: dict, model: str) -> 
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": metadata,
         "usage": _usage(),
+        "output_expires_after": None
+        if lifetime is None
+        else {"anchor": "created_at", "seconds": lifetime},
     }
 
 
@@ -314,11 +321,33 @@ class BatchRunner:
         self.wake.set()
 
     # -- running ------------------------------------------------------------------------
+    def in_use(self) -> set[str]:
+        """The files an unfinished batch reads or writes."""
+        return {
+            file_id
+            for batch in self.batches.values()
+            if batch["status"] in UNFINISHED
+            for file_id in (batch["input_file_id"], batch["output_file_id"], batch["error_file_id"])
+            if file_id is not None
+        }
+
+    async def expire(self) -> None:
+        """The files past their ``expires_at`` removed, but those a batch still uses."""
+        try:
+            gone = await asyncio.to_thread(self.files.expire, self.in_use())
+        except OSError as e:
+            self.log(f"files: expired files could not be removed: {e.strerror or e}")
+            return
+        for file_id in gone:
+            self.log(f"files: {file_id} expired and was removed")
+
     async def _work(self) -> None:
         while not self.stopping:
+            await self.expire()
             if not self.waiting:
                 self.wake.clear()
-                await self.wake.wait()
+                with contextlib.suppress(asyncio.TimeoutError):  # a sweep now and then
+                    await asyncio.wait_for(self.wake.wait(), SWEEP_EVERY)
                 continue
             batch = self.batches[self.waiting.pop(0)]
             self.running = batch["id"]
@@ -411,7 +440,9 @@ class BatchRunner:
         key = "output_file_id" if ok else "error_file_id"
         if batch[key] is None:
             kind = "output" if ok else "error"
-            batch[key] = self.files.start(f"{batch['id']}_{kind}.jsonl", "batch_output")["id"]
+            lifetime = _lifetime(batch.get("output_expires_after"))
+            name = f"{batch['id']}_{kind}.jsonl"
+            batch[key] = self.files.start(name, "batch_output", lifetime)["id"]
             self.save(batch)
         self.files.append(batch[key], _jsonl(record))
         batch["request_counts"]["completed" if ok else "failed"] += 1
@@ -507,6 +538,12 @@ def _add_usage(total: dict, usage) -> None:
     total["total_tokens"] += given + made
     total["input_tokens_details"]["cached_tokens"] += number("cached_tokens", within=details)
     total["output_tokens_details"]["reasoning_tokens"] += number("reasoning_tokens", within=thought)
+
+
+def _lifetime(expiry) -> int | None:
+    """The seconds of a batch's ``output_expires_after`` (None: none, or not one)."""
+    seconds = expiry.get("seconds") if isinstance(expiry, dict) else None
+    return seconds if type(seconds) is int and seconds > 0 else None
 
 
 def _is_batch(v, batch_id: str) -> bool:

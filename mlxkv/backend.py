@@ -22,6 +22,7 @@ point has :func:`free_streams` run at exit (``atexit``). This module must not im
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import shutil
@@ -314,3 +315,27 @@ def free_streams() -> None:
     mx = sys.modules.get("mlx.core")
     if mx is not None:
         mx.clear_streams()
+
+
+def release_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``).
+
+    On the CPU backend MLX's buffers come from ``malloc``; glibc keeps the pages freed
+    buffers held (in each thread's arena), so a Linux server's resident memory stayed
+    hundreds of MiB above what MLX held once its longest prompts had come and gone
+    (docs/serve.md, the soak). Called when the engine goes idle; about 10 ms. A no-op
+    where the C library has no ``malloc_trim`` (macOS, where MLX's buffers are Metal's, or
+    musl)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim

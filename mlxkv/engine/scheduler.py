@@ -78,6 +78,7 @@ from mlxkv.policy import KVPolicy, uses_kivi
 
 IDLE_WAIT = 0.05  # seconds an idle loop waits before it looks for new requests again
 EMBED_PADDING = 0.25  # the share of a shared embedding call that may be padding
+HEAP_TRIM_EVERY = 5.0  # seconds of steady work between returns of the C heap's free pages
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,7 @@ class Scheduler:
         self._closing = False
         self._next_id = 0
         self.steps = 0
+        self._heap_trimmed = time.monotonic()  # when the C heap last gave pages back
         self.max_rows_in_a_step = 0
         self.requests_finished = 0
         self.tokens_generated = self.prompt_tokens_prefilled = self.prompt_tokens_cached = 0
@@ -400,12 +402,25 @@ class Scheduler:
         if worked:
             self.steps += 1
             self._fit_prefixes()
-            if self.idle:
-                import mlx.core as mx
-
-                mx.clear_cache()  # give the freed KV buffers back
+            self._give_back()
         self._status = self._snapshot()
         return worked
+
+    def _give_back(self) -> None:
+        """Memory freed buffers held, given back to the system: MLX's buffer cache when
+        idle, and on Linux the C heap's free pages (when idle, and every HEAP_TRIM_EVERY
+        seconds of steady work, where the heap never idles; docs/serve.md has the soak)."""
+        from mlxkv.backend import release_heap
+
+        now = time.monotonic()
+        if self.idle:
+            import mlx.core as mx
+
+            mx.clear_cache()
+        elif now - self._heap_trimmed < HEAP_TRIM_EVERY:
+            return
+        release_heap()
+        self._heap_trimmed = now
 
     def _ask_cancel(self, handle: RequestHandle) -> None:
         if self.lockstep is None:

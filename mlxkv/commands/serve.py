@@ -127,8 +127,8 @@ def add_arguments(p) -> None:
         "--files-dir",
         metavar="DIR",
         help="folder of the files uploaded to /v1/files and of the batches run on them "
-        "(/v1/batches), kept across restarts (default: MLXKV_HOME/files); 'none' turns both "
-        "off",
+        "(/v1/batches), kept across restarts until deleted or expired (an upload after 30 "
+        "days unless it says; default: MLXKV_HOME/files); 'none' turns both off",
     )
     m = p.add_argument_group("memory and the prefix cache")
     m.add_argument(

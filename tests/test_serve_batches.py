@@ -199,6 +199,15 @@ def test_bad_file_and_batch_requests_are_refused_with_a_reason(server):
         "expires_after.seconds must be a whole number of seconds from 3600 (1 hour) to 2592000 "
         "(30 days), got 2678400"
     )
+    for seconds in ("\u00b2", "9" * 5000, "-3600", "3600.0"):  # a form's text, not a number
+        form = {"purpose": "batch", "expires_after[anchor]": "created_at"}
+        form["expires_after[seconds]"] = seconds
+        r = server.http("POST", "/v1/files", data=form, files={"file": b"{}\n"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "expires_after.seconds"
+    form = {"purpose": "batch", "expires_after[seconds]": "3600"}
+    r = server.http("POST", "/v1/files", data=form, files={"file": b"{}\n"})
+    assert r.json()["error"]["message"] == "expires_after.anchor must be 'created_at'"
 
     uploaded = client.files.create(
         file=("in.jsonl", jsonl([chat_line("a", "Hi")])), purpose="batch"

@@ -219,12 +219,12 @@ def lifetime_of(expiry, param: str = "expires_after") -> int:
         raise bad(f"{param} must be an object: {{anchor: 'created_at', seconds: N}}", param)
     for name in expiry:
         if name not in ("anchor", "seconds"):
-            raise bad(f"{name} is not a field of {param}; send anchor and seconds", param)
+            raise bad(f"{name[:100]} is not a field of {param}; send anchor and seconds", param)
     if expiry.get("anchor") != "created_at":
         raise bad(f"{param}.anchor must be 'created_at'", f"{param}.anchor")
     seconds = expiry.get("seconds")
-    if isinstance(seconds, str) and seconds.isdigit():
-        seconds = int(seconds)
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit() and len(seconds) < 12:
+        seconds = int(seconds)  # (a form's text; a longer one is out of range anyway)
     low, high = LIFETIMES
     if type(seconds) is not int or not low <= seconds <= high:
         raise bad(

@@ -50,6 +50,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from mlxkv.backend import release_heap
 from mlxkv.engine.events import (
     Embedding,
     Event,
@@ -410,8 +411,6 @@ class Scheduler:
         """Memory freed buffers held, given back to the system: MLX's buffer cache when
         idle, and on Linux the C heap's free pages (when idle, and every HEAP_TRIM_EVERY
         seconds of steady work, where the heap never idles; docs/serve.md has the soak)."""
-        from mlxkv.backend import release_heap
-
         now = time.monotonic()
         if self.idle:
             import mlx.core as mx

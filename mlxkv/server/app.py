@@ -59,7 +59,7 @@ from mlxkv.server.params import (
     parse_completion,
     parse_json,
 )
-from mlxkv.server.prompts import Prompts
+from mlxkv.server.prompts import TEXT_KINDS, Prompts
 from mlxkv.server.reasoning import think_reader
 from mlxkv.server.response_api import ResponseAPI
 from mlxkv.server.responses import (
@@ -138,12 +138,12 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
     words = TokenText(served.tokenizer)
     gate = Gate(served)
     prompts_of = Prompts(served, bridge.scheduler.encode)
-    talks = Conversations(served.conversations, gate.auth, gate.json)
+    talks = Conversations(served.conversations, gate)
     runner = None
     if served.files is not None:
         runner = BatchRunner(served.files, None, served.batch_requests, _say, served.max_body)
         runner.load()
-    batch_api = BatchAPI(served.files, runner, served.id, gate.auth, gate.json)
+    batch_api = BatchAPI(served.files, runner, served.id, gate)
     info = ModelInfo(served, bridge, gate, runner, prompts_of.fim is not None)
     tokens = TokenAPI(served, gate, prompts_of)
     kept = ResponseAPI(served, gate, prompts_of, talks)
@@ -241,7 +241,7 @@ def build_app(served: Served, bridge: Bridge) -> Starlette:
                 reader_for(served.tokenizer, ask.tools),
                 # a forced call's answer is all JSON: no reasoning comes apart from it
                 None
-                if ask.kind in ("completion", *LLAMA) or ask.tools.forced
+                if ask.kind in TEXT_KINDS or ask.tools.forced
                 else think_reader(served.tokenizer, text),
             )
             for i in range(run.rows)

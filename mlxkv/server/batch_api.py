@@ -6,7 +6,7 @@ until it ends, its output file downloaded. The files are kept by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import contextmanager
 
 import httpx
@@ -19,6 +19,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from mlxkv.server.batch_runner import ENDPOINTS, BatchRunner, Send, check_input, new_batch
 from mlxkv.server.errors import APIError, bad
 from mlxkv.server.file_store import FILE_LIMIT, LIFETIMES, UPLOAD_LIFETIME, FileStore
+from mlxkv.server.gate import Gate
 from mlxkv.server.pages import item_page
 from mlxkv.server.responses import metadata_of
 
@@ -36,22 +37,14 @@ FORM_SLACK = 64 * 2**10  # bytes of a form around its file (boundaries, headers,
 
 
 class BatchAPI:
-    """The endpoints, on ``files`` and ``runner`` (None: the server keeps no files);
-    ``check_auth`` and ``read_json`` are the server's."""
+    """The endpoints, on ``files`` and ``runner`` (None: the server keeps no files),
+    behind the server's ``gate``."""
 
-    def __init__(
-        self,
-        files: FileStore | None,
-        runner: BatchRunner | None,
-        model: str,
-        check_auth: Callable[[Request], None],
-        read_json: Callable[..., Awaitable[dict]],
-    ):
+    def __init__(self, files: FileStore | None, runner: BatchRunner | None, model: str, gate: Gate):
         self.files = files
         self.runner = runner
         self.model = model
-        self.check_auth = check_auth
-        self.read_json = read_json
+        self.gate = gate
 
     # -- files --------------------------------------------------------------------------
     async def upload(self, request: Request) -> Response:
@@ -125,7 +118,7 @@ class BatchAPI:
         ``metadata``; the input is checked before the answer (a batch whose lines cannot
         run is answered ``failed``, with its errors)."""
         files = self._files(request)
-        body = await self.read_json(request)
+        body = await self.gate.json(request)
         for name in body:
             if name not in BATCH_FIELDS:
                 raise bad(
@@ -189,7 +182,7 @@ class BatchAPI:
 
     # -- shared -------------------------------------------------------------------------
     def _files(self, request: Request) -> FileStore:
-        self.check_auth(request)
+        self.gate.auth(request)
         if self.files is None:
             raise APIError(
                 404,

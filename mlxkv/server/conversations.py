@@ -7,7 +7,6 @@ output to it (``keep``)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 
 from starlette.requests import Request
@@ -16,22 +15,17 @@ from starlette.responses import JSONResponse, Response
 from mlxkv.server.answers import new_id
 from mlxkv.server.conversation_store import Conversation, ConversationStore
 from mlxkv.server.errors import APIError, bad
+from mlxkv.server.gate import Gate
 from mlxkv.server.pages import item_page
 from mlxkv.server.responses import input_messages, metadata_of, parse_items
 
 
 class Conversations:
-    """The endpoints, on ``store``; ``check_auth`` and ``read_json`` are the server's."""
+    """The endpoints, on ``store``, behind the server's ``gate``."""
 
-    def __init__(
-        self,
-        store: ConversationStore,
-        check_auth: Callable[[Request], None],
-        read_json: Callable[..., Awaitable[dict]],
-    ):
+    def __init__(self, store: ConversationStore, gate: Gate):
         self.store = store
-        self.check_auth = check_auth
-        self.read_json = read_json
+        self.gate = gate
 
     # -- what a response reads and adds -------------------------------------------------
     def turns(self, conversation_id: str) -> list[dict]:
@@ -60,8 +54,8 @@ class Conversations:
     async def create(self, request: Request) -> Response:
         """``POST /v1/conversations``: ``items`` and ``metadata``, both optional (so is the
         body)."""
-        self.check_auth(request)
-        body = await self.read_json(request, {})
+        self.gate.auth(request)
+        body = await self.gate.json(request, {})
         _only(body, {"items", "metadata"})
         items = _items(body.get("items"))
         metadata = metadata_of(body.get("metadata"))
@@ -74,7 +68,7 @@ class Conversations:
 
     async def one(self, request: Request) -> Response:
         """``GET``, ``POST`` (new ``metadata``) and ``DELETE /v1/conversations/{id}``."""
-        self.check_auth(request)
+        self.gate.auth(request)
         conversation = self._get(request.path_params["id"])
         if request.method == "DELETE":
             with _written():
@@ -83,7 +77,7 @@ class Conversations:
                 {"id": conversation.id, "object": "conversation.deleted", "deleted": True}
             )
         if request.method == "POST":
-            body = await self.read_json(request)
+            body = await self.gate.json(request)
             _only(body, {"metadata"})
             if "metadata" not in body:
                 raise bad("metadata is required: the conversation's new labels", "metadata")
@@ -96,12 +90,12 @@ class Conversations:
 
     async def items(self, request: Request) -> Response:
         """``GET`` (a page) and ``POST`` (``items`` added) ``/v1/conversations/{id}/items``."""
-        self.check_auth(request)
+        self.gate.auth(request)
         conversation = self._get(request.path_params["id"])
         if request.method == "GET":
             page = item_page(conversation.items, request.query_params, "this conversation")
             return JSONResponse(page)
-        body = await self.read_json(request)
+        body = await self.gate.json(request)
         _only(body, {"items"})
         if not isinstance(body.get("items"), list) or not body["items"]:
             raise bad("items must be a list of one or more items to add", "items")
@@ -123,7 +117,7 @@ class Conversations:
     async def item(self, request: Request) -> Response:
         """``GET`` and ``DELETE /v1/conversations/{id}/items/{item_id}`` (a delete answers
         the conversation)."""
-        self.check_auth(request)
+        self.gate.auth(request)
         conversation = self._get(request.path_params["id"])
         item_id = request.path_params["item_id"]
         item = conversation.item(item_id)

@@ -258,14 +258,7 @@ class BatchRunner:
 
     def reader_of(self, file_id: str) -> dict | None:
         """The unfinished batch that reads or writes ``file_id``, if any."""
-        for batch in self.batches.values():
-            if batch["status"] in UNFINISHED and file_id in (
-                batch["input_file_id"],
-                batch["output_file_id"],
-                batch["error_file_id"],
-            ):
-                return batch
-        return None
+        return next((b for b in self._unfinished() if file_id in _files_of(b)), None)
 
     # -- what the endpoints ask ---------------------------------------------------------
     def add(self, batch: dict, count: int, errors: list[dict], error_count: int) -> None:
@@ -323,13 +316,10 @@ class BatchRunner:
     # -- running ------------------------------------------------------------------------
     def in_use(self) -> set[str]:
         """The files an unfinished batch reads or writes."""
-        return {
-            file_id
-            for batch in self.batches.values()
-            if batch["status"] in UNFINISHED
-            for file_id in (batch["input_file_id"], batch["output_file_id"], batch["error_file_id"])
-            if file_id is not None
-        }
+        return {f for b in self._unfinished() for f in _files_of(b) if f is not None}
+
+    def _unfinished(self):
+        return (b for b in self.batches.values() if b["status"] in UNFINISHED)
 
     async def expire(self) -> None:
         """The files past their ``expires_at`` removed, but those a batch still uses."""
@@ -538,6 +528,11 @@ def _add_usage(total: dict, usage) -> None:
     total["total_tokens"] += given + made
     total["input_tokens_details"]["cached_tokens"] += number("cached_tokens", within=details)
     total["output_tokens_details"]["reasoning_tokens"] += number("reasoning_tokens", within=thought)
+
+
+def _files_of(batch: dict) -> tuple:
+    """The ids of the files a batch reads and writes (None where it has none yet)."""
+    return batch["input_file_id"], batch["output_file_id"], batch["error_file_id"]
 
 
 def _lifetime(expiry) -> int | None:

@@ -416,3 +416,33 @@ async def test_app_draws_the_status_and_says_when_the_server_is_gone():
         await pilot.press("q")
         await pilot.pause(0.1)
         assert app.return_code == 0 and not app.is_running
+
+
+def test_the_machine_against_its_floor_in_metrics_and_top():
+    """A server that keeps a floor exports the machine's free memory, its floor, whether it
+    is under it, and what was given back; ``mlxkv top`` says it under the KV figures, in
+    red while under; a server without one (or an older one) exports none of it."""
+    machine = {
+        "free_bytes": 900 * MiB,
+        "floor_bytes": 1024 * MiB,
+        "under_floor": True,
+        "times_under": 2,
+        "given_back_bytes": 300 * MiB,
+    }
+    m = scrape({**STATUS, "machine_memory": machine})
+    assert m[("mlxkv_machine_free_bytes", ())] == 900 * MiB
+    assert m[("mlxkv_machine_floor_bytes", ())] == 1024 * MiB
+    assert m[("mlxkv_machine_under_floor", ())] == 1
+    assert m[("mlxkv_machine_times_under_floor_total", ())] == 2
+    assert m[("mlxkv_machine_given_back_bytes_total", ())] == 300 * MiB
+    assert not [k for k in scrape(STATUS) if k[0].startswith("mlxkv_machine")]
+
+    text = top_view.memory_text(top_view.view({**STATUS, "machine_memory": machine}), 20)
+    last = text.plain.splitlines()[-1]
+    assert last == "machine free 900 MiB · floor 1.0 GiB · under the floor · given back 300 MiB"
+    assert any(span.style == "bold red" for span in text.spans)
+    calm = {**machine, "under_floor": False, "free_bytes": 3 * 1024 * MiB, "given_back_bytes": 0}
+    text = top_view.memory_text(top_view.view({**STATUS, "machine_memory": calm}), 20)
+    assert text.plain.splitlines()[-1] == "machine free 3.0 GiB · floor 1.0 GiB"
+    plain = top_view.memory_text(top_view.view(STATUS), 20).plain
+    assert "machine" not in plain

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlxkv.engine.pressure import default_floor
+from mlxkv.memory.system import SystemGauge
 from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.model
 KEY = "sk-observe-5678"
 QUESTION = "What is the capital of France?"
 WINDOW = {"window": 16, "sinks": 4}  # "sink 4 + window 16": its KV bytes stop growing
+FLOOR = default_floor(SystemGauge().free().total)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,13 @@ def same_as_status(metrics: dict[str, float], status: dict) -> None:
     for key in ("draft_tokens", "draft_tokens_accepted"):
         assert metrics[f"mlxkv_{key}_total"] == status[key], key
     assert metrics["mlxkv_scheduler_steps_total"] == status["steps"]
+    machine = status["machine_memory"]  # the default --memory-floor: a tenth of the machine
+    assert metrics["mlxkv_machine_floor_bytes"] == machine["floor_bytes"] == FLOOR
+    assert metrics["mlxkv_machine_under_floor"] == machine["under_floor"] == 0
+    assert metrics["mlxkv_machine_given_back_bytes_total"] == machine["given_back_bytes"] == 0
+    # read a second apart at most, while the other tests' processes come and go
+    assert abs(metrics["mlxkv_machine_free_bytes"] - machine["free_bytes"]) < 2**30
+    assert abs(machine["free_bytes"] - SystemGauge().free().available) < 2**30
 
 
 def test_counters_move_by_the_requests(server):

@@ -226,6 +226,10 @@ def test_without_a_budget_the_three_run_at_once_past_it(default_model, tmp_path)
             "--prefix-cache-bytes must be a size like 2GB, 512MiB or 0, got '-3'",
         ),
         (
+            ["--memory-floor", "a lot"],
+            "--memory-floor must be a size like 2GB, 512MiB or 0, got 'a lot'",
+        ),
+        (
             ["--prefix-cache-dir", "README.md"],
             "--prefix-cache-dir README.md is not a folder; name a folder or 'none'",
         ),

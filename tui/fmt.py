@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+from mlxkv.memory.budget import human_bytes
 
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "n/a"
-    value, unit = float(n), 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    if unit == 0:
-        return f"{int(value)} B"
-    return f"{value:.1f} {_UNITS[unit]}" if abs(value) < 100 else f"{value:.0f} {_UNITS[unit]}"
+__all__ = ["human_bytes", "tokens", "versus"]
 
 
 def versus(actual: int, predicted: int | None) -> str:

@@ -103,6 +103,7 @@ class TopView:
     refused: dict[str, int] = field(default_factory=dict)
     draining: bool = False
     batch: tuple[int, int] | None = None  # the running batch's requests answered, in all
+    machine: dict | None = None  # the machine's free memory against the floor (None: none)
 
 
 def view(status: dict) -> TopView:
@@ -171,6 +172,7 @@ def view(status: dict) -> TopView:
         refused=observe.refused(status),
         draining=bool(status.get("draining")),
         batch=observe.batch(status),
+        machine=observe.machine(status),
     )
 
 
@@ -239,6 +241,17 @@ def memory_text(v: TopView, width: int) -> Text:
         f"cache {human_bytes(v.cache_bytes)}",
         "dim",
     )
+    m = v.machine
+    if m is not None and m["free_bytes"] is not None:
+        out.append("\n")
+        free, floor = human_bytes(m["free_bytes"]), human_bytes(m["floor_bytes"])
+        line = f"machine free {free} · floor {floor}"
+        if m["under_floor"]:
+            out.append(line + " · under the floor", "bold red")
+        else:
+            out.append(line, "dim")
+        if m["given_back_bytes"]:
+            out.append(f" · given back {human_bytes(m['given_back_bytes'])}", "dim")
     return out
 
 

@@ -139,6 +139,14 @@ def add_arguments(p) -> None:
         "when its KV reservation fits",
     )
     m.add_argument(
+        "--memory-floor",
+        metavar="SIZE",
+        help="memory the machine keeps free for its other programs (default: a tenth of its "
+        "memory, 1 to 8 GiB; 0 turns it off): below it the server gives back MLX's freed "
+        "buffers and kept prefixes (to disk), and starts a new request beside running ones "
+        "only where its KV fits above it",
+    )
+    m.add_argument(
         "--prefix-cache-bytes",
         metavar="SIZE",
         help="memory for finished requests' caches that later requests reuse (default: half "
@@ -220,6 +228,8 @@ def _check_memory_flags(args) -> None:
             raise UserError(str(e)) from None
     if args.prefix_cache_bytes is not None:
         _size("--prefix-cache-bytes", args.prefix_cache_bytes)
+    if args.memory_floor is not None:
+        _size("--memory-floor", args.memory_floor)
     _size("--prefix-cache-disk-bytes", args.prefix_cache_disk_bytes)
     for flag, d in (
         ("--prefix-cache-dir", args.prefix_cache_dir),
@@ -509,6 +519,7 @@ def _engine(args, model, policy, cluster, shard: str = "auto", template=None):
     )
     lockstep = None if cluster is None else Lockstep(cluster)
     memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster, lockstep)
+    floor = _floor(args) if cluster is None else None  # (ranks must decide alike)
     scheduler = Scheduler(
         loaded,
         policy=policy,
@@ -517,8 +528,32 @@ def _engine(args, model, policy, cluster, shard: str = "auto", template=None):
         memory=memory,
         lockstep=lockstep,
         draft_tokens=args.draft_tokens,
+        floor=floor,
     )
     return loaded, scheduler
+
+
+def _floor(args):
+    """The machine's free memory kept above ``--memory-floor`` (None: 0, or a machine
+    whose free memory cannot be read)."""
+    from mlxkv.engine.pressure import MemoryFloor, default_floor
+    from mlxkv.memory.budget import human_bytes as size
+    from mlxkv.memory.dtypes import backend
+    from mlxkv.memory.system import SystemGauge
+
+    gauge = SystemGauge(backend())
+    now = gauge.free()
+    if args.memory_floor is not None:
+        floor = _size("--memory-floor", args.memory_floor)
+    else:
+        floor = default_floor(now.total if now is not None else None)
+    if floor == 0:
+        return None
+    if now is None:
+        status("the machine's free memory cannot be read here: --memory-floor is not kept")
+        return None
+    status(f"memory floor {size(floor)} kept free for other programs ({size(now.available)} free)")
+    return MemoryFloor(gauge, floor, status)
 
 
 def _follow(args, model, policy, cluster, shard: str, template) -> int:

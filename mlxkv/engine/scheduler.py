@@ -74,6 +74,7 @@ from mlxkv.engine.samplers import (
 )
 from mlxkv.engine.speculative import check_greedy, check_sampled
 from mlxkv.errors import UserError, first_line
+from mlxkv.memory.budget import human_bytes
 from mlxkv.models.loader import LoadedModel
 from mlxkv.policy import KVPolicy, uses_kivi
 
@@ -233,6 +234,7 @@ class Scheduler:
         reserve_step: int = RESERVE_STEP,  # an open-ended answer's reservation grows by it
         lockstep=None,  # mlxkv.engine.lockstep.StepExchange: the ranks of a split model
         draft_tokens: int = 0,  # prompt lookup: most drafts a greedy step checks (0: off)
+        floor=None,  # mlxkv.engine.pressure.MemoryFloor: the machine's free memory kept up
     ):
         if max_batch < 1:
             raise UserError(f"--max-batch must be at least 1, got {max_batch}")
@@ -251,6 +253,7 @@ class Scheduler:
         self.reserve_step = reserve_step
         self.lockstep = lockstep
         self.draft_tokens = draft_tokens if lockstep is None else 0  # (ranks decide alike)
+        self.floor = floor if lockstep is None else None  # (each host's memory differs)
         self.drafted = self.accepted = 0  # draft tokens checked / taken
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -386,6 +389,7 @@ class Scheduler:
         token per group. Returns False when there was nothing to do."""
         if not self._take_arrivals():
             return False
+        self._mind_the_floor()
         self._admit()
         self._drop_cancelled()
         worked, spent = False, 0
@@ -567,6 +571,8 @@ class Scheduler:
             out["memory"] = self._memory_status(kv_actual, kv_predicted)
         if self.prefix is not None:
             out["prefix_cache"] = self.prefix.status()
+        if self.floor is not None:
+            out["machine_memory"] = self.floor.status()
         return out
 
     def _predicted(self, g: _Group) -> int:
@@ -658,6 +664,8 @@ class Scheduler:
         m = self.memory
         if m is None or m.budget is None:
             return True
+        if jobs and not self._machine_has_room(jobs):
+            return False  # the machine is short of memory: it waits for the running ones
         over = m.base() + self._reserved(extra=jobs) - m.budget
         kept = self.prefix.nbytes if self.prefix is not None else 0
         if over + kept <= 0:
@@ -666,6 +674,62 @@ class Scheduler:
             self.prefix.make_room(over + kept)
             return True
         return False  # it waits for running requests; evicting prefixes now would not help
+
+    def _mind_the_floor(self) -> None:
+        """When a new reading finds the machine's free memory under the floor, give back
+        what is held only for later until the shortfall is covered: MLX's freed buffers,
+        then kept prefixes (to disk), least recently used first."""
+        f = self.floor
+        if f is None or not f.read():
+            return
+        room = f.room()
+        if room is None or room >= 0:
+            f.note()
+            return
+        import mlx.core as mx
+
+        buffers = mx.get_cache_memory()
+        mx.clear_cache()
+        prefixes = 0
+        if self.prefix is not None and -room > buffers:
+            before = len(self.prefix.entries)
+            freed = self.prefix.make_room(-room - buffers)
+            prefixes = before - len(self.prefix.entries)
+            mx.clear_cache()
+            buffers += freed
+        release_heap()
+        f.gave_back(buffers)
+        kept = ""
+        if prefixes:
+            kept = f"{prefixes} kept prefix{'es' if prefixes > 1 else ''} to disk and "
+        f.note(f"gave back {human_bytes(buffers)} ({kept}MLX's freed buffers)")
+
+    def _machine_has_room(self, jobs: tuple[_Job, ...]) -> bool:
+        """Whether ``jobs`` may start beside the running requests on this machine: the KV
+        all their reservations have yet to allocate fits in its free memory above the
+        floor. Alone, a request starts (the budget decides), so none waits forever."""
+        if self.floor is None or self.memory is None:
+            return True
+        if not (self._groups or self._prefilling):
+            return True
+        held = 0
+        for g in self._groups.values():
+            held += sum(c.nbytes for c in (g.caches if g.caches is not None else g.rows[0].caches))
+        if self._prefilling is not None and self._prefilling.caches is not None:
+            held += sum(c.nbytes for c in self._prefilling.caches)
+        return self._above_floor(self._reserved(extra=jobs) - held)
+
+    def _above_floor(self, need: int, shed: bool = True) -> bool:
+        """Whether ``need`` more bytes fit in the machine's free memory above the floor
+        (with ``shed``, kept prefixes give way first)."""
+        room = self.floor.room() if self.floor is not None else None
+        if room is None or need <= room:
+            return True
+        if shed and self.prefix is not None:
+            freed = self.prefix.make_room(need - room)
+            self.floor.gave_back(freed)
+            room += freed
+        return need <= room
 
     def _fit_prefixes(self) -> None:
         """Kept prefixes give way to the budget: a finished request's entry (its caches and
@@ -911,7 +975,7 @@ class Scheduler:
         free = m.budget - m.base() - self._reserved() - self.prefix.nbytes
         if need > free:
             free += self.prefix.make_room(need - free)
-        return need <= free
+        return need <= free and self._above_floor(need, shed=False)
 
     def undo_reserve(self, policy: KVPolicy) -> int:
         """Tokens a window cache keeps an undo log for, so that drafts it rejects after it

@@ -134,3 +134,19 @@ def max_batch(layout: Layout, weights: Weights, s: Setting, available: int) -> i
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def human_bytes(n: int | float | None) -> str:
+    """Bytes in the unit that keeps them short: '900 MiB', '1.6 GiB', '512 B'."""
+    if n is None:
+        return "n/a"
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{int(value)} B"
+    return f"{value:.1f} {_UNITS[unit]}" if abs(value) < 100 else f"{value:.0f} {_UNITS[unit]}"

@@ -6,6 +6,11 @@ Linux: /proc/meminfo MemAvailable, capped by the cgroup (v2 or v1) limit minus i
 CUDA: the GPU's own memory, as MLX reports it (``mx.device_info()``: ``free_memory`` and
 ``total_memory``, read by MLX through NVML, or ``memory_size`` in builds that give only
 the total); host RAM is not what the weights and KV live in there.
+
+``SystemGauge`` reads, at any moment, the memory the machine has free for anything (what
+other programs leave): a server that runs for days checks it against a floor
+(:mod:`mlxkv.engine.pressure`). macOS: the kernel's ``kern.memorystatus_level`` (the percent
+of memory free, what ``memory_pressure`` prints) of ``hw.memsize``; Linux and CUDA: as above.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from mlxkv.memory.config import BadInput
 
@@ -164,6 +170,52 @@ def _wired_limit() -> int | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return int(out) * 2**20 if out.isdigit() and int(out) > 0 else None
+
+
+def _sysctl_int(name: str) -> int | None:
+    """An integer sysctl of macOS (``sysctlbyname``: no process started), None elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        call = ctypes.CDLL(ctypes.util.find_library("c")).sysctlbyname
+    except (OSError, AttributeError, TypeError):
+        return None
+    value = ctypes.c_uint64(0)  # a 4-byte int fills its low bytes (both Mac CPUs are little-endian)
+    size = ctypes.c_size_t(ctypes.sizeof(value))
+    if call(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)):
+        return None
+    return int(value.value)
+
+
+def mac_free(level: int | None, total: int | None) -> SystemMemory | None:
+    """macOS: ``kern.memorystatus_level`` percent of ``hw.memsize`` bytes free."""
+    if level is None or total is None or not 0 <= level <= 100 or total <= 0:
+        return None
+    return SystemMemory(total * level // 100, total, "kern.memorystatus_level")
+
+
+class MemoryGauge(Protocol):
+    """What reads the machine's free memory now (``SystemGauge``; tests give their own)."""
+
+    def free(self) -> SystemMemory | None: ...
+
+
+@dataclass(frozen=True)
+class SystemGauge:
+    """This machine's free memory now, on backend ``on``; None where it cannot be read."""
+
+    on: str = "cpu"
+
+    def free(self) -> SystemMemory | None:
+        try:
+            if self.on == "cuda":
+                return _cuda()
+            if sys.platform == "darwin":
+                return mac_free(_sysctl_int("kern.memorystatus_level"), _sysctl_int("hw.memsize"))
+            return _linux()
+        except BadInput:
+            return None
 
 
 def system_memory(override: str | None = None, on: str = "cpu") -> SystemMemory:

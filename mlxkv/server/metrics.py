@@ -77,6 +77,8 @@ class StatusCollector:
         for name, (key, doc) in MEMORY_GAUGES.items():
             yield GaugeMetricFamily(f"mlxkv_{name}", doc, value=mem[key])
 
+        yield from _machine(observe.machine(s))
+
         yield GaugeMetricFamily(
             "mlxkv_requests_waiting", "requests waiting to start", value=observe.waiting(s)
         )
@@ -150,6 +152,36 @@ class StatusCollector:
             "prompt tokens taken from the prefix cache",
             value=cache["tokens_reused"],
         )
+
+
+def _machine(m: dict | None) -> Iterator[Metric]:
+    """The machine's free memory against the floor (nothing where the server keeps none)."""
+    if m is None:
+        return
+    free = GaugeMetricFamily("mlxkv_machine_free_bytes", "memory the machine has free now")
+    if m["free_bytes"] is not None:
+        free.add_metric([], m["free_bytes"])
+    yield free
+    yield GaugeMetricFamily(
+        "mlxkv_machine_floor_bytes",
+        "memory kept free for the machine's other programs (--memory-floor)",
+        value=m["floor_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "mlxkv_machine_under_floor",
+        "1 while the machine's free memory is under the floor",
+        value=int(m["under_floor"]),
+    )
+    yield CounterMetricFamily(
+        "mlxkv_machine_times_under_floor",
+        "times the machine's free memory fell under the floor",
+        value=m["times_under"],
+    )
+    yield CounterMetricFamily(
+        "mlxkv_machine_given_back_bytes",
+        "bytes given back under the floor (MLX's freed buffers, kept prefixes to disk)",
+        value=m["given_back_bytes"],
+    )
 
 
 def registry(status: Callable[[], dict]) -> CollectorRegistry:

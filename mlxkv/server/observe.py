@@ -92,6 +92,22 @@ def memory(status: dict) -> dict:
     return mem
 
 
+def machine(status: dict) -> dict | None:
+    """The machine's free memory against the server's floor (``--memory-floor``): free and
+    floor bytes, whether the last reading was under it, the times it fell under and the
+    bytes given back since the start; None when the server keeps no floor."""
+    section = status.get("machine_memory")
+    if not isinstance(section, dict):
+        return None
+    free = section.get("free_bytes")
+    keys = ("floor_bytes", "times_under", "given_back_bytes")
+    return {
+        "free_bytes": free if isinstance(free, int) and not isinstance(free, bool) else None,
+        "under_floor": section.get("under_floor") is True,
+        **{k: integer(section, k) for k in keys},
+    }
+
+
 def counters(status: dict) -> dict[str, int]:
     return {k: integer(status, k) for k in COUNTERS}
 

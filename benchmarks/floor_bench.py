@@ -26,8 +26,9 @@ import httpx
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen.txt"
 HOG = """
-import sys, numpy as np
-block = np.ones(int(sys.argv[1]) // 8)  # every page written
+import mmap, sys
+flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE  # every page resident
+block = mmap.mmap(-1, int(sys.argv[1]), flags=flags)
 print("held", flush=True)
 sys.stdin.read()
 """

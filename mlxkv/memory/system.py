@@ -15,6 +15,8 @@ of memory free, what ``memory_pressure`` prints) of ``hw.memsize``; Linux and CU
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import re
 import subprocess
 import sys
@@ -172,14 +174,21 @@ def _wired_limit() -> int | None:
     return int(out) * 2**20 if out.isdigit() and int(out) > 0 else None
 
 
-def _sysctl_int(name: str) -> int | None:
-    """An integer sysctl of macOS (``sysctlbyname``: no process started), None elsewhere."""
-    import ctypes
+@functools.cache
+def _sysctlbyname():
+    """macOS's ``sysctlbyname`` from the C library (None where it has none)."""
     import ctypes.util
 
     try:
-        call = ctypes.CDLL(ctypes.util.find_library("c")).sysctlbyname
+        return ctypes.CDLL(ctypes.util.find_library("c")).sysctlbyname
     except (OSError, AttributeError, TypeError):
+        return None
+
+
+def _sysctl_int(name: str) -> int | None:
+    """An integer sysctl of macOS (no process started, as ``sysctl`` would), None elsewhere."""
+    call = _sysctlbyname()
+    if call is None:
         return None
     value = ctypes.c_uint64(0)  # a 4-byte int fills its low bytes (both Mac CPUs are little-endian)
     size = ctypes.c_size_t(ctypes.sizeof(value))

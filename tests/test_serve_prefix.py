@@ -15,11 +15,14 @@ import time
 import httpx
 import pytest
 
+from mlxkv.memory.budget import human_bytes
+from mlxkv.memory.system import SystemGauge
 from tests.serve_helpers import COUNTING, ROOT, Server
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.model
+MACHINE = human_bytes(SystemGauge().free().total)  # as a refused --memory-floor names it
 SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
 POLICIES = {  # per-request "kv"; the window evicts within the first turn's prompt
     "full": {},
@@ -228,6 +231,11 @@ def test_without_a_budget_the_three_run_at_once_past_it(default_model, tmp_path)
         (
             ["--memory-floor", "a lot"],
             "--memory-floor must be a size like 2GB, 512MiB or 0, got 'a lot'",
+        ),
+        (
+            ["--memory-floor", "100TiB"],
+            f"--memory-floor 100TiB leaves this machine nothing: it has {MACHINE} in all; "
+            "give a smaller floor, or 0 to keep none",
         ),
         (
             ["--prefix-cache-dir", "README.md"],

@@ -20,6 +20,7 @@ from mlxkv.commands.common import (
     status,
 )
 from mlxkv.errors import UserError
+from mlxkv.memory.budget import human_bytes
 from mlxkv.models.pooling import POOLINGS
 
 HELP = (
@@ -501,8 +502,9 @@ def _short(dtype: str) -> str:
     return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
 
 
-def _engine(args, model, policy, cluster, shard: str = "auto", template=None):
-    """The loaded model (this rank's share, under mlx.launch) and its scheduler."""
+def _engine(args, model, policy, cluster, shard: str = "auto", template=None, floor=None):
+    """The loaded model (this rank's share, under mlx.launch) and its scheduler (keeping
+    the machine's free memory above ``floor``, a MemoryFloor)."""
     from mlxkv.engine.loading import open_model
     from mlxkv.engine.lockstep import Lockstep
     from mlxkv.engine.scheduler import Scheduler
@@ -519,7 +521,6 @@ def _engine(args, model, policy, cluster, shard: str = "auto", template=None):
     )
     lockstep = None if cluster is None else Lockstep(cluster)
     memory, prefix = _memory_and_prefixes(args, loaded, policy, cluster, lockstep)
-    floor = _floor(args) if cluster is None else None  # (ranks must decide alike)
     scheduler = Scheduler(
         loaded,
         policy=policy,
@@ -535,9 +536,8 @@ def _engine(args, model, policy, cluster, shard: str = "auto", template=None):
 
 def _floor(args):
     """The machine's free memory kept above ``--memory-floor`` (None: 0, or a machine
-    whose free memory cannot be read)."""
+    whose free memory cannot be read); a floor of all its memory is refused."""
     from mlxkv.engine.pressure import MemoryFloor, default_floor
-    from mlxkv.memory.budget import human_bytes as size
     from mlxkv.memory.dtypes import backend
     from mlxkv.memory.system import SystemGauge
 
@@ -552,7 +552,11 @@ def _floor(args):
     if now is None:
         status("the machine's free memory cannot be read here: --memory-floor is not kept")
         return None
-    status(f"memory floor {size(floor)} kept free for other programs ({size(now.available)} free)")
+    if now.total and floor >= now.total:
+        raise UserError(
+            f"--memory-floor {args.memory_floor} leaves this machine nothing: it has "
+            f"{human_bytes(now.total)} in all; give a smaller floor, or 0 to keep none"
+        )
     return MemoryFloor(gauge, floor, status)
 
 
@@ -598,11 +602,15 @@ def run(args) -> int:
         stop_with_launcher()
     if cluster is not None and not cluster.leader:
         return _follow(args, model, policy, cluster, shard, template)
+    # no floor across ranks: each host's free memory is its own, and they decide alike
+    floor = _floor(args) if cluster is None else None
     sock = listen(args.host, args.port)  # a busy port fails now, not after loading
     try:
         # a folder it cannot use fails before loading
         conversations, files, stored = _conversations(args), _files(args), _responses(args)
-        loaded, scheduler = _engine(args, model, policy, cluster, shard, template)
+        if floor is not None:
+            status(f"memory floor {human_bytes(floor.floor)} kept free for other programs")
+        loaded, scheduler = _engine(args, model, policy, cluster, shard, template, floor)
         scheduler.start()
         model_id, names, patterns = _names(loaded, args.served_model_name)
         pooling, embedding_model = _pooling(args, loaded)

@@ -701,7 +701,9 @@ class Scheduler:
         f.gave_back(buffers)
         kept = ""
         if prefixes:
-            kept = f"{prefixes} kept prefix{'es' if prefixes > 1 else ''} to disk and "
+            disk = self.prefix.disk
+            to = "to disk" if disk is not None and disk.writable else "dropped"
+            kept = f"{prefixes} kept prefix{'es' if prefixes > 1 else ''} {to} and "
         f.note(f"gave back {human_bytes(buffers)} ({kept}MLX's freed buffers)")
 
     def _machine_has_room(self, jobs: tuple[_Job, ...]) -> bool:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import mlx.core as mx
 import pytest
 
 from mlxkv.engine.admission import MemoryBudget
@@ -76,6 +77,7 @@ def test_under_the_floor_kept_prefixes_go_to_disk_oldest_first(default_model, tm
     older, newer = s.prefix.entries
     assert older.tokens[: len(first)] == first and s.prefix.disk.files == {}
     gauge.free_bytes = FLOOR - newer.nbytes // 2
+    mx.clear_cache()  # MLX's freed buffers, given back first, would cover part of it
     s.step()
     assert s.prefix.entries == [newer]
     assert [f.tokens for f in s.prefix.disk.files.values()] == [older.tokens]
@@ -97,6 +99,26 @@ def test_under_the_floor_kept_prefixes_go_to_disk_oldest_first(default_model, tm
     assert again.text == answer.text
     assert s.status()["machine_memory"]["under_floor"] is False
     assert "free again, above the floor" in lines[-1]
+
+
+@pytest.mark.model
+def test_without_a_disk_tier_a_prefix_given_back_is_dropped_and_said_so(default_model):
+    lines: list[str] = []
+    gauge = SetGauge(64 * GiB)
+    s = Scheduler(
+        default_model,
+        KVPolicy(),
+        prefix_cache=PrefixCache(1 << 30, default_model.model, None, lines.append),
+        memory=MemoryBudget(default_model, 1 << 40, 4, 512),
+        floor=MemoryFloor(gauge, FLOOR, lines.append, every=0.0),
+    )
+    _answer(s, _prompt(s, "rivers"), max_tokens=2)
+    assert len(s.prefix.entries) == 1
+    gauge.free_bytes = FLOOR - 1
+    mx.clear_cache()  # MLX's freed buffers, given back first, would cover it
+    s.step()
+    assert s.prefix.entries == [] and s.prefix.nbytes == 0
+    assert "(1 kept prefix dropped and MLX's freed buffers)" in lines[0]
 
 
 @pytest.mark.model

@@ -47,13 +47,11 @@ class MemoryFloor:
         floor: int,
         log: Callable[[str], None] = lambda line: None,
         every: float = READ_EVERY,
-        clock: Callable[[], float] = time.monotonic,
     ):
         self.gauge = gauge
         self.floor = floor
         self.log = log
         self.every = every
-        self.clock = clock
         self.free: int | None = None  # bytes free at the last reading
         self._read_at = -math.inf
         self._since_reading = 0  # bytes given back since the last reading (not seen in it)
@@ -64,7 +62,7 @@ class MemoryFloor:
 
     def read(self) -> bool:
         """Read the gauge if the last reading is ``every`` seconds old; True if it did."""
-        now = self.clock()
+        now = time.monotonic()
         if now - self._read_at < self.every:
             return False
         self._read_at = now

@@ -37,7 +37,10 @@ session starts from the cached caches that share the longest prefix with its pro
 leaves its own caches there when it ends (a batched row is split back out). With a memory
 budget (:mod:`mlxkv.engine.admission`), step 3 starts the oldest waiting request only when
 its KV reservation fits beside the running ones and the kept prefixes (evicting prefixes
-first); a request that can never fit is refused at step 1.
+first); a request that can never fit is refused at step 1. With a floor
+(:mod:`mlxkv.engine.pressure`, the server's), each round first reads the machine's free
+memory (once a second) and, under the floor, gives back MLX's freed buffers and kept
+prefixes; step 3 then starts a request beside running ones only where its KV fits above it.
 """
 
 from __future__ import annotations
@@ -688,23 +691,22 @@ class Scheduler:
             return
         import mlx.core as mx
 
-        buffers = mx.get_cache_memory()
+        given = mx.get_cache_memory()  # MLX's freed buffers first
         mx.clear_cache()
         prefixes = 0
-        if self.prefix is not None and -room > buffers:
+        if self.prefix is not None and -room > given:
             before = len(self.prefix.entries)
-            freed = self.prefix.make_room(-room - buffers)
+            given += self.prefix.make_room(-room - given)
             prefixes = before - len(self.prefix.entries)
             mx.clear_cache()
-            buffers += freed
         release_heap()
-        f.gave_back(buffers)
+        f.gave_back(given)
         kept = ""
         if prefixes:
             disk = self.prefix.disk
             to = "to disk" if disk is not None and disk.writable else "dropped"
             kept = f"{prefixes} kept prefix{'es' if prefixes > 1 else ''} {to} and "
-        f.note(f"gave back {human_bytes(buffers)} ({kept}MLX's freed buffers)")
+        f.note(f"gave back {human_bytes(given)} ({kept}MLX's freed buffers)")
 
     def _machine_has_room(self, jobs: tuple[_Job, ...]) -> bool:
         """Whether ``jobs`` may start beside the running requests on this machine: the KV

@@ -155,6 +155,7 @@ def test_the_default_floor_is_a_tenth_of_the_machine_within_1_to_8_gib():
     assert default_floor(4 * GiB) == GiB
     assert default_floor(512 * GiB) == 8 * GiB
     assert default_floor(None) == GiB
+    assert default_floor(2 * GiB) == GiB // 2  # a small machine keeps a quarter free
 
 
 def test_a_macs_free_memory_is_its_memorystatus_level_of_its_ram():

@@ -31,10 +31,11 @@ FLOOR_MIN, FLOOR_MAX = 2**30, 8 * 2**30
 
 
 def default_floor(total: int | None) -> int:
-    """The floor when none is given: a tenth of the machine's memory, 1 to 8 GiB."""
+    """The floor when none is given: a tenth of the machine's memory, 1 to 8 GiB (a
+    quarter of a machine of less than 4 GiB)."""
     if not total:
         return FLOOR_MIN
-    return min(max(int(total * FLOOR_SHARE), FLOOR_MIN), FLOOR_MAX)
+    return min(max(int(total * FLOOR_SHARE), min(FLOOR_MIN, total // 4)), FLOOR_MAX)
 
 
 class MemoryFloor:

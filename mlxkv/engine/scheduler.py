@@ -220,6 +220,11 @@ class _Group:
     inputs: object = None  # (rows,) the tokens the next step feeds, sampled a step ahead
     kv_bytes: tuple[int, int, int] | None = None  # (step, actual, predicted) of the batch
 
+    @property
+    def held(self) -> list:
+        """The caches its rows decode in: the batch's, or a lone row's own."""
+        return self.caches if self.caches is not None else self.rows[0].caches
+
 
 class Scheduler:
     """Runs every request on one model; see the module docstring."""
@@ -519,8 +524,7 @@ class Scheduler:
         kv_actual = kv_predicted = 0
         for g in self._groups.values():
             # a batch's bytes are shared by its rows: each row reports the batch's
-            caches = g.caches if g.caches is not None else g.rows[0].caches
-            kv_bytes = sum(c.nbytes for c in caches)
+            kv_bytes = sum(c.nbytes for c in g.held)
             predicted = self._predicted(g)
             kv_actual += kv_bytes
             kv_predicted += predicted
@@ -716,9 +720,7 @@ class Scheduler:
             return True
         if not (self._groups or self._prefilling):
             return True
-        held = 0
-        for g in self._groups.values():
-            held += sum(c.nbytes for c in (g.caches if g.caches is not None else g.rows[0].caches))
+        held = sum(c.nbytes for g in self._groups.values() for c in g.held)
         if self._prefilling is not None and self._prefilling.caches is not None:
             held += sum(c.nbytes for c in self._prefilling.caches)
         return self._above_floor(self._reserved(extra=jobs) - held)
@@ -1216,7 +1218,7 @@ class Scheduler:
         if self._drafts_for(g) and self._draft_step(g):
             return
         rows = list(g.rows)
-        caches = g.caches if g.caches is not None else rows[0].caches
+        caches = g.held
         inputs = g.inputs
         logits = self.loaded.model(inputs[:, None], cache=caches)[:, -1, :]
         for i, r in enumerate(rows):
